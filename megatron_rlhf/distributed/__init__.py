@@ -1,0 +1,11 @@
+"""Distributed setup (torch.distributed + Megatron-Core parallel state) and the CPU layer."""
+
+from megatron_rlhf.distributed.parallel import (
+    ParallelConfig,
+    destroy,
+    init_process_group,
+    initialize,
+    validate,
+)
+
+__all__ = ["ParallelConfig", "destroy", "init_process_group", "initialize", "validate"]

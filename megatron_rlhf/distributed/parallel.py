@@ -1,0 +1,121 @@
+"""torch.distributed and Megatron-Core parallel state, set up in one place.
+
+``initialize(ParallelConfig(tp=2, pp=2), num_heads=..., num_layers=...)`` works under
+``torchrun`` (reads RANK/WORLD_SIZE/LOCAL_RANK) and in a plain single process (world size 1).
+NCCL with GPUs, gloo without; on CPU the megatron-core compatibility layer is installed first.
+Everything is validated before any process group or model is built.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.distributed import cpu_compat
+from megatron_rlhf.utils import InputError
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How one model is split over the processes of a launch."""
+
+    tp: int = 1
+    """Tensor-parallel size: attention heads and the vocabulary are split over tp ranks."""
+    pp: int = 1
+    """Pipeline-parallel size: consecutive decoder layers are split over pp stages."""
+    sequence_parallel: bool = False
+    """Split LayerNorm/dropout activations along the sequence over the TP group (tp > 1)."""
+    seed: int = 1234
+    """Seed of the model-parallel RNG (weights initialised identically for every layout)."""
+
+
+def validate(
+    parallel: ParallelConfig,
+    world_size: int,
+    num_heads: int | None = None,
+    num_layers: int | None = None,
+    key: str = "parallel",
+) -> int:
+    """Check every factor of the layout; return the data-parallel size. Raises InputError."""
+    problems = []
+    if parallel.tp < 1 or parallel.pp < 1:
+        problems.append(f"{key}.tp={parallel.tp} and {key}.pp={parallel.pp} must be >= 1")
+    elif world_size % (parallel.tp * parallel.pp):
+        problems.append(
+            f"world size {world_size} is not divisible by tp*pp = {parallel.tp}*{parallel.pp}"
+            f" = {parallel.tp * parallel.pp}; launch a multiple of tp*pp processes"
+        )
+    if num_heads is not None and parallel.tp >= 1 and num_heads % parallel.tp:
+        problems.append(
+            f"num_heads {num_heads} is not divisible by {key}.tp={parallel.tp}: "
+            f"pick tp among {[d for d in range(1, num_heads + 1) if num_heads % d == 0]}"
+        )
+    if num_layers is not None and parallel.pp >= 1 and num_layers % parallel.pp:
+        problems.append(
+            f"num_layers {num_layers} is not divisible by {key}.pp={parallel.pp} pipeline "
+            f"stages: pick pp among {[d for d in range(1, num_layers + 1) if num_layers % d == 0]}"
+        )
+    if problems:
+        raise InputError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
+    return world_size // (parallel.tp * parallel.pp)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_process_group() -> None:
+    """torch.distributed over NCCL (GPU) or gloo (CPU); a 1-process group outside torchrun."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def initialize(
+    parallel: ParallelConfig, *, num_heads: int | None = None, num_layers: int | None = None
+) -> int:
+    """Validate, then initialise torch.distributed and Megatron-Core; return the DP size."""
+    data_parallel_size = validate(parallel, world_size_from_env(), num_heads, num_layers)
+    cpu_compat.install()
+    init_process_group()
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        if (
+            parallel_state.get_tensor_model_parallel_world_size() != parallel.tp
+            or parallel_state.get_pipeline_model_parallel_world_size() != parallel.pp
+        ):
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(parallel.seed)
+    return data_parallel_size
+
+
+def destroy() -> None:
+    """Tear down Megatron-Core's groups and torch.distributed (end of a command or a test)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

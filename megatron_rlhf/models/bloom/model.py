@@ -1,0 +1,159 @@
+"""One BLOOM trunk on Megatron-Core with a head per RLHF role.
+
+- ``head="lm"``: tied LM head (actor, reference); the last stage returns this rank's vocab
+  shard of the logits, (B, S, V_padded / tp). Padded vocab entries get the dtype's lowest
+  value so they never receive probability (parity with the unpadded Hugging Face model).
+- ``head="scalar"``: BLOOM's final LayerNorm and ``nn.Linear(h, num_outputs)`` (critic: values;
+  reward model: r; advantage model: r and e_tau); the last stage returns (B, S, num_outputs).
+
+BLOOM specifics on top of ``GPTModel``: no position embedding (ALiBi lives in the core
+attention), a LayerNorm right after the word embedding, and the BLOOM layer spec.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+from megatron_rlhf.distributed.cpu_compat import tensor_cuda_is_identity
+from megatron_rlhf.models.bloom.config import (
+    BloomArchitecture,
+    padded_vocab_size,
+    transformer_config,
+)
+from megatron_rlhf.models.bloom.layers import BloomLayerNorm
+from megatron_rlhf.models.bloom.spec import bloom_block_spec
+
+HEADS = ("lm", "scalar")
+
+
+def attention_mask_for(padding_mask: torch.Tensor, query_length: int) -> torch.Tensor:
+    """Megatron's boolean mask (B, 1, Sq, Sk), True = masked, from a 0/1 key mask (B, Sk).
+
+    Queries are the last ``query_length`` positions (all of them, or the new ones after a KV
+    cache); each sees the valid keys at or before its own position.
+    """
+    key_valid = padding_mask.bool()  # (B, Sk)
+    key_length = key_valid.shape[1]
+    query_positions = torch.arange(key_length - query_length, key_length, device=key_valid.device)
+    key_positions = torch.arange(key_length, device=key_valid.device)
+    causal = key_positions[None, :] <= query_positions[:, None]  # (Sq, Sk)
+    allowed = causal[None, None] & key_valid[:, None, None, :]
+    return ~allowed
+
+
+class BloomModel(GPTModel):
+    """BLOOM as a Megatron-Core GPTModel; see the module docstring for the heads."""
+
+    def __init__(
+        self,
+        arch: BloomArchitecture,
+        *,
+        head: str = "lm",
+        num_scalar_outputs: int = 1,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        use_te_attention: bool | None = None,
+        recompute_activations: bool = False,
+    ):
+        if head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        config = transformer_config(
+            arch,
+            tp=tp,
+            pp=pp,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            recompute_activations=recompute_activations,
+        )
+        pre_process = parallel_state.is_pipeline_first_stage()
+        post_process = parallel_state.is_pipeline_last_stage()
+        spec = bloom_block_spec(get_num_layers_to_build(config), use_te_attention)
+        with tensor_cuda_is_identity():  # language_module.py:244 calls weight.data.cuda()
+            super().__init__(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=padded_vocab_size(arch.vocab_size, tp),
+                max_sequence_length=arch.max_sequence_length,
+                pre_process=pre_process,
+                post_process=post_process and head == "lm",
+                parallel_output=True,
+                share_embeddings_and_output_weights=True,
+                position_embedding_type="none",
+            )
+        self.arch = arch
+        self.head = head
+        self.is_last_stage = post_process
+        if pre_process:
+            self.embedding.word_embeddings_layernorm = BloomLayerNorm(
+                config, arch.hidden_size, eps=arch.layer_norm_epsilon
+            )
+            self.embedding.register_forward_hook(_apply_embedding_layernorm)
+        if post_process and head == "scalar":
+            self.final_layernorm = BloomLayerNorm(
+                config, arch.hidden_size, eps=arch.layer_norm_epsilon
+            )
+            self.scalar_head = torch.nn.Linear(arch.hidden_size, num_scalar_outputs)
+            _init_replicated_head(self.scalar_head, std=config.init_method_std)
+            self.scalar_head.to(params_dtype)
+        if post_process and head == "lm":
+            vocab_start = self.vocab_size // tp * parallel_state.get_tensor_model_parallel_rank()
+            self.num_valid_local_vocab = max(
+                0, min(self.vocab_size // tp, arch.vocab_size - vocab_start)
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, Sq) token ids (ignored on non-first pipeline stages)
+        padding_mask: torch.Tensor,  # (B, Sk) 1 = real token, 0 = padding; Sk >= Sq with a cache
+        *,
+        inference_context=None,
+        runtime_gather_output: bool | None = None,
+    ) -> torch.Tensor:
+        attention_mask = attention_mask_for(padding_mask, input_ids.shape[1])
+        output = super().forward(
+            input_ids=input_ids,
+            position_ids=None,
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            runtime_gather_output=runtime_gather_output,
+        )
+        if not self.is_last_stage:
+            return output  # (S, B, H) activations for the next stage
+        if self.head == "scalar":
+            return self._scalar_outputs(output)
+        return self._mask_padded_vocab(output)
+
+    def _scalar_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
+        hidden = self.final_layernorm(hidden)  # (S, B, H)
+        return self.scalar_head(hidden).transpose(0, 1).float()  # (B, S, num_outputs)
+
+    def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        local_vocab = logits.shape[-1]
+        if local_vocab == self.vocab_size:  # gathered over TP for generation
+            valid = self.arch.vocab_size
+        else:
+            valid = self.num_valid_local_vocab
+        if valid < local_vocab:
+            logits = logits.clone()
+            logits[..., valid:] = torch.finfo(logits.dtype).min
+        return logits
+
+
+def _init_replicated_head(linear: torch.nn.Linear, std: float) -> None:
+    """Initialise a TP-replicated head identically on every rank (its own fixed-seed RNG)."""
+    generator = torch.Generator().manual_seed(20230918)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * std)
+        linear.bias.zero_()
+
+
+def _apply_embedding_layernorm(module, inputs, embeddings):
+    """BLOOM's ``word_embeddings_layernorm``, applied to the (S, B, H) embedding output."""
+    return module.word_embeddings_layernorm(embeddings)
