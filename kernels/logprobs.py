@@ -1,0 +1,235 @@
+"""Per-token log-probabilities and entropy from (vocab-parallel) logits without a full softmax.
+
+``log p(y_t | y_<t) = z_t[y_t]/tau - logsumexp(z_t/tau)`` is the per-token policy log-probability
+that the PPO ratio and the KL penalty of Eq. 2 of the paper are built from; the entropy
+``H_t = logsumexp(z_t/tau) - E_p[z_t/tau]`` is logged beside it.
+
+How this departs from the usual ``log_softmax(logits.float()).gather(...)``:
+- Each rank reduces its vocabulary shard to three fp32 numbers per token: the shard's
+  log-sum-exp, the target logit (0 when the target lives on another rank) and the mean logit
+  under the shard's softmax. The ranks' triples are combined after ONE all-reduce over the TP
+  group (each rank fills its slot of a ``(tp, 3, N)`` buffer). Nothing of size ``N x V`` is
+  allocated: the PyTorch path works on a few rows at a time (about ``CHUNK_ELEMENTS`` values), the
+  Triton path streams the vocabulary with an online max and sum-exp.
+- The backward recomputes the softmax chunk by chunk from the saved logits and the saved global
+  log-sum-exp (and mean logit, for the entropy): ``d logp/dz = (onehot - p)/tau`` and
+  ``d H/dz = p * (E_p[x] - x)/tau``. It needs no collective: each rank writes its own shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._dispatch import use_triton
+
+CHUNK_ELEMENTS = 1 << 22  # logits values one step of the PyTorch path holds in fp32 (16 MB)
+MIN_LOG_PROB = -1000.0  # clamp for shifted logits: exp() of it is exactly 0 in fp32 and fp64
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # (B, T, V) or this rank's vocab shard (B, T, V/tp)
+    targets: torch.Tensor,  # (B, T) global token ids
+    temperature: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log softmax(logits / temperature)[target]`` per position, and optionally the entropy.
+
+    With ``tp_group``, ``logits`` is this rank's contiguous vocabulary shard (rank r holds ids
+    ``[r*V/tp, (r+1)*V/tp)``, as Megatron's vocab-parallel output layer produces) and ``targets``
+    are global ids; every rank gets the full result. Returns fp32 ``(B, T)`` tensors (fp64 for
+    fp64 logits). Differentiable wrt ``logits``; targets must lie in ``[0, V)``: give padding
+    positions any valid id and mask the result.
+    """
+    if logits.dim() != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(
+            f"token_logprobs: expected logits (B, T, V) and targets (B, T); got "
+            f"{tuple(logits.shape)} and {tuple(targets.shape)}"
+        )
+    if not logits.is_floating_point() or targets.is_floating_point():
+        raise ValueError("token_logprobs: logits must be floating point and targets integer ids")
+    if not temperature > 0:
+        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
+    _, vocab_global = vocab_range(logits.shape[-1], tp_group)
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_global):
+        raise ValueError(
+            f"token_logprobs: target ids must lie in [0, {vocab_global}); got "
+            f"[{int(targets.min())}, {int(targets.max())}]"
+        )
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    outputs = _TokenLogprobs.apply(logits, targets, temperature, tp_group, return_entropy)
+    return outputs if return_entropy else outputs[0]
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, tp_group, return_entropy):
+        batch, seq, vocab_local = logits.shape
+        vocab_start, _ = vocab_range(vocab_local, tp_group)
+        local_targets = shard_targets(targets.reshape(-1), vocab_start, vocab_local)  # (N,)
+        inv_temp = 1.0 / temperature
+        stats = torch.empty((3, batch * seq), dtype=stats_dtype(logits), device=logits.device)
+        for start, rows in row_blocks(logits):
+            stop = start + rows.shape[0]
+            stats[:, start:stop] = merge_stats(
+                local_stats(rows, local_targets[start:stop], inv_temp, return_entropy)
+            )
+        if tp_group is not None:
+            stats = merge_stats(gather_tp_stats(stats, tp_group))
+        lse, target_logit, mean_x = stats  # (N,) each
+        ctx.save_for_backward(logits, local_targets, lse, mean_x)
+        ctx.inv_temp, ctx.return_entropy = inv_temp, return_entropy
+        logprobs = (target_logit - lse).view(batch, seq)
+        entropy = (lse - mean_x).view(batch, seq) if return_entropy else None
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, local_targets, lse, mean_x = ctx.saved_tensors
+        grad_lp = grad_logprobs.reshape(-1).to(lse.dtype).contiguous()  # (N,)
+        grad_ent = None
+        if ctx.return_entropy and grad_entropy is not None:
+            grad_ent = grad_entropy.reshape(-1).to(lse.dtype).contiguous()
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_rows_all = grad_logits.view(-1, logits.shape[-1])  # (N, V)
+        for start, rows in row_blocks(logits):
+            rows_slice = slice(start, start + rows.shape[0])
+            rows_grad(
+                rows,
+                grad_rows_all[rows_slice],
+                local_targets[rows_slice],
+                lse[rows_slice],
+                mean_x[rows_slice],
+                grad_lp[rows_slice],
+                None if grad_ent is None else grad_ent[rows_slice],
+                ctx.inv_temp,
+            )
+        return grad_logits, None, None, None, None
+
+
+def vocab_range(vocab_local: int, tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(first id held here, global vocabulary size)`` for equal contiguous shards."""
+    if tp_group is None:
+        return 0, vocab_local
+    return dist.get_rank(tp_group) * vocab_local, dist.get_world_size(tp_group) * vocab_local
+
+
+def shard_targets(targets: torch.Tensor, vocab_start: int, vocab_local: int) -> torch.Tensor:
+    """Target ids relative to this shard, -1 where the target lives on another rank."""
+    local = targets.long() - vocab_start
+    return torch.where((local >= 0) & (local < vocab_local), local, -1).contiguous()
+
+
+def stats_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 accumulators (fp64 for fp64 inputs, so that gradcheck sees exact math)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def row_blocks(tensor: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``(first flat token index, (n, V) view)`` pieces covering a (B, T, V) tensor, no copies."""
+    batch, seq, vocab = tensor.shape
+    try:
+        return [(0, tensor.view(-1, vocab))]
+    except RuntimeError:  # e.g. logits[:, :-1]: rows are evenly strided only within a sequence
+        return [(b * seq, tensor[b]) for b in range(batch)]
+
+
+def merge_stats(parts: torch.Tensor) -> torch.Tensor:
+    """Combine partial ``(k, 3, n)`` statistics over disjoint vocabulary pieces into ``(3, n)``.
+
+    Rows: log-sum-exp, target logit (0 where absent), mean logit under that piece's softmax.
+    """
+    if parts.shape[0] == 1:
+        return parts[0]
+    lse = torch.logsumexp(parts[:, 0], dim=0)  # (n,)
+    weight = torch.exp(parts[:, 0] - lse)  # (k, n) share of the probability mass per piece
+    mean_x = torch.where(weight > 0, weight * parts[:, 2], 0.0).sum(0)
+    return torch.stack([lse, parts[:, 1].sum(0), mean_x])
+
+
+def gather_tp_stats(stats: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``(3, n)`` statistics as ``(tp, 3, n)``, with a single all-reduce."""
+    slots = stats.new_zeros((dist.get_world_size(tp_group), *stats.shape))
+    slots[dist.get_rank(tp_group)] = stats
+    dist.all_reduce(slots, group=tp_group)
+    return slots
+
+
+def local_stats(
+    rows: torch.Tensor,  # (n, V)
+    local_targets: torch.Tensor,  # (n,)
+    inv_temp: float,
+    with_entropy: bool,
+) -> torch.Tensor:
+    """Partial statistics ``(k, 3, n)`` of each row over this shard (k pieces of the vocab)."""
+    if use_triton(rows) and rows.dtype != torch.float64:
+        from . import triton_logprobs
+
+        return triton_logprobs.rows_stats(rows, local_targets, inv_temp, with_entropy)
+    return _rows_stats_torch(rows, local_targets, inv_temp, with_entropy)[None]
+
+
+def rows_grad(
+    rows: torch.Tensor,  # (n, V)
+    grad_rows: torch.Tensor,  # (n, V) written
+    local_targets: torch.Tensor,  # (n,)
+    lse: torch.Tensor,  # (n,)
+    mean_x: torch.Tensor,  # (n,)
+    grad_lp: torch.Tensor,  # (n,)
+    grad_ent: torch.Tensor | None,  # (n,)
+    inv_temp: float,
+) -> None:
+    """Write d(sum grad_lp*logp + grad_ent*H)/d rows into ``grad_rows``, chunk by chunk."""
+    if use_triton(rows) and rows.dtype != torch.float64:
+        from . import triton_logprobs
+
+        triton_logprobs.rows_grad(
+            rows, grad_rows, local_targets, lse, mean_x, grad_lp, grad_ent, inv_temp
+        )
+        return
+    chunk = max(1, CHUNK_ELEMENTS // max(rows.shape[1], 1))
+    for start in range(0, rows.shape[0], chunk):
+        piece = slice(start, start + chunk)
+        targets = local_targets[piece]
+        log_p = rows[piece].to(lse.dtype, copy=True).mul_(inv_temp)  # (c, V)
+        log_p.sub_(lse[piece, None]).clamp_(min=MIN_LOG_PROB)
+        prob = log_p.exp()  # (c, V)
+        if grad_ent is None:
+            grad = prob.mul_(-grad_lp[piece, None])
+        else:
+            # p * (g_H * (E[x] - x) - g_lp), with E[x] - x = (E[x] - lse) - log p
+            factor = log_p.neg_().add_((mean_x[piece] - lse[piece])[:, None])
+            factor.mul_(grad_ent[piece, None]).sub_(grad_lp[piece, None])
+            grad = prob.mul_(factor)
+        onehot_grad = torch.where(targets >= 0, grad_lp[piece], 0.0)[:, None]  # (c, 1)
+        grad.scatter_add_(1, targets.clamp(min=0)[:, None], onehot_grad)
+        grad_rows[piece].copy_(grad.mul_(inv_temp))
+
+
+def _rows_stats_torch(
+    rows: torch.Tensor, local_targets: torch.Tensor, inv_temp: float, with_entropy: bool
+) -> torch.Tensor:
+    """The PyTorch reference for one shard: ``(3, n)`` statistics, a few rows at a time."""
+    n_rows, vocab = rows.shape
+    dtype = stats_dtype(rows)
+    out = torch.zeros((3, n_rows), dtype=dtype, device=rows.device)
+    chunk = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    for start in range(0, n_rows, chunk):
+        piece = slice(start, start + chunk)
+        targets = local_targets[piece]
+        x = rows[piece].to(dtype, copy=True).mul_(inv_temp)  # (c, V)
+        target_logit = x.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+        out[1, piece] = torch.where(targets >= 0, target_logit, 0.0)
+        row_max = x.amax(1)  # (c,)
+        row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+        x.sub_(row_max[:, None]).clamp_(min=MIN_LOG_PROB)
+        if with_entropy:
+            e = x.exp()
+            sum_exp = e.sum(1)
+            out[2, piece] = torch.where(sum_exp > 0, row_max + x.mul_(e).sum(1) / sum_exp, 0.0)
+        else:
+            sum_exp = x.exp_().sum(1)
+        out[0, piece] = row_max + sum_exp.log()
+    return out
