@@ -52,6 +52,9 @@ PATCHED_MODULES: dict[str, list[str]] = {
     "megatron.core.optimizer.clip_grads": [
         "clip_grads.py:90,103,115,174,207 torch.tensor/zeros(..., device='cuda')",
     ],
+    "megatron.core.tensor_parallel.mappings": [
+        "mappings.py:91,... gathers/scatters allocate on torch.cuda.current_device()",
+    ],
     "megatron.core.transformer.attention": [
         "attention.py:430 _allocate_memory (static KV cache) device=torch.cuda.current_device()",
     ],
@@ -84,6 +87,7 @@ EXPECTED_CALL_SITES: dict[str, list[str]] = {
         "device='cuda'",
         "assert param.grad.type() == 'torch.cuda.FloatTensor'",
     ],
+    "megatron.core.tensor_parallel.mappings": ["device=torch.cuda.current_device()"],
     "megatron.core.transformer.attention": ["device=torch.cuda.current_device()"],
     "megatron.core.dist_checkpointing.strategies.filesystem_async": ["torch.cuda.synchronize()"],
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": [

@@ -57,6 +57,7 @@ class BloomModel(GPTModel):
         params_dtype: torch.dtype = torch.float32,
         use_te_attention: bool | None = None,
         recompute_activations: bool = False,
+        init_weights: bool = True,
     ):
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")
@@ -70,6 +71,7 @@ class BloomModel(GPTModel):
             params_dtype=params_dtype,
             recompute_activations=recompute_activations,
         )
+        config.perform_initialization = init_weights  # False when a checkpoint overwrites all
         pre_process = parallel_state.is_pipeline_first_stage()
         post_process = parallel_state.is_pipeline_last_stage()
         spec = bloom_block_spec(get_num_layers_to_build(config), use_te_attention)
@@ -87,6 +89,7 @@ class BloomModel(GPTModel):
             )
         self.arch = arch
         self.head = head
+        self.num_scalar_outputs = num_scalar_outputs if head == "scalar" else 0
         self.is_last_stage = post_process
         if pre_process:
             self.embedding.word_embeddings_layernorm = BloomLayerNorm(

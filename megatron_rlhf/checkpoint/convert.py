@@ -1,0 +1,202 @@
+"""Hugging Face BLOOM <-> Megatron-Core checkpoints (``tools/convert_checkpoint.py``).
+
+hf-to-megatron: every process of a tp*pp launch builds its own stage/shard of the model, reads
+only its slices from the safetensors files, and Megatron-Core's ``dist_checkpointing`` writes
+the shards. The result loads at any TP/PP layout. Started without torchrun and tp*pp > 1, the
+command relaunches itself under torchrun with tp*pp processes.
+
+megatron-to-hf: the checkpoint is loaded at TP=1 and PP=--pp (resharded by dist_checkpointing);
+each pipeline stage writes its own layers as one safetensors shard, so a process holds 1/pp of
+the model. Padded vocab rows are dropped; rank 0 writes the index, config and tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from megatron_rlhf.checkpoint.hf_io import INDEX_FILE
+from megatron_rlhf.checkpoint.hf_names import full_hf_name, mapping_for
+from megatron_rlhf.utils import InputError, print_summary
+
+
+def hf_to_megatron(args) -> int:
+    from megatron_rlhf.checkpoint import dist as dist_ckpt
+    from megatron_rlhf.checkpoint.hf_io import HFReader, load_hf_into_model
+    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, validate
+    from megatron_rlhf.models.bloom import BloomModel
+
+    reader = HFReader(args.load, head=args.head)
+    arch = reader.arch
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp)
+    validate(parallel, args.tp * args.pp, arch.num_heads, arch.num_layers)
+    _check_tokenizer_vocab(args.load, arch.vocab_size)
+    if Path(args.save).exists():
+        raise InputError(f"{args.save}: already exists; choose another --save directory")
+    if "WORLD_SIZE" not in os.environ and args.tp * args.pp > 1:
+        return _relaunch_under_torchrun(args.tp * args.pp)
+    if int(os.environ.get("WORLD_SIZE", "1")) != args.tp * args.pp:
+        raise InputError(
+            f"launched with {os.environ.get('WORLD_SIZE')} processes; hf-to-megatron needs "
+            f"exactly tp*pp = {args.tp * args.pp}"
+        )
+    start = time.time()
+    initialize(parallel, num_heads=arch.num_heads, num_layers=arch.num_layers)
+    model = BloomModel(
+        arch, head=args.head, num_scalar_outputs=args.num_scalar_outputs, init_weights=False
+    )
+    load_hf_into_model(model, reader)
+    meta = dist_ckpt.model_metadata(model, source=str(Path(args.load).resolve()))
+    dist_ckpt.save(args.save, model.sharded_state_dict(), meta, tokenizer_dir=args.load)
+    destroy()
+    print_summary(
+        "hf-to-megatron",
+        save=args.save,
+        tp=args.tp,
+        pp=args.pp,
+        layers=arch.num_layers,
+        seconds=round(time.time() - start, 2),
+    )
+    return 0
+
+
+def _check_tokenizer_vocab(directory, vocab_size: int) -> None:
+    tokenizer_json = Path(directory) / "tokenizer.json"
+    if not tokenizer_json.exists():
+        return
+    vocab = json.loads(tokenizer_json.read_text())["model"]["vocab"]
+    added = json.loads(tokenizer_json.read_text()).get("added_tokens", [])
+    largest = max([*vocab.values(), *(t["id"] for t in added)], default=-1)
+    if largest >= vocab_size:
+        raise InputError(
+            f"{tokenizer_json}: token id {largest} does not fit the model's vocab_size "
+            f"{vocab_size} (config.json); the tokenizer belongs to another model"
+        )
+
+
+def _relaunch_under_torchrun(nproc: int) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += ["--master-port", str(_free_port()), *sys.argv]
+    return subprocess.call(cmd)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def megatron_to_hf(args) -> int:
+    import torch.distributed as dist
+
+    from megatron_rlhf.checkpoint import dist as dist_ckpt
+    from megatron_rlhf.checkpoint.hf_io import stage_layer_offset
+    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, validate
+    from megatron_rlhf.models.bloom import BloomModel
+
+    meta = dist_ckpt.read_metadata(args.load)
+    arch, head = dist_ckpt.architecture_of(args.load), meta["head"]
+    validate(ParallelConfig(pp=args.pp), args.pp, arch.num_heads, arch.num_layers)
+    if Path(args.save).exists():
+        raise InputError(f"{args.save}: already exists; choose another --save directory")
+    if "WORLD_SIZE" not in os.environ and args.pp > 1:
+        return _relaunch_under_torchrun(args.pp)
+    start = time.time()
+    initialize(ParallelConfig(pp=args.pp), num_heads=arch.num_heads, num_layers=arch.num_layers)
+    model = BloomModel(
+        arch,
+        head=head,
+        num_scalar_outputs=meta["num_scalar_outputs"] or 1,
+        params_dtype=getattr(torch, meta.get("dtype", "float32")),
+        init_weights=False,
+    )
+    dist_ckpt.load(args.load, model.sharded_state_dict())
+    stage, offset = dist.get_rank(), stage_layer_offset(arch.num_layers)
+    tensors = {}
+    for name, param in model.named_parameters():
+        if name == "output_layer.weight":
+            continue  # tied to the word embedding, which the first stage writes
+        mapping = mapping_for(name, head, offset)
+        tensor = param.detach()[: arch.vocab_size] if mapping.is_vocab else param.detach()
+        tensors[full_hf_name(mapping.hf_name)] = tensor.contiguous()
+    final, partial = Path(args.save), Path(args.save + ".tmp-partial")
+    if stage == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    file = f"model-{stage + 1:05d}-of-{args.pp:05d}.safetensors"
+    save_file(tensors, partial / file, {"format": "pt"})
+    weight_maps = [None] * args.pp
+    dist.all_gather_object(weight_maps, {name: file for name in tensors})
+    if stage == 0:
+        weight_map = {name: f for stage_map in weight_maps for name, f in stage_map.items()}
+        total = sum(p.stat().st_size for p in partial.glob("*.safetensors"))
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        hf_config = arch.to_hf_dict()
+        hf_config["torch_dtype"] = meta.get("dtype", "float32")
+        if head == "scalar":
+            hf_config["architectures"] = ["BloomForSequenceClassification"]
+            hf_config["num_labels"] = meta["num_scalar_outputs"]
+        (partial / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        dist_ckpt.copy_tokenizer_files(args.load, partial)
+        partial.rename(final)
+    dist.barrier()
+    destroy()
+    print_summary(
+        "megatron-to-hf",
+        save=args.save,
+        pp=args.pp,
+        layers=arch.num_layers,
+        seconds=round(time.time() - start, 2),
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tools/convert_checkpoint.py",
+        description="Convert BLOOM checkpoints between Hugging Face and Megatron-Core.",
+    )
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_mcore = sub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron dist checkpoint")
+    to_mcore.add_argument("--load", required=True, help="Hugging Face BLOOM directory")
+    to_mcore.add_argument("--save", required=True, help="output checkpoint directory (new)")
+    to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert at")
+    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline stages to convert at")
+    to_mcore.add_argument("--head", choices=("lm", "scalar"), default="lm")
+    to_mcore.add_argument(
+        "--num-scalar-outputs", type=int, default=1, help="scalar head width (AM: 2)"
+    )
+    to_hf = sub.add_parser("megatron-to-hf", help="Megatron dist checkpoint -> HF safetensors")
+    to_hf.add_argument("--load", required=True, help="megatron-rlhf checkpoint directory")
+    to_hf.add_argument("--save", required=True, help="output Hugging Face directory (new)")
+    to_hf.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="processes to split the layers over (each holds and writes 1/pp of the model)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.direction == "hf-to-megatron":
+            return hf_to_megatron(args)
+        return megatron_to_hf(args)
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

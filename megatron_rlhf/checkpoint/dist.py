@@ -1,0 +1,108 @@
+"""Megatron-Core distributed checkpoints: saved at one TP/PP layout, loaded at any other.
+
+A checkpoint directory holds Megatron-Core's ``torch_dist`` files plus ``megatron_rlhf.json``
+(architecture, head type, how it was made) and, when known, the tokenizer files. Saving writes
+into ``<dir>.tmp-partial`` and renames it when every rank has finished, so an interrupted save
+never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megatron_rlhf.models.bloom.config import BloomArchitecture
+from megatron_rlhf.utils import InputError
+
+METADATA_FILE = "megatron_rlhf.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(
+    directory: str | Path,
+    sharded_state_dict: dict,
+    metadata: dict,
+    tokenizer_dir: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Save ``sharded_state_dict`` (model, optimizer, ...) atomically; collective over ranks."""
+    final = Path(directory)
+    partial = final.with_name(final.name + ".tmp-partial")
+    if _rank() == 0:
+        if final.exists() and not overwrite:
+            raise InputError(f"{final}: already exists; choose another --save directory")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier()
+    dist_checkpointing.save(sharded_state_dict, str(partial))
+    _barrier()
+    if _rank() == 0:
+        (partial / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, partial)
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+    _barrier()
+    return final
+
+
+def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False) -> dict:
+    """Load a checkpoint into the given sharded state dict (any TP/PP layout).
+
+    ``partial=True`` allows loading a slice of the tensors (e.g. one layer at a time).
+    """
+    directory = Path(directory)
+    read_metadata(directory)  # a clear error for a directory that is not our checkpoint
+    return dist_checkpointing.load(
+        sharded_state_dict, str(directory), validate_access_integrity=not partial
+    )
+
+
+def read_metadata(directory: str | Path) -> dict:
+    path = Path(directory) / METADATA_FILE
+    if not path.exists():
+        raise InputError(
+            f"{directory}: not a megatron-rlhf checkpoint (no {METADATA_FILE}); convert a "
+            "Hugging Face model with `tools/convert_checkpoint.py hf-to-megatron`"
+        )
+    return json.loads(path.read_text())
+
+
+def architecture_of(directory: str | Path) -> BloomArchitecture:
+    return BloomArchitecture(**read_metadata(directory)["architecture"])
+
+
+def model_metadata(model, **extra) -> dict:
+    """What ``megatron_rlhf.json`` records about a model."""
+    meta = {
+        "architecture": model.arch.to_dict(),
+        "head": model.head,
+        "num_scalar_outputs": model.num_scalar_outputs,
+        "padded_vocab_size": model.vocab_size,
+        "dtype": str(model.config.params_dtype).removeprefix("torch."),
+    }
+    meta.update(extra)
+    return meta
+
+
+def copy_tokenizer_files(source: str | Path, target: str | Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).exists():
+            shutil.copy2(Path(source) / name, Path(target) / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,167 @@
+"""``python -m megatron_rlhf generate``: batched generation from a JSONL of prompts.
+
+    torchrun --nproc-per-node N -m megatron_rlhf generate --load DIR --tokenizer TOK \\
+        --prompts in.jsonl --output out.jsonl --tp T --pp P --max-new-tokens K \\
+        [--greedy | --temperature X --top-p Y --seed S] [--output-logprobs]
+
+Input lines hold ``{"prompt": str}`` or ``{"prompt_token_ids": [int]}`` (other fields are
+carried through). Output lines add ``response``, ``response_token_ids`` and, with
+``--output-logprobs``, ``response_logprobs``. Prompts are split over data-parallel replicas
+(world size / (tp*pp)); rank 0 writes the output in input order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.utils import InputError, is_rank0, print_summary, read_jsonl, write_jsonl
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_rlhf generate", description=__doc__)
+    parser.add_argument("--load", required=True, help="HF BLOOM dir or megatron-rlhf checkpoint")
+    parser.add_argument("--tokenizer", help="HF tokenizer dir (default: --load)")
+    parser.add_argument("--prompts", required=True, help="input JSONL")
+    parser.add_argument("--output", required=True, help="output JSONL (written atomically)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per forward batch")
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-logprobs", action="store_true")
+    parser.add_argument("--no-kv-cache", action="store_true", help="recompute the prefix")
+    return parser
+
+
+def load_tokenizer(directory):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as err:
+        raise InputError(f"{directory}: cannot load a Hugging Face tokenizer ({err})") from None
+
+
+def read_prompts(path, tokenizer) -> list[tuple[dict, list[int]]]:
+    records = []
+    for line, record in read_jsonl(path):
+        if "prompt_token_ids" in record:
+            ids = record["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise InputError(f"{path}:{line}: prompt_token_ids must be a list of ints")
+        elif "prompt" in record:
+            if tokenizer is None:
+                raise InputError(f"{path}:{line}: a text prompt needs --tokenizer")
+            ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+        else:
+            raise InputError(f"{path}:{line}: needs a 'prompt' or 'prompt_token_ids' field")
+        if not ids:
+            raise InputError(f"{path}:{line}: empty prompt")
+        records.append((record, ids))
+    return records
+
+
+def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        mask[row, width - len(ids) :] = 1
+    return input_ids, mask
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from megatron.core import parallel_state
+    from tqdm import tqdm
+
+    from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
+    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.generation.engine import SamplingConfig, generate
+
+    arch = checkpoint_architecture(args.load)
+    tokenizer = (
+        load_tokenizer(args.tokenizer or args.load)
+        if (args.tokenizer or _has_tokenizer(args.load))
+        else None
+    )
+    records = read_prompts(args.prompts, tokenizer)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    sampling = SamplingConfig(
+        max_new_tokens=args.max_new_tokens,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_id=2 if eos is None else eos,
+        pad_id=3 if pad is None else pad,
+        use_kv_cache=not args.no_kv_cache,
+    )
+    initialize(
+        ParallelConfig(tp=args.tp, pp=args.pp), num_heads=arch.num_heads, num_layers=arch.num_layers
+    )
+    model = load_bloom(args.load, init_weights=False)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    mine = list(range(dp_rank, len(records), dp_size))
+    results: dict[int, dict] = {}
+    start, generated = time.time(), 0
+    batches = [mine[i : i + args.batch_size] for i in range(0, len(mine), args.batch_size)]
+    for batch in tqdm(batches, desc="generate", disable=not is_rank0()):
+        input_ids, mask = left_pad([records[i][1] for i in batch], sampling.pad_id)
+        out = generate(model, input_ids, mask, sampling)
+        for row, index in enumerate(batch):
+            length = int(out.response_mask[row].sum())
+            ids = out.response_ids[row, :length].tolist()
+            generated += length
+            result = dict(records[index][0])
+            result["response_token_ids"] = ids
+            if tokenizer is not None:
+                result["response"] = tokenizer.decode(ids, skip_special_tokens=True)
+            if args.output_logprobs:
+                result["response_logprobs"] = out.response_logprobs[row, :length].tolist()
+            results[index] = result
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    totals = [None] * dist.get_world_size()
+    dist.all_gather_object(totals, generated)
+    if is_rank0():
+        merged = {index: rec for part in gathered for index, rec in part.items()}
+        write_jsonl(args.output, (merged[i] for i in range(len(records))))
+    seconds = time.time() - start
+    tokens = sum(totals) // (args.tp * args.pp)  # each model-parallel rank counted its replica's
+    destroy()
+    print_summary(
+        "generate",
+        prompts=len(records),
+        tokens=tokens,
+        tokens_per_s=round(tokens / max(seconds, 1e-9), 1),
+        output=args.output,
+    )
+    return 0
+
+
+def _has_tokenizer(directory) -> bool:
+    from pathlib import Path
+
+    return (Path(directory) / "tokenizer.json").exists() or (
+        Path(directory) / "tokenizer_config.json"
+    ).exists()
