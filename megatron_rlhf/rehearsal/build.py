@@ -148,8 +148,6 @@ def parse_args(argv: list[str]) -> RehearsalConfig:
 def _load_policy_tokenizer(tokenizer_dir: str):
     from megatron_rlhf.data import load_tokenizer
 
-    if not Path(tokenizer_dir).is_dir():
-        raise InputError(f"--tokenizer {tokenizer_dir}: no such directory (the policy tokenizer)")
     return load_tokenizer(tokenizer_dir)
 
 
@@ -157,16 +155,22 @@ def _token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-def _write_rehearsal_dataset(prefix: Path, records: list[dict], tokenizer, tokenizer_dir: str):
+def _write_rehearsal_dataset(prefix: Path, records: list[dict], tokenizer, metadata: dict):
+    """D_R as an SFT dataset: prompt ids + response ids + EOS, loss on the response and EOS.
+
+    Prompt and response are tokenized separately without special tokens, as the data layer's
+    preprocessing and PPO's rollouts (prompt ids followed by generated ids) do.
+    """
     from megatron_rlhf.data import write_sft_dataset
 
     prompt_ids = _token_ids(tokenizer, [record["prompt"] for record in records])
     response_ids = _token_ids(tokenizer, [record["response"] for record in records])
     write_sft_dataset(
-        str(prefix),
+        prefix,
         zip(prompt_ids, response_ids),
-        tokenizer_dir=tokenizer_dir,
+        metadata["tokenizer"],
         eos_id=tokenizer.eos_token_id,
+        metadata=metadata,
     )
 
 
@@ -251,7 +255,16 @@ def write_outputs(
         }
         for i in shuffled
     ]
-    _write_rehearsal_dataset(staging.prefix(prefix), chosen, tokenizer, config.tokenizer)
+    dataset_metadata = {
+        "source": "selective rehearsal (D_R)",
+        "tokenizer": str(Path(config.tokenizer).resolve()),
+        "report": f"{prefix.name}.report.json",
+        "selected": f"{prefix.name}.selected.jsonl",
+        "clusters": result["clusters"],
+        "top_k": config.top_k,
+        "seed": config.seed,
+    }
+    _write_rehearsal_dataset(staging.prefix(prefix), chosen, tokenizer, dataset_metadata)
     _write_lines(staging.file(f"{prefix}.selected.jsonl"), chosen)
     _write_lines(staging.file(f"{prefix}.clusters.jsonl"), _cluster_rows(data, assignments))
     with open(staging.file(f"{prefix}.centroids.npy"), "wb") as handle:

@@ -106,7 +106,9 @@ def plot_report(
     shown = np.arange(len(projection))
     if len(shown) > max_points:  # a fixed subsample keeps the PNG quick and deterministic
         shown = np.sort(np.random.default_rng(0).choice(len(shown), max_points, replace=False))
-    map_ax.scatter(*projection[shown].T, c=assignments[shown] % 20, cmap="tab20", s=4, alpha=0.6)
+    palette = plt.get_cmap("tab10" if len(rows) <= 10 else "tab20")
+    colours = palette(assignments[shown] % palette.N)  # (n, 4) RGBA, one colour per cluster id
+    map_ax.scatter(*projection[shown].T, c=colours, s=4, alpha=0.6)
     map_ax.scatter(*projection[selected].T, marker="x", s=12, c="black", label="selected")
     map_ax.set(xlabel="PC 1", ylabel="PC 2", title="prompt embeddings (PCA), colour = cluster")
     map_ax.legend()

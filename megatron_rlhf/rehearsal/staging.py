@@ -38,12 +38,15 @@ class StagedOutputs:
         return temporary
 
     def _pending(self) -> list[tuple[Path, Path]]:
-        pending = list(self._files)
+        """Every (temporary, final) pair; a prefix's ``PREFIX.json`` sidecar comes last, as the
+        data layer treats it as the mark of a complete dataset."""
+        pending, sidecars = list(self._files), []
         for temporary, final in self._prefixes:
             for path in sorted(temporary.parent.glob(f"{temporary.name}*")):
                 suffix = path.name[len(temporary.name) :]
-                pending.append((path, final.with_name(final.name + suffix)))
-        return pending
+                pair = (path, final.with_name(final.name + suffix))
+                (sidecars if suffix == ".json" else pending).append(pair)
+        return pending + sidecars
 
     def commit(self) -> list[Path]:
         """Rename every temporary onto its final path; return the final paths."""
