@@ -1,0 +1,8 @@
+"""Reward Model (Eq. 1) and Advantage Model (Eqs. 5-8): losses, calibration, evaluation.
+
+losses.py       pure RM / AM losses and the advantage of Eq. 8
+calibration.py  pure accuracy, ECE (×100), reliability curve and per-task score statistics
+evaluate.py     the ``eval-reward`` command (summary.json, summary.md, Fig. 2-4 style plots)
+plots.py        the Fig. 2 / 3 / 4 style figures (matplotlib, Agg)
+synthetic.py    a synthetic preference set that reproduces the paper's Fig. 4 mechanism
+"""
