@@ -96,9 +96,10 @@ def preprocess(config: PreprocessConfig) -> dict:
         raise InputError(f"--tokenizer {encode.tokenizer_dir}: no eos_token; pass --no-eos")
     total = sum(count_items(source) for source in sources)
     counts = Counts()
+    writer = ExampleWriter(config.output_prefix, encode.kind, info)
     started = time.perf_counter()
     with (
-        ExampleWriter(config.output_prefix, encode.kind, info) as writer,
+        writer,
         tqdm(total=total, unit="line", desc="preprocess", disable=not config.progress) as bar,
     ):
         for chunk in _encoded_chunks(config, sources):
