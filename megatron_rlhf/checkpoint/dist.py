@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
@@ -37,8 +38,12 @@ def save(
     metadata: dict,
     tokenizer_dir: str | Path | None = None,
     overwrite: bool = False,
+    rank_state: dict | None = None,
 ) -> Path:
-    """Save ``sharded_state_dict`` (model, optimizer, ...) atomically; collective over ranks."""
+    """Save ``sharded_state_dict`` (model, optimizer, ...) atomically; collective over ranks.
+
+    ``rank_state`` (RNG states, counters) is pickled per global rank into ``rank_state/``.
+    """
     final = Path(directory)
     partial = final.with_name(final.name + ".tmp-partial")
     if _rank() == 0:
@@ -48,6 +53,9 @@ def save(
         partial.mkdir(parents=True)
     _barrier()
     dist_checkpointing.save(sharded_state_dict, str(partial))
+    if rank_state is not None:
+        (partial / "rank_state").mkdir(exist_ok=True)
+        torch.save(rank_state, partial / "rank_state" / f"{_rank():05d}.pt")
     _barrier()
     if _rank() == 0:
         (partial / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
@@ -70,6 +78,12 @@ def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False)
     return dist_checkpointing.load(
         sharded_state_dict, str(directory), validate_access_integrity=not partial
     )
+
+
+def load_rank_state(directory: str | Path) -> dict | None:
+    """This rank's ``rank_state`` from a checkpoint saved at the same world size, else None."""
+    path = Path(directory) / "rank_state" / f"{_rank():05d}.pt"
+    return torch.load(path, weights_only=False) if path.exists() else None
 
 
 def read_metadata(directory: str | Path) -> dict:

@@ -1,0 +1,173 @@
+"""One trainable model on Megatron-Core: DDP + Megatron optimizer + LR schedule + schedules.
+
+``TrainEngine(model, OptimConfig(...), total_steps)`` wraps a :class:`BloomModel` in
+Megatron-Core's ``DistributedDataParallel`` and builds Megatron's optimizer (the distributed
+optimizer on GPUs; the plain FP32 optimizer on CPU, whose checkpoints resume exactly) and its
+``OptimizerParamScheduler`` (linear warm-up over ``warmup_fraction`` of the steps, then cosine to
+``min_lr_ratio * lr``, the paper's reward-model schedule). ``step(microbatches, loss_fn)`` runs
+Megatron's forward-backward schedule (1F1B across pipeline stages) over the microbatches of one
+global batch on this data-parallel rank, then one optimizer step.
+
+``loss_fn(output, microbatch) -> (loss, {name: scalar tensor})`` sees the last stage's output:
+this rank's vocab shard of the logits for an LM head, (B, S, n) for a scalar head. The loss
+of each microbatch is averaged over microbatches (and data-parallel replicas, by DDP).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Adam with warm-up and cosine decay; grads clipped by global norm."""
+
+    lr: float = 5e-6
+    """Peak learning rate (paper: 5e-6 for the AM, 5e-7 for the PPO actor)."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to this fraction of the peak lr."""
+    warmup_fraction: float = 0.1
+    """Share of the steps spent warming up linearly from 0."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global gradient norm (over TP/PP/DP) to this; 0 disables clipping."""
+
+
+class TrainEngine:
+    """A model, its DDP wrapper, optimizer and LR schedule, and a pipelined train step."""
+
+    def __init__(self, model, optim: OptimConfig, total_steps: int, checkpoint_prefix: str = ""):
+        self.module = model
+        self.checkpoint_prefix = checkpoint_prefix  # e.g. "critic." when roles share a checkpoint
+        config = model.config
+        use_distributed_optimizer = torch.cuda.is_available()
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.model.no_sync
+        config.variable_seq_lengths = False
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                min_lr=optim.lr * optim.min_lr_ratio,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1,
+                adam_beta2=optim.adam_beta2,
+                adam_eps=optim.adam_eps,
+                clip_grad=optim.clip_grad,
+                bf16=config.bf16,
+                params_dtype=config.params_dtype,
+                use_distributed_optimizer=use_distributed_optimizer,
+            ),
+            [self.model],
+        )
+        warmup = int(math.ceil(optim.warmup_fraction * total_steps))
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=optim.lr,
+            min_lr=optim.lr * optim.min_lr_ratio,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=max(total_steps, warmup + 1),
+            lr_decay_style="cosine",
+            start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay,
+            wd_incr_steps=max(total_steps, 1),
+            wd_incr_style="constant",
+        )
+        self.steps_done = 0
+
+    def step(self, microbatches: list[dict], loss_fn, forward_only: bool = False) -> dict:
+        """Forward/backward over ``microbatches`` (same shapes), then one optimizer step.
+
+        Each microbatch holds ``input_ids`` (B, S) and ``padding_mask`` (B, S) plus whatever
+        ``loss_fn`` reads. Returns the microbatch-averaged metrics (last stage; empty elsewhere)
+        plus ``lr`` and ``grad_norm``.
+        """
+        self.model.train(not forward_only)
+        if not forward_only:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        batch, seq = microbatches[0]["input_ids"].shape
+        forward_backward = get_forward_backward_func()
+        losses = forward_backward(
+            forward_step_func=partial(_forward_step, loss_fn),
+            data_iterator=iter(microbatches),
+            model=[self.model],
+            num_microbatches=len(microbatches),
+            seq_length=seq,
+            micro_batch_size=batch,
+            forward_only=forward_only,
+        )
+        metrics = _average(losses)
+        if not forward_only:
+            update_ok, grad_norm, _ = self.optimizer.step()
+            if not update_ok:
+                raise FloatingPointError("optimizer step skipped (inf/NaN gradients)")
+            self.scheduler.step(increment=1)
+            self.steps_done += 1
+            metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    def sharded_state_dict(self, is_loading: bool = False) -> dict:
+        """Model and optimizer state for Megatron's dist_checkpointing (any layout for the
+        model; the optimizer state follows the model's sharding). ``is_loading`` allocates
+        the optimizer state first so that it can be loaded into."""
+        model_state = self.module.sharded_state_dict(prefix=self.checkpoint_prefix)
+        return {
+            "model": model_state,
+            "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        }
+
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        prefix = self.checkpoint_prefix
+        self.module.load_state_dict({k.removeprefix(prefix): v for k, v in loaded["model"].items()})
+        self.optimizer.load_state_dict(loaded["optimizer"])
+
+    def scheduler_state(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "steps_done": self.steps_done}
+
+    def load_scheduler_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps_done = state["steps_done"]
+
+
+def _forward_step(loss_fn, data_iterator, model):
+    microbatch = next(data_iterator)
+    output = model(microbatch["input_ids"], microbatch["padding_mask"])
+    return output, partial(_loss_on_last_stage, loss_fn, microbatch)
+
+
+def _loss_on_last_stage(loss_fn, microbatch, output):
+    loss, metrics = loss_fn(output, microbatch)
+    return loss, {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+
+
+def _average(per_microbatch: list[dict]) -> dict:
+    if not per_microbatch or not parallel_state.is_pipeline_last_stage():
+        return {}
+    keys = per_microbatch[0].keys()
+    return {k: float(torch.stack([m[k].float() for m in per_microbatch]).mean()) for k in keys}
