@@ -124,17 +124,17 @@ def discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
     within = blocks @ _upper_powers(discount, block, 1, x).T  # (B, nb, b) sums to block end
     heads = within[:, :, 0] @ _upper_powers(discount, n_blocks, block, x).T  # (B, nb)
     next_heads = F.pad(heads[:, 1:], (0, 1))  # (B, nb) value at the next block's start
-    steps_to_next = torch.arange(block, 0, -1, device=x.device, dtype=x.dtype)  # (b,)
-    out = within + next_heads[:, :, None] * discount**steps_to_next
+    steps_to_next = torch.arange(block, 0, -1, device=x.device, dtype=torch.float64)  # (b,)
+    out = within + next_heads[:, :, None] * (discount**steps_to_next).to(x.dtype)
     return out.reshape(batch, n_blocks * block)[:, :seq_len]
 
 
 def _upper_powers(discount: float, size: int, stride: int, like: torch.Tensor) -> torch.Tensor:
-    """``P[i, j] = discount^(stride*(j-i))`` for ``j >= i``, else 0."""
-    index = torch.arange(size, device=like.device, dtype=like.dtype)
+    """``P[i, j] = discount^(stride*(j-i))`` for ``j >= i``, else 0 (powers taken in fp64)."""
+    index = torch.arange(size, device=like.device, dtype=torch.float64)
     gap = index[None, :] - index[:, None]  # (size, size)
-    powers = torch.tensor(discount, dtype=like.dtype, device=like.device) ** (stride * gap.clamp(0))
-    return torch.where(gap >= 0, powers, 0.0)
+    powers = discount ** (stride * gap.clamp(0))
+    return torch.where(gap >= 0, powers, 0.0).to(like.dtype)
 
 
 def masked_whiten(

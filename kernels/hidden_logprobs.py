@@ -2,8 +2,8 @@
 
 The Cut-Cross-Entropy idea (Wijmans et al., 2024) applied to the log-probs of PPO (Eq. 2):
 the logits ``hidden @ weight.T`` are formed one ``(token_chunk, vocab_chunk)`` tile at a time,
-reduced to the same three statistics as ``logprobs.token_logprobs`` (log-sum-exp, target logit,
-mean logit) and dropped, so no ``(N, V)`` tensor ever exists, in the forward or the backward.
+reduced to the same four statistics as ``logprobs.token_logprobs`` (max, sum-exp, centred mean,
+target logit) and dropped, so no ``(N, V)`` tensor ever exists, in the forward or the backward.
 The backward recomputes each tile (one extra matmul per tile: about a third more matmul work than
 a plain logits + cross-entropy forward and backward) with the vocabulary in the outer loop, so
 each slice of the weight gradient is finished in one go and only ``(N, H)`` and
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .logprobs import (
+    finish_stats,
     gather_tp_stats,
     local_stats,
     merge_stats,
@@ -84,7 +85,7 @@ class _HiddenLogprobs(torch.autograd.Function):
         vocab_start, _ = vocab_range(vocab_local, tp_group)
         local_targets = shard_targets(targets.reshape(-1), vocab_start, vocab_local)  # (N,)
         inv_temp = 1.0 / temperature
-        stats = torch.empty((3, batch * seq), dtype=stats_dtype(hidden), device=hidden.device)
+        stats = torch.empty((4, batch * seq), dtype=stats_dtype(hidden), device=hidden.device)
         for t0 in range(0, batch * seq, token_chunk):
             tokens = slice(t0, t0 + token_chunk)
             pieces = []
@@ -96,17 +97,15 @@ class _HiddenLogprobs(torch.autograd.Function):
             stats[:, tokens] = merge_stats(torch.cat(pieces))
         if tp_group is not None:
             stats = merge_stats(gather_tp_stats(stats, tp_group))
-        lse, target_logit, mean_x = stats  # (N,) each
-        ctx.save_for_backward(hidden_rows, weight, local_targets, lse, mean_x)
+        logprobs, lse, entropy = finish_stats(stats)  # (N,) each
+        ctx.save_for_backward(hidden_rows, weight, local_targets, lse, entropy)
         ctx.hidden_shape, ctx.chunks, ctx.tp_group = hidden.shape, chunks, tp_group
         ctx.inv_temp, ctx.return_entropy = inv_temp, return_entropy
-        logprobs = (target_logit - lse).view(batch, seq)
-        entropy = (lse - mean_x).view(batch, seq) if return_entropy else None
-        return logprobs, entropy
+        return logprobs.view(batch, seq), entropy.view(batch, seq) if return_entropy else None
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden_rows, weight, local_targets, lse, mean_x = ctx.saved_tensors
+        hidden_rows, weight, local_targets, lse, entropy = ctx.saved_tensors
         token_chunk, vocab_chunk = ctx.chunks
         n_tokens = hidden_rows.shape[0]
         grad_lp = grad_logprobs.reshape(-1).to(lse.dtype).contiguous()  # (N,)
@@ -129,7 +128,7 @@ class _HiddenLogprobs(torch.autograd.Function):
                     grad_logits,
                     shard_targets(local_targets[tokens], v0, tile_weight.shape[0]),
                     lse[tokens],
-                    mean_x[tokens],
+                    entropy[tokens],
                     grad_lp[tokens],
                     None if grad_ent is None else grad_ent[tokens],
                     ctx.inv_temp,

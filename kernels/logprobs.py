@@ -5,15 +5,17 @@ that the PPO ratio and the KL penalty of Eq. 2 of the paper are built from; the 
 ``H_t = logsumexp(z_t/tau) - E_p[z_t/tau]`` is logged beside it.
 
 How this departs from the usual ``log_softmax(logits.float()).gather(...)``:
-- Each rank reduces its vocabulary shard to three fp32 numbers per token: the shard's
-  log-sum-exp, the target logit (0 when the target lives on another rank) and the mean logit
-  under the shard's softmax. The ranks' triples are combined after ONE all-reduce over the TP
-  group (each rank fills its slot of a ``(tp, 3, N)`` buffer). Nothing of size ``N x V`` is
-  allocated: the PyTorch path works on a few rows at a time (about ``CHUNK_ELEMENTS`` values), the
-  Triton path streams the vocabulary with an online max and sum-exp.
+- Each rank reduces its vocabulary shard to four fp32 numbers per token (``STATS``): the max
+  logit m, ``sum exp(x - m)``, the mean of ``x - m`` under the shard's softmax, and the target
+  logit (0 when the target lives on another rank). Kept centred on m, they combine across pieces
+  without cancellation (the entropy is ``log S - E[x - M]``, never a difference of two large
+  log-sum-exps). The ranks' statistics are combined after ONE all-reduce over the TP group (each
+  rank fills its slot of a ``(tp, 4, N)`` buffer). Nothing of size ``N x V`` is allocated: the
+  PyTorch path works on a few rows at a time (about ``CHUNK_ELEMENTS`` values), the Triton path
+  streams the vocabulary with an online max and sum-exp.
 - The backward recomputes the softmax chunk by chunk from the saved logits and the saved global
-  log-sum-exp (and mean logit, for the entropy): ``d logp/dz = (onehot - p)/tau`` and
-  ``d H/dz = p * (E_p[x] - x)/tau``. It needs no collective: each rank writes its own shard.
+  log-sum-exp (and entropy): ``d logp/dz = (onehot - p)/tau`` and
+  ``d H/dz = -p * (log p + H)/tau``. It needs no collective: each rank writes its own shard.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from ._dispatch import use_triton
 
 CHUNK_ELEMENTS = 1 << 22  # logits values one step of the PyTorch path holds in fp32 (16 MB)
 MIN_LOG_PROB = -1000.0  # clamp for shifted logits: exp() of it is exactly 0 in fp32 and fp64
+EMPTY_MAX = -1e30  # max logit of a piece without probability mass (finite: no inf - inf)
+STATS = ("max", "sum_exp", "centred_mean", "target_logit")  # rows of a statistics tensor
 
 
 def token_logprobs(
@@ -70,7 +74,7 @@ class _TokenLogprobs(torch.autograd.Function):
         vocab_start, _ = vocab_range(vocab_local, tp_group)
         local_targets = shard_targets(targets.reshape(-1), vocab_start, vocab_local)  # (N,)
         inv_temp = 1.0 / temperature
-        stats = torch.empty((3, batch * seq), dtype=stats_dtype(logits), device=logits.device)
+        stats = torch.empty((4, batch * seq), dtype=stats_dtype(logits), device=logits.device)
         for start, rows in row_blocks(logits):
             stop = start + rows.shape[0]
             stats[:, start:stop] = merge_stats(
@@ -78,16 +82,14 @@ class _TokenLogprobs(torch.autograd.Function):
             )
         if tp_group is not None:
             stats = merge_stats(gather_tp_stats(stats, tp_group))
-        lse, target_logit, mean_x = stats  # (N,) each
-        ctx.save_for_backward(logits, local_targets, lse, mean_x)
+        logprobs, lse, entropy = finish_stats(stats)  # (N,) each
+        ctx.save_for_backward(logits, local_targets, lse, entropy)
         ctx.inv_temp, ctx.return_entropy = inv_temp, return_entropy
-        logprobs = (target_logit - lse).view(batch, seq)
-        entropy = (lse - mean_x).view(batch, seq) if return_entropy else None
-        return logprobs, entropy
+        return logprobs.view(batch, seq), entropy.view(batch, seq) if return_entropy else None
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits, local_targets, lse, mean_x = ctx.saved_tensors
+        logits, local_targets, lse, entropy = ctx.saved_tensors
         grad_lp = grad_logprobs.reshape(-1).to(lse.dtype).contiguous()  # (N,)
         grad_ent = None
         if ctx.return_entropy and grad_entropy is not None:
@@ -101,7 +103,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_rows_all[rows_slice],
                 local_targets[rows_slice],
                 lse[rows_slice],
-                mean_x[rows_slice],
+                entropy[rows_slice],
                 grad_lp[rows_slice],
                 None if grad_ent is None else grad_ent[rows_slice],
                 ctx.inv_temp,
@@ -137,20 +139,27 @@ def row_blocks(tensor: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 
 
 def merge_stats(parts: torch.Tensor) -> torch.Tensor:
-    """Combine partial ``(k, 3, n)`` statistics over disjoint vocabulary pieces into ``(3, n)``.
-
-    Rows: log-sum-exp, target logit (0 where absent), mean logit under that piece's softmax.
-    """
+    """Combine ``(k, 4, n)`` statistics of disjoint vocabulary pieces into ``(4, n)`` (``STATS``)."""
     if parts.shape[0] == 1:
         return parts[0]
-    lse = torch.logsumexp(parts[:, 0], dim=0)  # (n,)
-    weight = torch.exp(parts[:, 0] - lse)  # (k, n) share of the probability mass per piece
-    mean_x = torch.where(weight > 0, weight * parts[:, 2], 0.0).sum(0)
-    return torch.stack([lse, parts[:, 1].sum(0), mean_x])
+    maxes, sums, centred, targets = parts.unbind(1)  # (k, n) each
+    top = maxes.amax(0)  # (n,)
+    mass = sums * torch.exp(maxes - top)  # (k, n) each piece's sum_exp relative to top
+    total = mass.sum(0)
+    share = torch.where(mass > 0, mass / total, 0.0)  # (k, n)
+    centred_all = (share * (centred + (maxes - top))).sum(0)
+    return torch.stack([top, total, centred_all, targets.sum(0)])
+
+
+def finish_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(log p(target), log-sum-exp, entropy)`` from merged ``(4, n)`` statistics."""
+    top, total, centred, target_logit = stats
+    log_total = total.log()
+    return (target_logit - top) - log_total, top + log_total, log_total - centred
 
 
 def gather_tp_stats(stats: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's ``(3, n)`` statistics as ``(tp, 3, n)``, with a single all-reduce."""
+    """Every rank's ``(4, n)`` statistics as ``(tp, 4, n)``, with a single all-reduce."""
     slots = stats.new_zeros((dist.get_world_size(tp_group), *stats.shape))
     slots[dist.get_rank(tp_group)] = stats
     dist.all_reduce(slots, group=tp_group)
@@ -163,7 +172,7 @@ def local_stats(
     inv_temp: float,
     with_entropy: bool,
 ) -> torch.Tensor:
-    """Partial statistics ``(k, 3, n)`` of each row over this shard (k pieces of the vocab)."""
+    """Partial statistics ``(k, 4, n)`` of each row over this shard (k pieces of the vocab)."""
     if use_triton(rows) and rows.dtype != torch.float64:
         from . import triton_logprobs
 
@@ -176,7 +185,7 @@ def rows_grad(
     grad_rows: torch.Tensor,  # (n, V) written
     local_targets: torch.Tensor,  # (n,)
     lse: torch.Tensor,  # (n,)
-    mean_x: torch.Tensor,  # (n,)
+    entropy: torch.Tensor,  # (n,)
     grad_lp: torch.Tensor,  # (n,)
     grad_ent: torch.Tensor | None,  # (n,)
     inv_temp: float,
@@ -186,7 +195,7 @@ def rows_grad(
         from . import triton_logprobs
 
         triton_logprobs.rows_grad(
-            rows, grad_rows, local_targets, lse, mean_x, grad_lp, grad_ent, inv_temp
+            rows, grad_rows, local_targets, lse, entropy, grad_lp, grad_ent, inv_temp
         )
         return
     chunk = max(1, CHUNK_ELEMENTS // max(rows.shape[1], 1))
@@ -199,9 +208,9 @@ def rows_grad(
         if grad_ent is None:
             grad = prob.mul_(-grad_lp[piece, None])
         else:
-            # p * (g_H * (E[x] - x) - g_lp), with E[x] - x = (E[x] - lse) - log p
-            factor = log_p.neg_().add_((mean_x[piece] - lse[piece])[:, None])
-            factor.mul_(grad_ent[piece, None]).sub_(grad_lp[piece, None])
+            # p * (-g_H * (log p + H) - g_lp)
+            factor = log_p.add_(entropy[piece, None]).mul_(-grad_ent[piece, None])
+            factor.sub_(grad_lp[piece, None])
             grad = prob.mul_(factor)
         onehot_grad = torch.where(targets >= 0, grad_lp[piece], 0.0)[:, None]  # (c, 1)
         grad.scatter_add_(1, targets.clamp(min=0)[:, None], onehot_grad)
@@ -211,25 +220,27 @@ def rows_grad(
 def _rows_stats_torch(
     rows: torch.Tensor, local_targets: torch.Tensor, inv_temp: float, with_entropy: bool
 ) -> torch.Tensor:
-    """The PyTorch reference for one shard: ``(3, n)`` statistics, a few rows at a time."""
+    """The PyTorch reference for one shard: ``(4, n)`` statistics, a few rows at a time."""
     n_rows, vocab = rows.shape
     dtype = stats_dtype(rows)
-    out = torch.zeros((3, n_rows), dtype=dtype, device=rows.device)
+    out = torch.zeros((4, n_rows), dtype=dtype, device=rows.device)
     chunk = max(1, CHUNK_ELEMENTS // max(vocab, 1))
     for start in range(0, n_rows, chunk):
         piece = slice(start, start + chunk)
         targets = local_targets[piece]
         x = rows[piece].to(dtype, copy=True).mul_(inv_temp)  # (c, V)
         target_logit = x.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
-        out[1, piece] = torch.where(targets >= 0, target_logit, 0.0)
+        out[3, piece] = torch.where(targets >= 0, target_logit, 0.0)
         row_max = x.amax(1)  # (c,)
-        row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-        x.sub_(row_max[:, None]).clamp_(min=MIN_LOG_PROB)
+        row_max = torch.where(row_max > EMPTY_MAX, row_max, EMPTY_MAX)  # all -inf rows
+        out[0, piece] = row_max
+        x.sub_(row_max[:, None]).clamp_(min=MIN_LOG_PROB)  # x - max
         if with_entropy:
             e = x.exp()
             sum_exp = e.sum(1)
-            out[2, piece] = torch.where(sum_exp > 0, row_max + x.mul_(e).sum(1) / sum_exp, 0.0)
+            centred = x.mul_(e).sum(1) / sum_exp
+            out[2, piece] = torch.where(sum_exp > 0, centred, 0.0)
         else:
             sum_exp = x.exp_().sum(1)
-        out[0, piece] = row_max + sum_exp.log()
+        out[1, piece] = sum_exp
     return out

@@ -34,7 +34,10 @@ def _kl_kernel(logprobs_ptr, ref_ptr, out_ptr, n, KIND: tl.constexpr, BLOCK: tl.
     elif KIND == 1:
         kl = 0.5 * log_ratio * log_ratio
     elif KIND == 2:
-        kl = tl.exp(-log_ratio) + log_ratio - 1.0
+        # exp(-r) + r - 1; its Taylor series where the direct form would cancel
+        r = log_ratio
+        series = r * r * (0.5 - r * (1.0 / 6.0 - r * (1.0 / 24.0 - r / 120.0)))
+        kl = tl.where(tl.abs(r) < 1e-2, series, tl.exp(-r) + r - 1.0)
     else:
         kl = tl.abs(log_ratio)
     tl.store(out_ptr + offs, kl.to(out_ptr.dtype.element_ty), mask=valid)
@@ -136,7 +139,6 @@ def gae(
     mask: torch.Tensor,
     gamma: float,
     lam: float,
-    block_t: int = BLOCK_T,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seq_len = values.shape
     advantages = torch.empty((batch, seq_len), dtype=torch.float32, device=values.device)
@@ -151,6 +153,6 @@ def gae(
             seq_len,
             gamma,
             gamma * lam,
-            BLOCK_T=min(block_t, triton.next_power_of_2(seq_len)),
+            BLOCK_T=min(BLOCK_T, triton.next_power_of_2(seq_len)),
         )
     return advantages, returns

@@ -2,10 +2,10 @@
 
 Each row of ``x`` (n, V) is one token. The statistics kernel makes one pass over its slice of the
 vocabulary with fp32 accumulators (online max and sum-exp, rescaled block by block) and writes, per
-vocabulary split, the triple that ``logprobs.merge_stats`` combines across splits and TP ranks:
-``(log-sum-exp, target logit or 0, mean logit under the softmax)``. The gradient kernel recomputes
-the softmax block by block from the logits and the saved global log-sum-exp; nothing of size V is
-ever stored besides the gradient itself.
+vocabulary split, the four numbers that ``logprobs.merge_stats`` combines across splits and TP
+ranks (``logprobs.STATS``: max, sum-exp, centred mean, target logit or 0). The gradient kernel
+recomputes the softmax block by block from the logits and the saved global log-sum-exp; nothing
+of size V is ever stored besides the gradient itself.
 
 Only imported when triton is; see ``_dispatch.py``.
 """
@@ -24,7 +24,7 @@ TARGET_PROGRAMS = 1024  # split the vocabulary until about this many programs ru
 def _stats_kernel(
     x_ptr,  # (n, V) logits, last dim contiguous
     targets_ptr,  # (n,) int64 target id inside this shard, or -1
-    out_ptr,  # (n_split, 3, n) fp32
+    out_ptr,  # (n_split, 4, n) fp32
     n_rows,
     vocab,
     row_stride,
@@ -38,9 +38,10 @@ def _stats_kernel(
     row_ptr = x_ptr + row.to(tl.int64) * row_stride
     target = tl.load(targets_ptr + row)
     first = split * blocks_per_program * BLOCK_V
-    running_max = tl.full((), -1e30, tl.float32)
+    # sum_exp = sum exp(x - running_max); sum_exp_shift = sum exp(x - running_max)*(x - running_max)
+    running_max = tl.full((), -1e30, tl.float32)  # logprobs.EMPTY_MAX
     sum_exp = 0.0
-    sum_exp_x = 0.0
+    sum_exp_shift = 0.0
     target_logit = 0.0
     for block in range(0, blocks_per_program):
         offs = first + block * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -48,19 +49,20 @@ def _stats_kernel(
         x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
         new_max = tl.maximum(running_max, tl.max(x, 0))
         rescale = tl.exp(running_max - new_max)
-        e = tl.exp(x - new_max)  # 0 on padding lanes and -inf logits
-        sum_exp = sum_exp * rescale + tl.sum(e, 0)
+        shifted = x - new_max
+        e = tl.exp(shifted)  # 0 on padding lanes and -inf logits
         if WITH_ENTROPY:
-            sum_exp_x = sum_exp_x * rescale + tl.sum(tl.where(e > 0, e * x, 0.0), 0)
+            moved = (running_max - new_max) * sum_exp  # re-centre the old terms on new_max
+            block_term = tl.sum(tl.where(e > 0, e * shifted, 0.0), 0)
+            sum_exp_shift = rescale * (sum_exp_shift + moved) + block_term
+        sum_exp = sum_exp * rescale + tl.sum(e, 0)
         target_logit += tl.sum(tl.where(offs == target, x, 0.0), 0)
         running_max = new_max
-    has_mass = sum_exp > 0
-    lse = tl.where(has_mass, running_max + tl.log(sum_exp), float("-inf"))
-    mean_x = tl.where(has_mass, sum_exp_x / sum_exp, 0.0)
-    out = out_ptr + split * 3 * n_rows + row
-    tl.store(out, lse)
-    tl.store(out + n_rows, target_logit)
-    tl.store(out + 2 * n_rows, mean_x)
+    out = out_ptr + split * 4 * n_rows + row
+    tl.store(out, running_max)
+    tl.store(out + n_rows, sum_exp)
+    tl.store(out + 2 * n_rows, tl.where(sum_exp > 0, sum_exp_shift / sum_exp, 0.0))
+    tl.store(out + 3 * n_rows, target_logit)
 
 
 @triton.jit
@@ -69,7 +71,7 @@ def _grad_kernel(
     grad_ptr,  # (n, V) gradient wrt the logits, written in its dtype
     targets_ptr,  # (n,) int64 target id inside this shard, or -1
     lse_ptr,  # (n,) fp32 global log-sum-exp
-    mean_x_ptr,  # (n,) fp32 global mean logit (entropy only)
+    entropy_ptr,  # (n,) fp32 (entropy only)
     grad_logprob_ptr,  # (n,) fp32
     grad_entropy_ptr,  # (n,) fp32 (entropy only)
     vocab,
@@ -85,14 +87,15 @@ def _grad_kernel(
     row64 = row.to(tl.int64)
     x = tl.load(x_ptr + row64 * x_row_stride + offs, mask=valid, other=0.0).to(tl.float32)
     x = x * inv_temp
-    p = tl.exp(x - tl.load(lse_ptr + row))
+    log_p = x - tl.load(lse_ptr + row)
+    p = tl.exp(log_p)
     grad_logprob = tl.load(grad_logprob_ptr + row)
     # d log p(target) / dx = onehot(target) - p
     grad = tl.where(offs == tl.load(targets_ptr + row), grad_logprob, 0.0) - p * grad_logprob
     if WITH_ENTROPY:
-        # d entropy / dx = p * (E_p[x] - x)
-        mean_x = tl.load(mean_x_ptr + row)
-        grad += tl.where(p > 0, p * (mean_x - x), 0.0) * tl.load(grad_entropy_ptr + row)
+        # d entropy / dx = -p * (log p + entropy)
+        entropy = tl.load(entropy_ptr + row)
+        grad -= tl.where(p > 0, p * (log_p + entropy), 0.0) * tl.load(grad_entropy_ptr + row)
     out = grad_ptr + row64 * grad_row_stride + offs
     tl.store(out, (grad * inv_temp).to(grad_ptr.dtype.element_ty), mask=valid)
 
@@ -102,16 +105,15 @@ def rows_stats(
     local_targets: torch.Tensor,  # (n,) int64, -1 where the target is not in this shard
     inv_temp: float,
     with_entropy: bool,
-    block_v: int = BLOCK_V,
 ) -> torch.Tensor:
-    """Partial statistics ``(n_split, 3, n)`` of each row over vocabulary splits."""
+    """Partial statistics ``(n_split, 4, n)`` of each row over vocabulary splits."""
     n_rows, vocab = x.shape
-    block_v = min(block_v, triton.next_power_of_2(vocab))
+    block_v = min(BLOCK_V, triton.next_power_of_2(vocab))
     n_blocks = triton.cdiv(vocab, block_v)
     wanted_splits = max(1, min(n_blocks, triton.cdiv(TARGET_PROGRAMS, max(n_rows, 1))))
     blocks_per_program = triton.cdiv(n_blocks, wanted_splits)
     n_split = triton.cdiv(n_blocks, blocks_per_program)
-    out = torch.empty((n_split, 3, n_rows), dtype=torch.float32, device=x.device)
+    out = torch.empty((n_split, 4, n_rows), dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return out
     _stats_kernel[(n_rows, n_split)](
@@ -135,24 +137,23 @@ def rows_grad(
     grad_out: torch.Tensor,  # (n, V) written
     local_targets: torch.Tensor,  # (n,)
     lse: torch.Tensor,  # (n,) fp32
-    mean_x: torch.Tensor,  # (n,) fp32
+    entropy: torch.Tensor,  # (n,) fp32
     grad_logprob: torch.Tensor,  # (n,) fp32
     grad_entropy: torch.Tensor | None,  # (n,) fp32
     inv_temp: float,
-    block_v: int = BLOCK_V,
 ) -> None:
     """Write the gradient of ``sum(grad_logprob * logp + grad_entropy * H)`` wrt ``x``."""
     n_rows, vocab = x.shape
     if n_rows == 0:
         return
-    block_v = min(block_v, triton.next_power_of_2(vocab))
+    block_v = min(BLOCK_V, triton.next_power_of_2(vocab))
     with_entropy = grad_entropy is not None
     _grad_kernel[(n_rows, triton.cdiv(vocab, block_v))](
         x,
         grad_out,
         local_targets,
         lse,
-        mean_x,
+        entropy,
         grad_logprob,
         grad_entropy if with_entropy else grad_logprob,
         vocab,
