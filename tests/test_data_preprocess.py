@@ -535,3 +535,31 @@ def test_command_line(tmp_path, tokenizer_dir):
     assert done.returncode == 0, done.stderr
     assert "[preprocess_data] done: kind=prompt documents=2" in done.stdout
     assert "preprocess" in done.stderr  # the progress bar
+
+
+def test_prompt_special_tokens_for_a_tokenizer_that_adds_bos(tmp_path, tokenizer_dir):
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer
+
+    bos_dir = tmp_path / "bos_tokenizer"
+    shutil.copytree(tokenizer_dir, bos_dir)
+    backend = Tokenizer.from_file(str(bos_dir / "tokenizer.json"))
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
+    backend.save(str(bos_dir / "tokenizer.json"))
+    tok = AutoTokenizer.from_pretrained(str(bos_dir))
+    records = random_records("sft", 20, seed=13)
+    for flag, prompt_specials in (([], False), (["--prompt-special-tokens"], True)):
+        rc, prefix = run(tmp_path, records, "sft", bos_dir, *flag)
+        assert rc == 0
+        expected = [
+            tok(r["prompt"], add_special_tokens=prompt_specials)["input_ids"]
+            + ids(tok, r["response"])
+            + [2]
+            for r in records
+        ]
+        assert read_stream(prefix) == expected
+        assert all((seq[0] == 1) == prompt_specials for seq in expected)

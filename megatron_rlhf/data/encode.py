@@ -1,9 +1,11 @@
 """Turn chunks of input lines into tokenized examples (runs inside the preprocessing workers).
 
 Tokenization is ``tokenizer(texts, add_special_tokens=False)["input_ids"]`` on the prompt and
-each response separately, one batched call per chunk; the only special token ever added is the
-EOS appended to responses (``append_eos``). For a tokenizer that adds no special tokens by
-default (BLOOM's, the tiny test tokenizer) these are exactly ``tokenizer.encode(text)``.
+each response separately, batched per chunk; the only special token added is the EOS appended
+to responses (``append_eos``). For a tokenizer that adds no special tokens by default (BLOOM's,
+the tiny test tokenizer) these are exactly ``tokenizer(text)["input_ids"]`` and
+``tokenizer.encode(text)``. For tokenizers that add a BOS by default, ``--prompt-special-tokens``
+encodes prompts with ``add_special_tokens=True`` (responses never get one).
 
 Truncation (``--max-length L``, counted in the sidecar and the summary), by policy:
 
@@ -48,6 +50,8 @@ class EncodeConfig:
     """What to do with over-long examples: truncate | drop | error."""
     append_eos: bool = True
     """Append the tokenizer's EOS to every response (SFT and preference data)."""
+    prompt_special_tokens: bool = False
+    """Encode prompts with the tokenizer's default special tokens (e.g. a BOS it adds)."""
 
 
 @dataclass
@@ -81,7 +85,8 @@ class Encoder:
         ``value`` is an :class:`Example` for OK, the reason string for BAD and DROPPED.
         """
         parsed: list[Fields | tuple[str, str]] = []
-        texts: list[str] = []
+        prompts: list[str] = []
+        responses: list[str] = []
         for _, _, payload in items:
             try:
                 fields = self._fields(payload)
@@ -92,20 +97,24 @@ class Encoder:
                 parsed.append((BLANK, "blank line"))
                 continue
             parsed.append(fields)
-            texts.append(fields.prompt)
-            texts.extend(fields.responses)
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+            prompts.append(fields.prompt)
+            responses.extend(fields.responses)
+        prompt_ids = iter(self._tokenize(prompts, self.config.prompt_special_tokens))
+        response_ids = iter(self._tokenize(responses, False))
 
-        outcomes, cursor = [], 0
+        outcomes = []
         for (source, line, _), fields in zip(items, parsed):
             if isinstance(fields, tuple):
                 outcomes.append((source, line, *fields, None))
                 continue
-            count = 1 + len(fields.responses)
-            prompt_ids, *response_ids = ids[cursor : cursor + count]
-            cursor += count
-            outcomes.append((source, line, *self._example(fields, prompt_ids, response_ids)))
+            ids = [next(response_ids) for _ in fields.responses]
+            outcomes.append((source, line, *self._example(fields, next(prompt_ids), ids)))
         return outcomes
+
+    def _tokenize(self, texts: list[str], special_tokens: bool) -> list[list[int]]:
+        if not texts:
+            return []
+        return self.tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]
 
     def _fields(self, payload: bytes | dict) -> Fields | None:
         if isinstance(payload, bytes):

@@ -214,6 +214,7 @@ def _sidecar_fields(config: PreprocessConfig, sources: list[Source], counts: Cou
         "inputs": [{"path": str(s.path), "format": s.format, "split": s.split} for s in sources],
         "json_keys": encode.json_keys,
         "append_eos": encode.append_eos and encode.kind != "prompt",
+        "prompt_special_tokens": encode.prompt_special_tokens,
         "truncation": {
             "policy": encode.truncation,
             "max_length": encode.max_length,
@@ -269,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--truncation", choices=TRUNCATION_POLICIES, default="truncate")
     parser.add_argument("--no-eos", action="store_true", help="do not append EOS to responses")
     parser.add_argument(
+        "--prompt-special-tokens",
+        action="store_true",
+        help="encode prompts with the tokenizer's default specials (e.g. BOS)",
+    )
+    parser.add_argument(
         "--skip-bad", action="store_true", help="skip and count bad lines instead of stopping"
     )
     parser.add_argument("--split", default=None, help="split of a saved DatasetDict")
@@ -293,6 +299,7 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
             max_prompt_length=args.max_prompt_length,
             truncation=args.truncation,
             append_eos=not args.no_eos,
+            prompt_special_tokens=args.prompt_special_tokens,
         ),
         workers=args.workers,
         skip_bad=args.skip_bad,
