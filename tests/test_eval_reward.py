@@ -132,3 +132,23 @@ def test_empty_missing_file_and_bad_bins(tmp_path, capsys):
     empty.write_text('{"chosen_score": 1.0, "rejected_score": 0.5}\n')
     assert main(["--scores", str(empty), "--output-dir", str(tmp_path / "o"), "--bins", "0"]) == 2
     assert "--bins must be >= 1" in capsys.readouterr().err
+
+
+def test_plots_compare_several_models(tmp_path):
+    """RM and AM in one figure each, as in the paper; a task may be missing for one model."""
+    from megatron_rlhf.reward import calibration, plots
+
+    rng = np.random.default_rng(3)
+    chosen, rejected = rng.normal(1, 2, 50), rng.normal(0, 2, 50)
+    tasks = ["a"] * 25 + ["b"] * 25
+    stats = calibration.per_task_stats(chosen, rejected, tasks)
+    curve = calibration.reliability_curve(chosen, rejected)
+    plots.plot_calibration(tmp_path / "f2.png", {"RM": curve, "AM": curve[:3]})
+    plots.plot_score_histograms(
+        tmp_path / "f3.png", {"RM": (chosen, rejected), "AM": (rejected, chosen)}
+    )
+    plots.plot_task_stats(tmp_path / "f4.png", {"RM": stats, "AM": {"a": stats["a"]}})
+    for name in ("f2.png", "f3.png", "f4.png"):
+        picture = image.imread(tmp_path / name)
+        assert picture.ndim == 3 and picture.shape[1] > picture.shape[0] * 0.9
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f2.png", "f3.png", "f4.png"]

@@ -24,7 +24,7 @@ def plot_calibration(path: str | os.PathLike, curves: Mapping[str, Sequence[dict
     fig, ax = _figure(1, 1, (5.0, 4.0))
     top = max(row["delta_hi"] for curve in curves.values() for row in curve)
     delta = np.linspace(0.0, top, 200)
-    ax.plot(delta, 1.0 / (1.0 + np.exp(-delta)), color="tab:orange", label="calibrated σ(Δ)")
+    ax.plot(delta, 1.0 / (1.0 + np.exp(-delta)), "k--", label="calibrated σ(Δ)")
     for label, curve in curves.items():
         ax.plot(
             [row["delta_mean"] for row in curve],
