@@ -372,6 +372,9 @@ def test_skip_bad_counts_and_lists_every_skipped_line(
     assert sum(sidecar["skipped"]["by_reason"].values()) == num_bad
     summary = capsys.readouterr().out
     assert f"skipped_bad={num_bad}" in summary and f"documents={len(good)}" in summary
+    malformed = sum(reason == "malformed JSON" for reason in bad.values())
+    assert sidecar["skipped"]["by_reason"]["malformed JSON"] == malformed
+    assert f"malformed_JSON:{malformed}" in summary
 
 
 def reference_fit(prompt: list[int], responses: list[list[int]], limit: int, keep: int):

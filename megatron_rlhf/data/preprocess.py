@@ -123,6 +123,10 @@ def preprocess(config: PreprocessConfig) -> dict:
         tokens=tokens,
         lines=counts.lines_read,
         skipped_bad=sum(counts.bad_by_reason.values()),
+        skipped_by_reason=",".join(
+            f"{reason.replace(' ', '_')}:{n}" for reason, n in sorted(counts.bad_by_reason.items())
+        )
+        or "-",
         blank=counts.blank,
         truncated=counts.truncated_examples,
         dropped=counts.dropped,
