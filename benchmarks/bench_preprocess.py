@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -109,6 +110,8 @@ def main() -> None:
             seconds = time.perf_counter() - started
             rows.append((name, prefix, documents, tokens, seconds))
         reference = rows[0][1]
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(f"{args.lines} lines, {rows[0][3]:,} tokens; load average {load} (1/5/15 min)")
         print(
             f"{'run':30s} {'seconds':>8s} {'docs/s':>9s} {'tokens/s':>11s} {'speed-up':>8s}"
             f" identical"

@@ -180,17 +180,24 @@ def _encoded_chunks(config: PreprocessConfig, sources: list[Source]):
         encoder = Encoder(config.encode)
         yield from map(encoder.encode_chunk, chunks)
         return
-    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    with multiprocessing.Pool(config.workers, init_worker, (config.encode,)) as pool:
+    # A worker that dies (e.g. killed for memory) fails the run instead of hanging it.
+    with ProcessPoolExecutor(
+        config.workers, initializer=init_worker, initargs=(config.encode,)
+    ) as pool:
         # At most a few chunks in flight per worker: bounded memory, results kept in order.
         pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(encode_in_worker, (chunk,)))
-            if len(pending) >= 4 * config.workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+        try:
+            for chunk in chunks:
+                pending.append(pool.submit(encode_in_worker, chunk))
+                if len(pending) >= 4 * config.workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def _check_config(config: PreprocessConfig) -> None:
