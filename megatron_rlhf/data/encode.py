@@ -5,7 +5,8 @@ each response separately, batched per chunk; the only special token added is the
 to responses (``append_eos``). For a tokenizer that adds no special tokens by default (BLOOM's,
 the tiny test tokenizer) these are exactly ``tokenizer(text)["input_ids"]`` and
 ``tokenizer.encode(text)``. For tokenizers that add a BOS by default, ``--prompt-special-tokens``
-encodes prompts with ``add_special_tokens=True`` (responses never get one).
+encodes prompts with ``add_special_tokens=True`` (responses never get one; note that left
+truncation of an over-long prompt then cuts that leading BOS too).
 
 Truncation (``--max-length L``, counted in the sidecar and the summary), by policy:
 
