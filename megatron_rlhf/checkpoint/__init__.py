@@ -36,12 +36,14 @@ def load_bloom(
     head: str = "lm",
     num_scalar_outputs: int = 1,
     params_dtype: torch.dtype = torch.float32,
+    trunk_only: bool = False,
     **model_kwargs,
 ):
     """Build a BloomModel for this rank's TP/PP slice and load an HF or Megatron checkpoint.
 
     Megatron-Core's parallel state must be initialised. A Megatron checkpoint's head type must
-    match ``head`` (an LM checkpoint can seed a scalar-head model only through HF conversion).
+    match ``head``, unless ``trunk_only``: then only the trunk is loaded (a critic initialised
+    from an SFT policy or from a 2-output Advantage Model keeps its fresh scalar head).
     """
     from megatron_rlhf.checkpoint import dist as dist_ckpt
     from megatron_rlhf.checkpoint.hf_io import HFReader, load_hf_into_model
@@ -59,6 +61,9 @@ def load_bloom(
         load_hf_into_model(model, HFReader(directory, head=head))
         return model
     meta = dist_ckpt.read_metadata(directory)
+    if trunk_only:
+        _load_trunk(model, directory, meta)
+        return model
     if meta["head"] != head or (
         head == "scalar" and meta["num_scalar_outputs"] != num_scalar_outputs
     ):
@@ -67,5 +72,26 @@ def load_bloom(
             f"scalar outputs, but a {head!r} head with {num_scalar_outputs if head == 'scalar' else 0}"
             " was asked for; use a checkpoint of the right role"
         )
-    dist_ckpt.load(directory, model.sharded_state_dict())
+    model.load_state_dict(dist_ckpt.load(directory, model.sharded_state_dict()))
     return model
+
+
+def _load_trunk(model, directory, meta: dict) -> None:
+    """Load every tensor but the head; an LM checkpoint's ``decoder.final_layernorm`` feeds a
+    scalar model's ``final_layernorm``."""
+    from megatron_rlhf.checkpoint import dist as dist_ckpt
+
+    sharded = {
+        name: tensor
+        for name, tensor in model.sharded_state_dict().items()
+        if not name.startswith(("scalar_head.", "output_layer."))
+    }
+    if meta["head"] == "lm" and model.head == "scalar":
+        for name, tensor in sharded.items():
+            if name.startswith("final_layernorm."):
+                tensor.key = "decoder." + tensor.key
+    if meta["head"] == "scalar" and model.head == "lm":
+        raise InputError(f"{directory}: a scalar-head checkpoint cannot initialise an LM head")
+    missing, unexpected = model.load_state_dict(dist_ckpt.load(directory, sharded), strict=False)
+    if unexpected or any(not k.startswith(("scalar_head.", "output_layer.")) for k in missing):
+        raise InputError(f"{directory}: trunk tensors missing {missing} / unexpected {unexpected}")

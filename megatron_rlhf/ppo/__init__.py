@@ -1,0 +1,1 @@
+"""PPO with Selective Rehearsal: rollout -> score -> advantages -> update (train.py)."""

@@ -1,0 +1,54 @@
+"""Stage 3, advantages: score normalisation, KL-shaped rewards (Eq. 2), GAE, whitening.
+
+All per-token math runs in the fused kernels; mean/variance reductions span the data-parallel
+group, so every replica whitens with the same global statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_rlhf.kernels import gae, kl_penalty, masked_whiten, shaped_rewards
+from megatron_rlhf.ppo.control import KLController, RewardNormalizer
+from megatron_rlhf.ppo.experience import Experience
+
+
+def dp_group_or_none():
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_data_parallel_group()
+
+
+def global_mean_var(x: torch.Tensor, group) -> tuple[float, float]:
+    """Mean and (population) variance of ``x`` over every data-parallel rank."""
+    moments = torch.stack([x.double().sum(), x.double().square().sum(), torch.tensor(x.numel())])
+    if group is not None:
+        dist.all_reduce(moments, group=group)
+    total, total_sq, count = moments.tolist()
+    mean = total / count
+    return mean, max(total_sq / count - mean * mean, 0.0)
+
+
+def compute_advantages(
+    experience: Experience,
+    kl_controller: KLController,
+    normalizer: RewardNormalizer,
+    kl_kind: str,
+    gamma: float,
+    lam: float,
+    whiten: bool = True,
+) -> Experience:
+    group = dp_group_or_none()
+    shift, scale = normalizer(*global_mean_var(experience.scores, group))
+    scores = (experience.scores - shift) / scale  # (B,)
+    mask = experience.response_mask
+    kl = kl_penalty(experience.logprobs, experience.ref_logprobs, kl_kind) * mask  # (B, N)
+    rewards = shaped_rewards(scores, kl, mask, kl_controller.coef)  # (B, N)
+    advantages, returns = gae(rewards, experience.values, mask, gamma, lam)
+    if whiten:
+        advantages = masked_whiten(advantages, mask, group=group)
+    experience.kl, experience.rewards = kl, rewards
+    experience.advantages, experience.returns = advantages, returns
+    return experience

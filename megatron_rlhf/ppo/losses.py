@@ -1,0 +1,83 @@
+"""PPO-SR losses (paper Eqs. 2 and 9): pure tensor math, no torch.distributed, no I/O.
+
+Every loss is a token mean over its mask and comes with detached metrics. ``ppo_sr_loss``
+is Eq. 9: the clipped PPO policy loss plus ``gamma`` times the NLL of a rehearsal batch drawn
+from D_R, added before the single backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the entries where ``mask`` is 1 (0 when the mask is empty)."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,  # (B, N) log pi_theta(a_t|s_t), differentiable
+    old_logprobs: torch.Tensor,  # (B, N) log pi_old(a_t|s_t) at rollout time
+    advantages: torch.Tensor,  # (B, N)
+    mask: torch.Tensor,  # (B, N) response mask
+    clip_ratio: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate objective (Schulman et al., 2017), negated to a loss."""
+    log_ratio = logprobs - old_logprobs
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        metrics = {
+            "clip_fraction": masked_mean((clipped > unclipped).float(), mask),
+            # Schulman's k3 estimator of KL(pi_old || pi_theta): non-negative, low variance.
+            "approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask),
+        }
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,  # (B, N) V_phi(s_t), differentiable
+    old_values: torch.Tensor,  # (B, N) values at rollout time
+    returns: torch.Tensor,  # (B, N) GAE returns
+    mask: torch.Tensor,  # (B, N)
+    clip_range: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss: ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)``."""
+    clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    unclipped_error = (values - returns).square()
+    clipped_error = (clipped_values - returns).square()
+    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask)
+    with torch.no_grad():
+        metrics = {
+            "value_clip_fraction": masked_mean((clipped_error > unclipped_error).float(), mask)
+        }
+    return loss, metrics
+
+
+def sft_nll(
+    logprobs: torch.Tensor,  # (B, T) log pi(x_t | x_<t) of each target token
+    loss_mask: torch.Tensor,  # (B, T) 1 on response tokens of the rehearsal pair
+) -> torch.Tensor:
+    """Token-mean negative log-likelihood of a supervised (rehearsal) batch."""
+    return -masked_mean(logprobs, loss_mask)
+
+
+def ppo_sr_loss(
+    ppo_loss: torch.Tensor, rehearsal_nll: torch.Tensor | None, gamma: float
+) -> torch.Tensor:
+    """Eq. 9: ``L = L_PPO + gamma * NLL(D_R batch)`` (just ``L_PPO`` without rehearsal)."""
+    if rehearsal_nll is None:
+        return ppo_loss
+    return ppo_loss + gamma * rehearsal_nll
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """``1 - Var(R - V) / Var(R)`` over the mask: 1 is a perfect critic, <= 0 a useless one."""
+    valid = mask.bool()
+    residual, target = (returns - values)[valid].double(), returns[valid].double()
+    if target.numel() < 2 or float(target.var()) == 0.0:
+        return float("nan")
+    return float(1.0 - residual.var() / target.var())

@@ -1,0 +1,58 @@
+"""Rejection sampling (paper Eqs. 3-4): best-of-K responses above a threshold, then SFT.
+
+Reuses the PPO stages: rollout (K samples per prompt), score (the reward/advantage model), and
+the actor's TrainEngine with a token-mean NLL on the kept responses.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from megatron_rlhf.ppo.experience import Experience
+from megatron_rlhf.ppo.losses import sft_nll
+from megatron_rlhf.ppo.scoring import response_logprobs
+
+
+def repeat_prompts(prompts: dict, times: int) -> dict:
+    """Each prompt ``times`` times in a row (B*K rows)."""
+    return {key: value.repeat_interleave(times, dim=0) for key, value in prompts.items()}
+
+
+def select_best(scores: torch.Tensor, samples_per_prompt: int, threshold: float | None):
+    """Row index of the best response of each prompt, kept if its score >= threshold."""
+    grouped = scores.view(-1, samples_per_prompt)  # (B, K)
+    best_score, best = grouped.max(dim=1)
+    rows = torch.arange(grouped.shape[0]) * samples_per_prompt + best
+    keep = torch.ones_like(best_score, dtype=torch.bool)
+    if threshold is not None:
+        keep = best_score >= threshold
+    return rows[keep]
+
+
+def nll_loss(temperature: float, logits: torch.Tensor, mb: dict):
+    logprobs = response_logprobs(
+        logits, mb["input_ids"], mb["prompt_length"], mb["response_mask"].shape[1], temperature
+    )
+    loss = sft_nll(logprobs, mb["response_mask"])
+    return loss, {"nll": loss.detach()}
+
+
+def rejection_update(experience: Experience, actor_engine, micro_batch_size: int) -> dict:
+    """One optimizer step of NLL on the selected responses (Eq. 4)."""
+    batch = experience.sequences.shape[0]
+    usable = batch - batch % micro_batch_size
+    if usable == 0:
+        return {"kept": 0.0}
+    microbatches = [
+        {
+            "input_ids": experience.sequences[i : i + micro_batch_size],
+            "padding_mask": experience.attention_mask[i : i + micro_batch_size],
+            "prompt_length": experience.prompt_length,
+            "response_mask": experience.response_mask[i : i + micro_batch_size],
+        }
+        for i in range(0, usable, micro_batch_size)
+    ]
+    metrics = actor_engine.step(microbatches, partial(nll_loss, 1.0))
+    return {f"actor/{k}": v for k, v in metrics.items()} | {"kept": float(usable)}

@@ -1,0 +1,175 @@
+"""What a PPO run reads and writes besides models: data streams, logs, samples."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_rlhf.config import to_dict
+from megatron_rlhf.utils import is_rank0
+
+
+class RunData:
+    """Prompt and rehearsal streams (DP-sharded, seeded, resumable) and the tokenizer."""
+
+    def __init__(self, config, consumed_prompts: int, consumed_rehearsal: int):
+        from megatron_rlhf.data import PromptDataset, SFTDataset, ShardedSampler
+
+        self.config = config
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        self.prompts = PromptDataset(config.data.prompts)
+        self.eos_id = self.prompts.eos_id if self.prompts.eos_id is not None else 2
+        self.pad_id = self.prompts.pad_id if self.prompts.pad_id is not None else 3
+        self.prompt_sampler = ShardedSampler(
+            len(self.prompts),
+            dp_rank,
+            dp_size,
+            seed=config.train.seed,
+            consumed_samples=consumed_prompts,
+            micro_batch_size=config.rollout.prompts_per_step,
+        )
+        self._prompt_indices = iter(self.prompt_sampler)
+        self.consumed_prompts = consumed_prompts
+        self.dp_size = dp_size
+        self.rehearsal = None
+        self.consumed_rehearsal = consumed_rehearsal
+        if config.rehearsal.enabled:
+            self.rehearsal = SFTDataset(config.rehearsal.dataset)
+            self._rehearsal_indices = iter(
+                ShardedSampler(
+                    len(self.rehearsal),
+                    dp_rank,
+                    dp_size,
+                    seed=config.train.seed + 1,
+                    consumed_samples=consumed_rehearsal,
+                    micro_batch_size=config.rehearsal.micro_batch_size,
+                )
+            )
+        self.clusters = None
+        if config.data.prompt_clusters:
+            from megatron_rlhf.rehearsal import load_cluster_assignment
+
+            self.clusters = load_cluster_assignment(config.data.prompt_clusters)
+        tokenizer_dir = config.models.tokenizer or config.models.actor
+        self.tokenizer = _try_tokenizer(tokenizer_dir)
+
+    def next_prompts(self) -> dict:
+        """This rank's prompts of the next step, left-padded, truncated to max_prompt_length."""
+        from megatron_rlhf.data import collate_prompts
+
+        count = self.config.rollout.prompts_per_step
+        samples = []
+        for _ in range(count):
+            sample = self.prompts[next(self._prompt_indices)]
+            sample["input_ids"] = sample["input_ids"][-self.config.data.max_prompt_length :]
+            samples.append(sample)
+        self.consumed_prompts += count * self.dp_size
+        batch = collate_prompts(samples, self.pad_id)
+        return {key: batch[key] for key in ("input_ids", "attention_mask", "index")}
+
+    def rehearsal_batches(self):
+        """Endless rehearsal microbatches (collate_sft), truncated to rehearsal.max_length."""
+        from megatron_rlhf.data import collate_sft
+
+        size, limit = self.config.rehearsal.micro_batch_size, self.config.rehearsal.max_length
+        while True:
+            samples = []
+            for _ in range(size):
+                sample = self.rehearsal[next(self._rehearsal_indices)]
+                sample["input_ids"] = sample["input_ids"][:limit]
+                sample["loss_mask"] = sample["loss_mask"][:limit]
+                samples.append(sample)
+            self.consumed_rehearsal += size * self.dp_size
+            yield collate_sft(samples, self.pad_id)
+
+    def per_cluster_rewards(self, experience) -> dict:
+        """Mean score per prompt cluster over this step (all DP ranks): an early warning of
+        reward hacking when one skill's reward runs away from the others."""
+        if self.clusters is None:
+            return {}
+        clusters = torch.tensor(
+            [self.clusters.cluster_of_index(int(i)) for i in experience.prompt_index]
+        )
+        pairs = torch.stack([clusters.double(), experience.scores.double()], dim=1)
+        if self.dp_size > 1:
+            gathered = [torch.empty_like(pairs) for _ in range(self.dp_size)]
+            torch.distributed.all_gather(
+                gathered, pairs, group=parallel_state.get_data_parallel_group()
+            )
+            pairs = torch.cat(gathered)
+        metrics = {}
+        for cluster in pairs[:, 0].unique().tolist():
+            scores = pairs[pairs[:, 0] == cluster, 1]
+            metrics[f"reward_by_cluster/{int(cluster)}"] = float(scores.mean())
+        return metrics
+
+
+class RunLogger:
+    """TensorBoard scalars, metrics.jsonl, samples.jsonl and the progress bar (rank 0)."""
+
+    def __init__(self, output_dir: Path, config):
+        self.enabled = is_rank0()
+        self.output_dir = output_dir
+        self.writer = None
+        if self.enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2) + "\n")
+            self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+        self.bar = None
+
+    def progress(self, steps):
+        from tqdm import tqdm
+
+        self.bar = tqdm(steps, desc="train-ppo", disable=not self.enabled)
+        return self.bar
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.bar.set_postfix(
+            reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.3f}"
+        )
+
+    def dump_samples(self, step: int, experience, tokenizer) -> None:
+        if not self.enabled:
+            return
+        with open(self.output_dir / "samples.jsonl", "a", encoding="utf-8") as handle:
+            for row in range(experience.sequences.shape[0]):
+                prompt_mask = experience.attention_mask[row, : experience.prompt_length].bool()
+                prompt = experience.sequences[row, : experience.prompt_length][prompt_mask].tolist()
+                response = experience.responses[row][experience.response_mask[row].bool()].tolist()
+                record = {
+                    "step": step,
+                    "prompt_index": int(experience.prompt_index[row]),
+                    "score": float(experience.scores[row]),
+                    "prompt_token_ids": prompt,
+                    "response_token_ids": response,
+                }
+                if tokenizer is not None:
+                    record["prompt"] = tokenizer.decode(prompt, skip_special_tokens=True)
+                    record["response"] = tokenizer.decode(response, skip_special_tokens=True)
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _try_tokenizer(directory):
+    from pathlib import Path
+
+    if not (Path(directory) / "tokenizer.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))

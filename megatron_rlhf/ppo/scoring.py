@@ -1,0 +1,126 @@
+"""Stage 2, score: old/reference log-probs, values and the reward/advantage score.
+
+Four forward passes over the same (prompt + response) sequences, run across the pipeline and
+broadcast from its last stage so every rank holds the full :class:`Experience`. Log-probs come
+from this rank's vocabulary shard of the logits through the fused ``token_logprobs`` kernel
+(one all-reduce over the TP group; full logits are never gathered).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_rlhf.distributed.pipeline import broadcast_from_last_stage, pipeline_forward
+from megatron_rlhf.kernels import token_logprobs
+from megatron_rlhf.ppo.experience import Experience
+
+
+def tp_group_or_none():
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def response_logprobs(
+    logits_shard: torch.Tensor,  # (B, P + N, V/tp)
+    sequences: torch.Tensor,  # (B, P + N)
+    prompt_length: int,
+    response_length: int,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+):
+    """log pi(a_t | s_t) (B, N) of the response tokens (and the entropy per position).
+
+    Columns past ``prompt_length + response_length`` (extra right padding) are ignored.
+    """
+    end = prompt_length + response_length
+    predicting = logits_shard[:, prompt_length - 1 : end - 1]  # (B, N, V/tp)
+    targets = sequences[:, prompt_length:end]  # (B, N)
+    return token_logprobs(
+        predicting, targets, temperature, tp_group_or_none(), return_entropy=return_entropy
+    )
+
+
+def sequence_scores(
+    scalars: torch.Tensor,  # (B, P + N, outputs) of the reward/advantage model
+    attention_mask: torch.Tensor,  # (B, P + N)
+    prompt_length: int,
+    reward_kind: str,
+) -> torch.Tensor:
+    """The score of each response: r at its last token (RM), or ``a = r - e_tau(x)`` with
+    e_tau read at the last prompt token (AM, K = 0 at PPO time: Eq. 8 with no behaviour
+    policies). Returns (B,)."""
+    positions = torch.arange(attention_mask.shape[1])
+    last = torch.where(attention_mask.bool(), positions, -1).amax(dim=1)  # (B,)
+    rows = torch.arange(attention_mask.shape[0])
+    reward = scalars[rows, last, 0]
+    if reward_kind == "rm":
+        return reward
+    return reward - scalars[:, prompt_length - 1, 1]
+
+
+def function_scores(reward_fn, experience: Experience) -> torch.Tensor:
+    """Scores (B,) of a user function of (prompt ids, response ids), without padding."""
+    scores = []
+    for row in range(experience.sequences.shape[0]):
+        prompt_mask = experience.attention_mask[row, : experience.prompt_length].bool()
+        prompt = experience.sequences[row, : experience.prompt_length][prompt_mask].tolist()
+        response_mask = experience.response_mask[row].bool()
+        response = experience.responses[row][response_mask].tolist()
+        scores.append(float(reward_fn(prompt, response)))
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+@torch.no_grad()
+def score(
+    experience: Experience,
+    models: dict,
+    reward_kind: str,
+    temperature: float,
+    micro_batch_size: int,
+    reward_fn=None,
+) -> Experience:
+    """Fill what the given models provide, ``micro_batch_size`` rows at a time.
+
+    ``models`` maps roles to models: actor -> ``logprobs``, reference -> ``ref_logprobs``,
+    critic -> ``values``, reward -> ``scores``. With ``reward_fn`` (a callable
+    ``(prompt_ids, response_ids) -> float``) scores come from it instead of a reward model.
+    """
+    p, (batch, width) = experience.prompt_length, experience.sequences.shape
+    n = width - p
+    parts: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, batch, micro_batch_size):
+        rows = torch.arange(start, min(start + micro_batch_size, batch))
+        seq, mask = experience.sequences[rows], experience.attention_mask[rows]
+        outputs = {role: pipeline_forward(model, seq, mask) for role, model in models.items()}
+        for role, output in outputs.items():
+            name, value, shape = _from_output(
+                role, output, seq, mask, p, n, temperature, reward_kind
+            )
+            parts.setdefault(name, []).append(
+                broadcast_from_last_stage(value, shape, torch.float32)
+            )
+        if reward_fn is not None:
+            parts.setdefault("scores", []).append(
+                function_scores(reward_fn, experience.select(rows))
+            )
+    for name, chunks in parts.items():
+        setattr(experience, name, torch.cat(chunks))
+    if experience.values is not None:
+        experience.values = experience.values * experience.response_mask
+    return experience
+
+
+def _from_output(role, output, seq, mask, p, n, temperature, reward_kind):
+    """(experience field, its value on the last stage else None, its shape) for one role."""
+    last_stage = parallel_state.is_pipeline_last_stage()
+    rows = seq.shape[0]
+    if role in ("actor", "reference"):
+        name = "logprobs" if role == "actor" else "ref_logprobs"
+        value = response_logprobs(output, seq, p, n, temperature) if last_stage else None
+        return name, value, (rows, n)
+    if role == "critic":
+        return "values", output[:, p - 1 : p - 1 + n, 0].float() if last_stage else None, (rows, n)
+    value = sequence_scores(output, mask, p, reward_kind).float() if last_stage else None
+    return "scores", value, (rows,)

@@ -1,0 +1,169 @@
+"""Build everything a PPO run needs, after validating it without touching model memory."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_rlhf.checkpoint import checkpoint_architecture, is_hf_checkpoint, load_bloom
+from megatron_rlhf.checkpoint.dist import read_metadata
+from megatron_rlhf.distributed import ParallelConfig, validate
+from megatron_rlhf.ppo.config import TrainPPOConfig
+from megatron_rlhf.utils import InputError
+
+ROLE_KEYS = ("actor", "reference", "critic", "reward")
+
+
+def role_paths(config: TrainPPOConfig) -> dict[str, str]:
+    models = config.models
+    paths = {"actor": models.actor, "reference": models.reference or models.actor}
+    paths["critic"] = models.critic
+    if models.reward is not None:
+        paths["reward"] = models.reward
+    return paths
+
+
+def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
+    """Every check that needs no model memory; returns the architectures by role."""
+    models = config.models
+    if (models.reward is None) == (models.reward_fn is None):
+        raise InputError(
+            "set exactly one of models.reward (a reward/advantage model) and models.reward_fn"
+        )
+    archs = {}
+    for role, path in role_paths(config).items():
+        if not Path(path).is_dir():
+            raise InputError(f"models.{role}: checkpoint directory {path} does not exist")
+        archs[role] = checkpoint_architecture(path)
+        validate(
+            ParallelConfig(tp=config.parallel.tp, pp=config.parallel.pp),
+            world_size,
+            archs[role].num_heads,
+            archs[role].num_layers,
+            key=f"parallel (shared by every role in this version; models.{role})",
+        )
+    vocabs = {role: arch.vocab_size for role, arch in archs.items()}
+    if len(set(vocabs.values())) > 1:
+        raise InputError(
+            f"the roles' vocabularies differ: {vocabs}; all four must share a tokenizer"
+        )
+    if models.reward is not None:
+        expected = 2 if models.reward_kind == "am" else 1
+        if is_hf_checkpoint(models.reward):
+            raise InputError(
+                f"models.reward: {models.reward} is a Hugging Face LM, not a trained "
+                "reward/advantage model; train one with `train-reward` first"
+            )
+        meta = read_metadata(models.reward)
+        if meta["head"] != "scalar" or meta["num_scalar_outputs"] != expected:
+            raise InputError(
+                f"models.reward: {models.reward} has a {meta['head']!r} head with "
+                f"{meta['num_scalar_outputs']} outputs; models.reward_kind={models.reward_kind} "
+                f"needs a scalar head with {expected}"
+            )
+    vocab = vocabs["actor"]
+    prompts_tokenizer = _dataset_tokenizer(config.data.prompts, "data.prompts", vocab)
+    if config.rehearsal.enabled:
+        if config.rehearsal.dataset is None:
+            raise InputError("rehearsal.enabled=true needs rehearsal.dataset (an SFT prefix)")
+        rehearsal_tokenizer = _dataset_tokenizer(
+            config.rehearsal.dataset, "rehearsal.dataset", vocab
+        )
+        if _tokenizer_identity(rehearsal_tokenizer) != _tokenizer_identity(prompts_tokenizer):
+            raise InputError(
+                f"rehearsal.dataset was built with tokenizer {_tokenizer_identity(rehearsal_tokenizer)}"
+                f" but data.prompts with {_tokenizer_identity(prompts_tokenizer)}; rebuild D_R with "
+                "the policy's tokenizer"
+            )
+    if config.rollout.prompts_per_step % (config.ppo.num_minibatches * config.ppo.micro_batch_size):
+        raise InputError(
+            f"rollout.prompts_per_step={config.rollout.prompts_per_step} must be divisible by "
+            f"ppo.num_minibatches * ppo.micro_batch_size = "
+            f"{config.ppo.num_minibatches} * {config.ppo.micro_batch_size}"
+        )
+    return archs
+
+
+def _dataset_tokenizer(prefix: str, key: str, vocab: int) -> dict:
+    from megatron_rlhf.data import read_sidecar
+
+    try:
+        sidecar = read_sidecar(prefix)
+    except (FileNotFoundError, InputError) as err:
+        raise InputError(f"{key}: {err}") from None
+    tokenizer = sidecar["tokenizer"]
+    if tokenizer["vocab_size"] > vocab:
+        raise InputError(
+            f"{key}: {prefix} was tokenized with a {tokenizer['vocab_size']}-token vocabulary, "
+            f"larger than the models' {vocab}; preprocess it with the policy's tokenizer"
+        )
+    return tokenizer
+
+
+def _tokenizer_identity(tokenizer: dict) -> tuple:
+    return (
+        tokenizer["vocab_size"],
+        tokenizer["eos_id"],
+        tokenizer["pad_id"],
+        tokenizer.get("fingerprint"),
+    )
+
+
+@dataclass
+class Roles:
+    actor: torch.nn.Module
+    reference: torch.nn.Module
+    critic: torch.nn.Module
+    reward: torch.nn.Module | None
+
+
+def build_roles(config: TrainPPOConfig) -> Roles:
+    """Load the four models for this rank's TP/PP slice."""
+    dtype = torch.bfloat16 if (config.train.bf16 and torch.cuda.is_available()) else torch.float32
+    paths = role_paths(config)
+    common = dict(params_dtype=dtype, sequence_parallel=config.parallel.sequence_parallel)
+    actor = load_bloom(paths["actor"], head="lm", init_weights=False, **common)
+    reference = load_bloom(paths["reference"], head="lm", init_weights=False, **common).eval()
+    critic_is_value_model = (
+        not is_hf_checkpoint(paths["critic"])
+        and read_metadata(paths["critic"]).get("num_scalar_outputs") == 1
+    )
+    critic = load_bloom(
+        paths["critic"],
+        head="scalar",
+        num_scalar_outputs=1,
+        trunk_only=not critic_is_value_model,
+        **common,
+    )
+    reward = None
+    if "reward" in paths:
+        outputs = 2 if config.models.reward_kind == "am" else 1
+        reward = load_bloom(
+            paths["reward"], head="scalar", num_scalar_outputs=outputs, init_weights=False, **common
+        ).eval()
+    for frozen in (reference, reward):
+        if frozen is not None:
+            frozen.requires_grad_(False)
+    return Roles(actor=actor, reference=reference, critic=critic, reward=reward)
+
+
+def import_reward_fn(spec: str):
+    """``package.module:function`` -> the function (errors name the config key)."""
+    module_name, _, function_name = spec.partition(":")
+    if not function_name:
+        raise InputError(f"models.reward_fn={spec!r}: expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise InputError(f"models.reward_fn: cannot import {module_name} ({err})") from None
+    if not hasattr(module, function_name):
+        raise InputError(f"models.reward_fn: {module_name} has no {function_name}")
+    return getattr(module, function_name)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,262 @@
+"""``train-ppo``: AM-PPO-SR and its baselines (RM-PPO, RM-PPO w/ MA, AM-PPO, rejection sampling).
+
+    torchrun --nproc-per-node N -m megatron_rlhf train-ppo --config FILE [key=value ...]
+
+Each step is the four stages of the paper's recipe, in order:
+  rollout     (rollout.py)     sample responses of the actor (KV-cached generation)
+  score       (scoring.py)     old/reference log-probs, values, AM/RM scores
+  advantages  (advantages.py)  -beta*KL shaped rewards (Eq. 2), GAE, DP-wide whitening
+  update      (update.py)      PPO epochs; with rehearsal, L_PPO + gamma*NLL(D_R) (Eq. 9)
+Checkpoints (actor, critic, optimizers, schedules, KL controller, reward normaliser, RNG, data
+positions) are saved every ``train.save_interval`` steps and resumed exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_rlhf.config import load_config, to_dict
+from megatron_rlhf.generation import SamplingConfig
+from megatron_rlhf.ppo.advantages import compute_advantages, dp_group_or_none, global_mean_var
+from megatron_rlhf.ppo.config import TrainPPOConfig
+from megatron_rlhf.ppo.control import KLController, RewardNormalizer
+from megatron_rlhf.ppo.losses import explained_variance
+from megatron_rlhf.ppo.rejection import rejection_update, repeat_prompts, select_best
+from megatron_rlhf.ppo.rollout import rollout
+from megatron_rlhf.ppo.run_io import RunData, RunLogger
+from megatron_rlhf.ppo.scoring import score
+from megatron_rlhf.ppo.setup import build_roles, import_reward_fn, validate_config, world_size
+from megatron_rlhf.ppo.update import ppo_update
+from megatron_rlhf.utils import InputError, is_rank0, print_summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_rlhf train-ppo", description=__doc__)
+    parser.add_argument("--config", help="YAML/JSON config (see examples/ppo/)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. ppo.kl.coef=0.1")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(TrainPPOConfig, args.config, args.overrides)
+        validate_config(config, world_size())
+        return PPOTrainer(config).fit()
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+class PPOTrainer:
+    """Holds the run's state; ``fit()`` reads like the algorithm."""
+
+    def __init__(self, config: TrainPPOConfig):
+        from megatron_rlhf.distributed import initialize
+        from megatron_rlhf.training import TrainEngine
+
+        self.config = config
+        train = config.train
+        initialize(parallel_config(config))
+        self.roles = build_roles(config)
+        self.reward_fn = (
+            import_reward_fn(config.models.reward_fn) if config.models.reward_fn else None
+        )
+        updates = train.steps * config.ppo.epochs * config.ppo.num_minibatches
+        self.actor = TrainEngine(self.roles.actor, config.actor_optim, updates, "actor.")
+        self.critic = TrainEngine(self.roles.critic, config.critic_optim, updates, "critic.")
+        self.kl = KLController(
+            config.ppo.kl.coef, config.ppo.kl.adaptive, config.ppo.kl.target, config.ppo.kl.horizon
+        )
+        self.normalizer = RewardNormalizer(
+            config.ppo.reward_normalization, config.ppo.reward_ma_momentum
+        )
+        self.step, self.consumed_prompts, self.consumed_rehearsal = 0, 0, 0
+        self.output_dir = Path(train.output_dir)
+        self._resume()
+        self.data = RunData(config, self.consumed_prompts, self.consumed_rehearsal)
+        self.logger = RunLogger(self.output_dir, config)
+
+    def fit(self) -> int:
+        config, start = self.config, time.time()
+        first_reward = last_reward = None
+        for step in self.logger.progress(range(self.step, config.train.steps)):
+            self.step = step
+            timings, t0 = {}, time.time()
+            prompts = self.data.next_prompts()
+            if config.ppo.algorithm == "rejection_sampling":
+                prompts = repeat_prompts(prompts, config.ppo.rejection_samples_per_prompt)
+            experience = rollout(self.roles.actor, prompts, self.sampling())
+            timings["rollout"], t0 = time.time() - t0, time.time()
+            experience = score(
+                experience,
+                self.scoring_models(),
+                config.models.reward_kind,
+                config.rollout.temperature,
+                config.ppo.micro_batch_size,
+                self.reward_fn,
+            )
+            timings["score"], t0 = time.time() - t0, time.time()
+            if config.ppo.algorithm == "rejection_sampling":
+                metrics = self.rejection_step(experience)
+                timings["update"] = time.time() - t0
+            else:
+                experience = compute_advantages(
+                    experience, self.kl, self.normalizer, config.ppo.kl.estimator,
+                    config.ppo.gamma, config.ppo.lam, config.ppo.whiten_advantages,
+                )  # fmt: skip
+                timings["advantages"], t0 = time.time() - t0, time.time()
+                metrics = ppo_update(
+                    experience,
+                    self.actor,
+                    self.critic,
+                    config.ppo,
+                    config.rollout.temperature,
+                    torch.Generator().manual_seed(config.train.seed * 100003 + self.step),
+                    self.data.rehearsal_batches() if config.rehearsal.enabled else None,
+                    config.rehearsal.gamma,
+                    self.data.pad_id,
+                )
+                timings["update"] = time.time() - t0
+                self.kl.update(metrics_kl(experience), experience.sequences.shape[0])
+            self.consumed_prompts = self.data.consumed_prompts
+            self.consumed_rehearsal = self.data.consumed_rehearsal
+            metrics |= self.rollout_metrics(experience, timings)
+            last_reward = metrics["reward/mean"]
+            first_reward = last_reward if first_reward is None else first_reward
+            self.logger.log(self.step + 1, metrics)
+            if (self.step + 1) % config.train.sample_interval == 0:
+                self.logger.dump_samples(self.step + 1, experience, self.data.tokenizer)
+            if (
+                self.step + 1
+            ) % config.train.save_interval == 0 or self.step + 1 == config.train.steps:
+                self.save(self.step + 1)
+        self.logger.close()
+        print_summary(
+            "train-ppo",
+            steps=config.train.steps,
+            first_reward=first_reward,
+            last_reward=last_reward,
+            seconds=round(time.time() - start, 1),
+            output_dir=config.train.output_dir,
+        )
+        return 0
+
+    def sampling(self) -> SamplingConfig:
+        rollout_config = self.config.rollout
+        return SamplingConfig(
+            max_new_tokens=rollout_config.max_new_tokens,
+            temperature=rollout_config.temperature,
+            top_p=rollout_config.top_p,
+            seed=self.config.train.seed * 1000003 + self.step * 101,
+            eos_id=self.data.eos_id,
+            pad_id=self.data.pad_id,
+        )
+
+    def scoring_models(self) -> dict:
+        if self.config.ppo.algorithm == "rejection_sampling":
+            return {} if self.roles.reward is None else {"reward": self.roles.reward}
+        models = {
+            "actor": self.roles.actor,
+            "reference": self.roles.reference,
+            "critic": self.roles.critic,
+        }
+        if self.roles.reward is not None:
+            models["reward"] = self.roles.reward
+        return models
+
+    def rejection_step(self, experience) -> dict:
+        ppo = self.config.ppo
+        kept = select_best(
+            experience.scores, ppo.rejection_samples_per_prompt, ppo.rejection_threshold
+        )
+        usable = torch.tensor([len(kept) - len(kept) % ppo.micro_batch_size])
+        group = dp_group_or_none()
+        if group is not None:  # every replica must run the same number of microbatches
+            dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)
+        return rejection_update(
+            experience.select(kept[: int(usable)]), self.actor, ppo.micro_batch_size
+        )
+
+    def rollout_metrics(self, experience, timings: dict) -> dict:
+        group = dp_group_or_none()
+        mean, var = global_mean_var(experience.scores, group)
+        mask = experience.response_mask
+        lengths = mask.sum(dim=1).float()
+        metrics = {
+            "reward/mean": mean,
+            "reward/std": var**0.5,
+            "response/length": global_mean_var(lengths, group)[0],
+            "kl/coef": self.kl.coef,
+        }
+        if experience.kl is not None:
+            metrics["kl/mean"] = metrics_kl(experience)
+            metrics["critic/explained_variance"] = explained_variance(
+                experience.values, experience.returns, mask
+            )
+        metrics |= {f"time/{stage}_s": seconds for stage, seconds in timings.items()}
+        tokens = float(mask.sum()) * parallel_state.get_data_parallel_world_size()
+        metrics["throughput/tokens_per_s"] = tokens / max(sum(timings.values()), 1e-9)
+        metrics |= self.data.per_cluster_rewards(experience)
+        return metrics
+
+    def save(self, step: int) -> None:
+        from megatron_rlhf.checkpoint.dist import model_metadata
+        from megatron_rlhf.training.checkpointing import save_training_checkpoint
+
+        state = {
+            "step": step,
+            "consumed_prompts": self.consumed_prompts,
+            "consumed_rehearsal": self.consumed_rehearsal,
+            "kl": self.kl.state_dict(),
+            "normalizer": self.normalizer.state_dict(),
+        }
+        metadata = model_metadata(
+            self.roles.actor, roles=["actor", "critic"], config=to_dict(self.config)
+        )
+        save_training_checkpoint(
+            self.output_dir, step, {"actor": self.actor, "critic": self.critic}, metadata, state
+        )
+
+    def _resume(self) -> None:
+        from megatron_rlhf.training.checkpointing import latest_checkpoint, load_training_checkpoint
+
+        latest = latest_checkpoint(self.output_dir) if self.config.train.resume else None
+        if latest is None:
+            return
+        state = load_training_checkpoint(latest, {"actor": self.actor, "critic": self.critic})
+        if not state:
+            raise InputError(f"{latest}: saved at another world size; resume with the same launch")
+        self.step = state["step"]
+        self.consumed_prompts, self.consumed_rehearsal = (
+            state["consumed_prompts"],
+            state["consumed_rehearsal"],
+        )
+        self.kl.load_state_dict(state["kl"])
+        self.normalizer.load_state_dict(state["normalizer"])
+        if is_rank0():
+            print(f"[train-ppo] resumed from {latest} at step {self.step}", flush=True)
+
+
+def metrics_kl(experience) -> float:
+    """Mean per-sequence KL (sum over tokens), averaged over data-parallel ranks."""
+    per_sequence = experience.kl.sum(dim=1)
+    return global_mean_var(per_sequence, dp_group_or_none())[0]
+
+
+def parallel_config(config: TrainPPOConfig):
+    from megatron_rlhf.distributed import ParallelConfig
+
+    return ParallelConfig(
+        tp=config.parallel.tp,
+        pp=config.parallel.pp,
+        sequence_parallel=config.parallel.sequence_parallel,
+        seed=config.train.seed,
+    )
