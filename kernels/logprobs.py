@@ -202,19 +202,19 @@ def rows_grad(
     for start in range(0, rows.shape[0], chunk):
         piece = slice(start, start + chunk)
         targets = local_targets[piece]
-        log_p = rows[piece].to(lse.dtype, copy=True).mul_(inv_temp)  # (c, V)
-        log_p.sub_(lse[piece, None]).clamp_(min=MIN_LOG_PROB)
-        prob = log_p.exp()  # (c, V)
+        log_p = torch.add(-lse[piece, None], rows[piece], alpha=inv_temp)  # (c, V) x/tau - lse
+        scaled_lp = grad_lp[piece] * inv_temp  # (c,) the 1/tau of dx/dz folded in
         if grad_ent is None:
-            grad = prob.mul_(-grad_lp[piece, None])
+            grad = log_p.exp_().mul_(-scaled_lp[:, None])
         else:
-            # p * (-g_H * (log p + H) - g_lp)
-            factor = log_p.add_(entropy[piece, None]).mul_(-grad_ent[piece, None])
-            factor.sub_(grad_lp[piece, None])
-            grad = prob.mul_(factor)
-        onehot_grad = torch.where(targets >= 0, grad_lp[piece], 0.0)[:, None]  # (c, 1)
+            # p * (-g_H * (log p + H) - g_lp) / tau, as p * (slope * log p + offset)
+            slope = -grad_ent[piece] * inv_temp
+            offset = slope * entropy[piece] - scaled_lp
+            prob = log_p.clamp_(min=MIN_LOG_PROB).exp()
+            grad = prob.mul_(log_p.mul_(slope[:, None]).add_(offset[:, None]))
+        onehot_grad = torch.where(targets >= 0, scaled_lp, 0.0)[:, None]  # (c, 1)
         grad.scatter_add_(1, targets.clamp(min=0)[:, None], onehot_grad)
-        grad_rows[piece].copy_(grad.mul_(inv_temp))
+        grad_rows[piece].copy_(grad)
 
 
 def _rows_stats_torch(
@@ -228,19 +228,20 @@ def _rows_stats_torch(
     for start in range(0, n_rows, chunk):
         piece = slice(start, start + chunk)
         targets = local_targets[piece]
-        x = rows[piece].to(dtype, copy=True).mul_(inv_temp)  # (c, V)
-        target_logit = x.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+        x = rows[piece]  # (c, V) in the input dtype
+        target_logit = x.gather(1, targets.clamp(min=0)[:, None]).squeeze(1).to(dtype) * inv_temp
         out[3, piece] = torch.where(targets >= 0, target_logit, 0.0)
-        row_max = x.amax(1)  # (c,)
+        row_max = x.amax(1).to(dtype) * inv_temp  # (c,) exact: scaling is monotonic
         row_max = torch.where(row_max > EMPTY_MAX, row_max, EMPTY_MAX)  # all -inf rows
         out[0, piece] = row_max
-        x.sub_(row_max[:, None]).clamp_(min=MIN_LOG_PROB)  # x - max
+        shifted = torch.add(-row_max[:, None], x, alpha=inv_temp)  # (c, V) x/tau - max, in dtype
         if with_entropy:
-            e = x.exp()
+            e = shifted.exp()
             sum_exp = e.sum(1)
-            centred = x.mul_(e).sum(1) / sum_exp
+            # nansum: a -inf logit gives 0 * -inf = nan, whose true contribution is 0
+            centred = torch.nansum(shifted.mul_(e), 1) / sum_exp
             out[2, piece] = torch.where(sum_exp > 0, centred, 0.0)
         else:
-            sum_exp = x.exp_().sum(1)
+            sum_exp = shifted.exp_().sum(1)
         out[1, piece] = sum_exp
     return out

@@ -161,6 +161,24 @@ def test_hidden_path_bf16_matches_logits_path(gen):
         assert err < 2e-2, err
 
 
+def test_token_logprobs_with_masked_vocab(gen):
+    """-inf logits (a masked vocabulary) give exact values and finite gradients."""
+    logits = torch.randn(2, 4, 60, generator=gen)
+    logits[0, :, :25] = float("-inf")
+    logits[1, 3, 1:] = float("-inf")  # a single candidate: log p = 0, entropy 0
+    targets = torch.randint(25, 60, (2, 4), generator=gen)
+    targets[1, 3] = 0
+    logits.requires_grad_()
+    logprobs, entropy = token_logprobs(logits, targets, 0.7, return_entropy=True)
+    ref = torch.log_softmax(logits.detach().double() / 0.7, dim=-1)
+    ref_h = -(ref.exp() * ref).nan_to_num().sum(-1)
+    torch.testing.assert_close(logprobs.double(), ref.gather(-1, targets[..., None])[..., 0])
+    torch.testing.assert_close(entropy.double(), ref_h, atol=1e-6, rtol=1e-6)
+    (logprobs.sum() + entropy.sum()).backward()
+    assert torch.isfinite(logits.grad).all()
+    assert (logits.grad[0, :, :25] == 0).all()
+
+
 def test_token_logprobs_rejects_bad_inputs():
     logits = torch.randn(2, 3, 5)
     with pytest.raises(ValueError, match="target ids"):

@@ -151,6 +151,29 @@ def check_logprobs_forward_backward(gen):
     return "; ".join(details)
 
 
+def check_masked_vocab(gen):
+    from megatron_rlhf.kernels import token_logprobs
+
+    logits = torch.randn(2, 4, 90, generator=gen)
+    logits[0, :, :40] = float("-inf")  # whole vocabulary blocks of -inf
+    logits[1, 3, 1:] = float("-inf")
+    targets = torch.randint(40, 90, (2, 4), generator=gen)
+    targets[1, 3] = 0
+    logits.requires_grad_()
+    logprobs, entropy = token_logprobs(logits, targets, 0.7, return_entropy=True)
+    (logprobs.sum() + entropy.sum()).backward()
+    ref = torch.log_softmax(logits.detach().double() / 0.7, dim=-1)
+    ref_h = -(ref.exp() * ref).nan_to_num().sum(-1)
+    assert torch.isfinite(logits.grad).all() and (logits.grad[0, :, :40] == 0).all()
+    return "; ".join(
+        [
+            _close(logprobs, ref.gather(-1, targets[..., None])[..., 0], 2e-6, "logp"),
+            _close(entropy, ref_h, 2e-6, "entropy"),
+            "finite gradient, 0 on masked entries",
+        ]
+    )
+
+
 def check_logprobs_from_hidden(gen):
     from megatron_rlhf.kernels import token_logprobs_from_hidden
 
@@ -231,6 +254,7 @@ def check_gae(gen):
 
 CHECKS = {
     "logprobs_forward_backward": check_logprobs_forward_backward,
+    "masked_vocab": check_masked_vocab,
     "logprobs_from_hidden": check_logprobs_from_hidden,
     "kl_penalty": check_kl_penalty,
     "shaped_rewards": check_shaped_rewards,
