@@ -22,6 +22,7 @@ import argparse
 import filecmp
 import json
 import os
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -105,22 +106,31 @@ def main() -> None:
             ("preprocess_data --workers 2", lambda p: run_tool(jsonl, tokenizer_dir, p, 2)),
         ):
             prefix = str(tmp / name.split()[0]) + name[-1]
-            started = time.perf_counter()
+            cpu_before, started = cpu_seconds(), time.perf_counter()
             documents, tokens = run(prefix)
             seconds = time.perf_counter() - started
-            rows.append((name, prefix, documents, tokens, seconds))
-        reference = rows[0][1]
+            rows.append((name, prefix, documents, tokens, seconds, cpu_seconds() - cpu_before))
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        print(f"{args.lines} lines, {rows[0][3]:,} tokens; load average {load} (1/5/15 min)")
+        print(f"{args.lines:,} lines, {rows[0][3]:,} tokens; load average {load} (1/5/15 min)")
         print(
-            f"{'run':30s} {'seconds':>8s} {'docs/s':>9s} {'tokens/s':>11s} {'speed-up':>8s}"
-            f" identical"
+            f"{'run':28s} {'wall s':>7s} {'cpu s':>6s} {'docs/s':>7s} {'tokens/s':>9s} "
+            f"{'speed-up':>8s} identical"
         )
-        for name, prefix, documents, tokens, seconds in rows:
+        for name, prefix, documents, tokens, seconds, cpu in rows:
             print(
-                f"{name:30s} {seconds:8.2f} {documents / seconds:9.0f} {tokens / seconds:11.0f}"
-                f" {rows[0][4] / seconds:7.2f}x {same_files(reference, prefix)}"
+                f"{name:28s} {seconds:7.2f} {cpu:6.2f} {documents / seconds:7.0f} "
+                f"{tokens / seconds:9.0f} {rows[0][4] / seconds:7.2f}x "
+                f"{same_files(rows[0][1], prefix)}"
             )
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (the worker processes)."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 if __name__ == "__main__":
