@@ -13,7 +13,12 @@ import math
 import numpy as np
 import pytest
 
-from megatron_rlhf.rehearsal.cluster import distances_to_assigned, kmeans, nearest_centroid
+from megatron_rlhf.rehearsal.cluster import (
+    distances_to_assigned,
+    kmeans,
+    kmeans_plus_plus,
+    nearest_centroid,
+)
 from megatron_rlhf.rehearsal.records import load_scored_records
 from megatron_rlhf.rehearsal.report import pca_2d
 from megatron_rlhf.rehearsal.selection import per_cluster_stats, select_top_k
@@ -135,16 +140,25 @@ def test_kmeans_is_deterministic_converged_and_close_to_sklearn():
     assert inertia <= reference.inertia_ * 1.02
 
 
-def test_kmeans_redo_recovers_separated_groups():
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_kmeans_plus_plus_seeding_recovers_separated_groups(seed):
     from sklearn.metrics import adjusted_rand_score
 
-    vectors, labels = clustered_vectors(999, 16, 5, seed=12, spread=0.2)
-    assignments, centroids = kmeans(vectors, 5, seed=0, device="cpu", redo=20)
+    # Uniformly random starts (FAISS's default) merge some of these groups for most seeds.
+    vectors, labels = clustered_vectors(999, 16, 9, seed=12 + seed, spread=0.2)
+    starts = kmeans_plus_plus(vectors, 9, seed=seed)
+    assert len(set(starts.tolist())) == 9
+    assert np.array_equal(starts, kmeans_plus_plus(vectors, 9, seed=seed))
+    assert len(set(labels[starts].tolist())) == 9  # one start in every group
+    assignments, _ = kmeans(vectors, 9, seed=seed, device="cpu")
     assert adjusted_rand_score(labels, assignments) == pytest.approx(1.0)
-    # The first restart is the single run of the same seed, so restarts never do worse.
-    single, single_centroids = kmeans(vectors, 5, seed=0, device="cpu")
-    single_inertia = distances_to_assigned(vectors, single_centroids, single).sum()
-    assert distances_to_assigned(vectors, centroids, assignments).sum() <= single_inertia + 1e-3
+
+
+def test_kmeans_plus_plus_on_duplicate_points():
+    vectors = np.repeat(np.eye(3, dtype=np.float32), 4, axis=0)  # 3 distinct points, 12 rows
+    starts = kmeans_plus_plus(vectors, 5, seed=0)
+    assert len(set(starts.tolist())) == 5  # still distinct rows
+    assert len({tuple(vectors[i]) for i in starts}) == 3  # all three points covered
 
 
 def test_kmeans_same_result_for_any_thread_count():

@@ -63,8 +63,6 @@ class RehearsalConfig:
     """Prompts per embedding batch."""
     niter: int = 50
     """K-means (Lloyd) iterations."""
-    kmeans_redo: int = 1
-    """K-means restarts; the one with the lowest inertia is kept."""
     normalize: bool = True
     """L2-normalise embeddings (cosine geometry) before k-means."""
     min_score: float | None = None
@@ -110,7 +108,6 @@ def parse_args(argv: list[str]) -> RehearsalConfig:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--batch-size", type=int, default=64, help="embedding batch size")
     parser.add_argument("--niter", type=int, default=50, help="k-means iterations")
-    parser.add_argument("--kmeans-redo", type=int, default=1, help="k-means restarts, best kept")
     parser.add_argument("--no-normalize", dest="normalize", action="store_false")
     parser.add_argument("--min-score", type=float, help="filter: minimum score")
     parser.add_argument("--max-response-tokens", type=int, help="filter: max response tokens")
@@ -134,7 +131,6 @@ def parse_args(argv: list[str]) -> RehearsalConfig:
         device=args.device,
         batch_size=args.batch_size,
         niter=args.niter,
-        kmeans_redo=args.kmeans_redo,
         normalize=args.normalize,
         min_score=args.min_score,
         max_response_tokens=args.max_response_tokens,
@@ -183,9 +179,7 @@ def curate_one(
 ) -> dict:
     """K-means into ``clusters`` and select; return the arrays and report of this count."""
     started = time.perf_counter()
-    assignments, centroids = kmeans(
-        embeddings, clusters, config.seed, config.device, config.niter, config.kmeans_redo
-    )
+    assignments, centroids = kmeans(embeddings, clusters, config.seed, config.device, config.niter)
     kmeans_s = time.perf_counter() - started
     started = time.perf_counter()
     filters = dict(
