@@ -75,9 +75,12 @@ def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False)
     """
     directory = Path(directory)
     read_metadata(directory)  # a clear error for a directory that is not our checkpoint
-    return dist_checkpointing.load(
+    loaded = dist_checkpointing.load(
         sharded_state_dict, str(directory), validate_access_integrity=not partial
     )
+    # The checkpoint's common (non-tensor) state comes back too, e.g. a training checkpoint's
+    # optimizer param groups under its role name: return only the keys that were asked for.
+    return {key: value for key, value in loaded.items() if key in sharded_state_dict}
 
 
 def load_rank_state(directory: str | Path) -> dict | None:
