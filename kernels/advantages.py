@@ -95,19 +95,21 @@ def gae(
     _check_rows("gae", rewards=rewards, values=values, mask=mask)
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gae: gamma and lam must lie in [0, 1], got {gamma}, {lam}")
-    _check_mask_shape("gae", mask)
+    valid = mask != 0  # (B, T)
+    _check_mask_shape("gae", valid)
     dtype = torch.promote_types(values.dtype, torch.float32)
     if use_triton(values) and dtype != torch.float64:
         from . import triton_advantages
 
         return triton_advantages.gae(rewards, values, mask, gamma, lam)
-    m = (mask != 0).to(dtype)
+    m = valid.to(dtype)
     v = values.to(dtype)
-    next_values = F.pad((v * m)[:, 1:], (0, 1))  # (B, T) V_{t+1} m_{t+1}, 0 after the end
-    deltas = (rewards.to(dtype) + gamma * next_values - v) * m
+    deltas = rewards.to(dtype) - v  # (B, T), then + gamma * V_{t+1} m_{t+1} (0 after the end)
+    deltas[:, :-1].addcmul_(v[:, 1:], m[:, 1:], value=gamma)
+    deltas.mul_(m)
     # With the mask 0..01..10..0, A_t = sum_{j>=t} (gamma*lam)^(j-t) delta_j on response tokens.
-    advantages = discounted_reverse_cumsum(deltas, gamma * lam) * m
-    return advantages, (advantages + v) * m
+    advantages = discounted_reverse_cumsum(deltas, gamma * lam).mul_(m)
+    return advantages, torch.addcmul(advantages, v, m)
 
 
 def discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
@@ -120,13 +122,15 @@ def discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
     batch, seq_len = x.shape
     block = max(1, min(GAE_BLOCK, seq_len))
     n_blocks = -(-seq_len // block)
-    blocks = F.pad(x, (0, n_blocks * block - seq_len)).view(batch, n_blocks, block)
+    padded = F.pad(x, (0, n_blocks * block - seq_len)) if seq_len % block else x
+    blocks = padded.view(batch, n_blocks, block)
     within = blocks @ _upper_powers(discount, block, 1, x).T  # (B, nb, b) sums to block end
     heads = within[:, :, 0] @ _upper_powers(discount, n_blocks, block, x).T  # (B, nb)
     next_heads = F.pad(heads[:, 1:], (0, 1))  # (B, nb) value at the next block's start
     steps_to_next = torch.arange(block, 0, -1, device=x.device, dtype=torch.float64)  # (b,)
-    out = within + next_heads[:, :, None] * (discount**steps_to_next).to(x.dtype)
-    return out.reshape(batch, n_blocks * block)[:, :seq_len]
+    within.addcmul_(next_heads[:, :, None], (discount**steps_to_next).to(x.dtype))
+    out = within.view(batch, n_blocks * block)
+    return out if seq_len % block == 0 else out[:, :seq_len].contiguous()
 
 
 def _upper_powers(discount: float, size: int, stride: int, like: torch.Tensor) -> torch.Tensor:
@@ -175,10 +179,9 @@ def _check_rows(name: str, **tensors: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected tensors of one (B, T) shape, got {shapes}")
 
 
-def _check_mask_shape(name: str, mask: torch.Tensor) -> None:
-    """Each row must be 0...0 1...1 0...0: at most one start of a run of response tokens."""
-    valid = (mask != 0).to(torch.int8)  # (B, T)
-    starts = valid[:, :1].sum(1) + (valid[:, 1:] > valid[:, :-1]).sum(1)  # (B,)
+def _check_mask_shape(name: str, valid: torch.Tensor) -> None:
+    """Each row of the bool ``valid`` must be 0...0 1...1 0...0: at most one run start."""
+    starts = valid[:, 0] + (valid[:, 1:] > valid[:, :-1]).sum(1)  # (B,)
     if starts.numel() and int(starts.max()) > 1:
         row = int(starts.argmax())
         raise ValueError(
