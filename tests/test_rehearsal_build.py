@@ -261,4 +261,6 @@ def test_bad_arguments_fail_cleanly(workspace, capsys):
     finally:
         workspace["model"] = model
     assert "no_such_model: no such directory" in capsys.readouterr().err
+    assert run_tool(workspace, "bad_args/dr", "--clusters", "4", "--min-score", "1e9") == 2
+    assert "no record passes the filters" in capsys.readouterr().err
     assert not out.exists() or not any(out.iterdir())

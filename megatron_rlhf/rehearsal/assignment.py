@@ -3,7 +3,9 @@
 ``load_cluster_assignment(OUT)`` reads ``OUT.report.json``, ``OUT.clusters.jsonl`` and
 ``OUT.centroids.npy``. A PPO prompt maps to its cluster by exact text (the prompt set the
 clusters were built on), by its index in that set, or, for a prompt never seen, by the nearest
-centroid after embedding it with the same model (named in the report).
+centroid after embedding it with the same model (named in the report; loaded once per
+process). PPO holding prompt token ids decodes them first: byte-level BPE tokenizers (BLOOM's,
+the tiny test one) give back the exact text.
 
     assignment = load_cluster_assignment("data/rehearsal")
     cluster_ids = assignment.clusters_of_prompts(batch_prompts)      # (B,)

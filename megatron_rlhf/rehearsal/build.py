@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_rlhf.data import load_tokenizer, write_sft_dataset
 from megatron_rlhf.rehearsal.cluster import distances_to_assigned, kmeans, kmeans_backend
 from megatron_rlhf.rehearsal.embed import check_model_dir, embed_prompts, resolve_device
 from megatron_rlhf.rehearsal.records import ScoredRecords, load_scored_records
@@ -141,12 +142,6 @@ def parse_args(argv: list[str]) -> RehearsalConfig:
     )
 
 
-def _load_policy_tokenizer(tokenizer_dir: str):
-    from megatron_rlhf.data import load_tokenizer
-
-    return load_tokenizer(tokenizer_dir)
-
-
 def _token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
@@ -157,8 +152,6 @@ def _write_rehearsal_dataset(prefix: Path, records: list[dict], tokenizer, metad
     Prompt and response are tokenized separately without special tokens, as the data layer's
     preprocessing and PPO's rollouts (prompt ids followed by generated ids) do.
     """
-    from megatron_rlhf.data import write_sft_dataset
-
     prompt_ids = _token_ids(tokenizer, [record["prompt"] for record in records])
     response_ids = _token_ids(tokenizer, [record["response"] for record in records])
     write_sft_dataset(
@@ -207,6 +200,7 @@ def curate_one(
         "rows": rows,
         "summary": {
             "clusters": clusters,
+            "eligible": int(eligible.sum()),
             "selected": int(len(selected)),
             "clusters_short_of_k": len(short),
             "short_clusters": short,
@@ -351,7 +345,7 @@ def run(config: RehearsalConfig) -> list[dict]:
             f"{config.input}: {len(data)} records cannot form {max(too_many)} clusters; "
             f"use at most {len(data)}"
         )
-    tokenizer = _load_policy_tokenizer(config.tokenizer)
+    tokenizer = load_tokenizer(config.tokenizer)
     response_tokens = None
     if config.max_response_tokens is not None:
         response_tokens = np.array([len(ids) for ids in _token_ids(tokenizer, data.responses)])
@@ -379,12 +373,22 @@ def run(config: RehearsalConfig) -> list[dict]:
     with staged_outputs() as staging:
         for clusters in config.clusters:
             result = curate_one(config, data, embeddings, response_tokens, clusters)
+            if not len(result["selected"]):
+                raise InputError(
+                    f"{config.input}: no record passes the filters (--min-score, "
+                    "--max-response-tokens, --max-entropy); loosen them"
+                )
             prefix = output_prefix
             if sweep:
                 prefix = output_prefix.with_name(f"{output_prefix.name}_c{clusters}")
             write_outputs(staging, prefix, config, data, result, projection, tokenizer, run_info)
             summaries.append(
-                {**result["summary"], "records": len(data), "output_prefix": str(prefix)}
+                {
+                    **result["summary"],
+                    "records": len(data),
+                    "embed_s": run_info["embedding"]["seconds"],
+                    "output_prefix": str(prefix),
+                }
             )
             if result["summary"]["clusters_short_of_k"]:
                 print(
@@ -419,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         top_k=config.top_k,
         selected=",".join(str(s["selected"]) for s in summaries),
         score_mean_selected=last["score_mean_selected"],
+        embed_s=last["embed_s"],
+        kmeans_s=sum(s["kmeans_s"] for s in summaries),
         output=config.output_prefix,
     )
     return 0

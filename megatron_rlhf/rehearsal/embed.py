@@ -13,6 +13,7 @@ similarity, the metric SimCSE is trained for.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -51,6 +52,15 @@ def check_model_dir(model_dir: str | os.PathLike) -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=2)
+def _load_model(path: str, device: str):
+    """The sentence-transformers model, loaded once per (directory, device) in a process."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(path, device=device)
+
+
 def embed_prompts(
     prompts: list[str],
     model_dir: str | os.PathLike,
@@ -60,11 +70,7 @@ def embed_prompts(
     show_progress: bool = True,
 ) -> np.ndarray:
     """Embed ``prompts`` in batches with the model at ``model_dir``; return (N, D) float32."""
-    path = check_model_dir(model_dir)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(str(path), device=resolve_device(device))
+    model = _load_model(str(check_model_dir(model_dir)), resolve_device(device))
     embeddings = model.encode(
         prompts,
         batch_size=batch_size,
