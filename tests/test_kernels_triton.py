@@ -8,6 +8,7 @@
    multiples of the blocks), against float64 references and the PyTorch path. Triton reads that
    variable when kernels are decorated, so this file re-runs itself in a subprocess with it set:
    ``python tests/test_kernels_triton.py --out results.json``.
+3. ``benchmarks/gpu_kernels.py --smoke`` runs (agreement checks and tables) under the interpreter.
 """
 
 from __future__ import annotations
@@ -305,6 +306,25 @@ def interpreter_results(tmp_path_factory):
 def test_triton_interpreter(check, interpreter_results):
     result = interpreter_results[check]
     assert result["ok"], result["detail"]
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_script_runs_under_interpreter():
+    """benchmarks/gpu_kernels.py cannot run here; its --smoke mode runs every line of it."""
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "gpu_kernels.py"), "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "MISMATCH" not in proc.stdout
+    for heading in ("agreement", "log-probs", "GAE"):
+        assert heading in proc.stdout
 
 
 if __name__ == "__main__":
