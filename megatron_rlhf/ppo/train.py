@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_rlhf.config import load_config, to_dict
+from megatron_rlhf.distributed import destroy
 from megatron_rlhf.generation import SamplingConfig
 from megatron_rlhf.ppo.advantages import compute_advantages, dp_group_or_none, global_mean_var
 from megatron_rlhf.ppo.config import TrainPPOConfig
@@ -139,6 +140,7 @@ class PPOTrainer:
             ) % config.train.save_interval == 0 or self.step + 1 == config.train.steps:
                 self.save(self.step + 1)
         self.logger.close()
+        destroy()
         print_summary(
             "train-ppo",
             steps=config.train.steps,

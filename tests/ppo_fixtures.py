@@ -1,0 +1,44 @@
+"""A tiny PPO setup on disk: random HF BLOOM actor, prompt and rehearsal datasets, a config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+VOCAB = 64
+
+
+def make_ppo_setup(root: Path, vocab_size: int = VOCAB) -> dict:
+    from megatron_rlhf.data import write_prompt_dataset, write_sft_dataset
+    from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
+
+    arch = tiny_architecture(vocab_size=vocab_size, hidden_size=32, num_layers=2, num_heads=4)
+    save_random_hf_bloom(root / "actor", arch, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(4, vocab_size, (int(torch.randint(2, 6, (1,), generator=generator)),),
+                      generator=generator).tolist()
+        for _ in range(64)
+    ]  # fmt: skip
+    write_prompt_dataset(root / "prompts", prompts, vocab_size=vocab_size, eos_id=2, pad_id=3)
+    write_sft_dataset(
+        root / "rehearsal", [(p, [9, 10, 11]) for p in prompts[:16]],
+        vocab_size=vocab_size, eos_id=2, pad_id=3,
+    )  # fmt: skip
+    config = {
+        "models": {
+            "actor": str(root / "actor"),
+            "critic": str(root / "actor"),
+            "reward_fn": "ppo_reward:target_token_share",
+        },
+        "data": {"prompts": str(root / "prompts")},
+        "rollout": {"prompts_per_step": 16, "max_new_tokens": 8},
+        "ppo": {"micro_batch_size": 4, "num_minibatches": 2, "epochs": 2, "kl": {"coef": 0.01}},
+        "actor_optim": {"lr": 2.0e-2, "warmup_fraction": 0.0},
+        "critic_optim": {"lr": 3.0e-3, "warmup_fraction": 0.0},
+        "train": {"steps": 12, "save_interval": 4, "sample_interval": 4},
+    }
+    (root / "ppo.yaml").write_text(yaml.safe_dump(config))
+    return {"root": root, "config": root / "ppo.yaml", "arch": arch}

@@ -1,0 +1,127 @@
+"""train-ppo end to end on a known reward: it learns, TP=2 follows TP=1, a kill resumes exactly.
+
+The reward is the share of response tokens equal to token 7 (tests/ppo_reward.py); a random
+tiny BLOOM starts near 1/64.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ppo_fixtures import make_ppo_setup
+from torchrun_util import REPO, _free_port
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update(
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")]),
+    )
+    return env
+
+
+def _command(setup: dict, output_dir: Path, nproc: int, *overrides: str) -> list[str]:
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        launcher += ["--master-port", str(_free_port())]
+    return launcher + [
+        "-m", "megatron_rlhf", "train-ppo", "--config", str(setup["config"]),
+        f"train.output_dir={output_dir}", *overrides,
+    ]  # fmt: skip
+
+
+def _run(setup, output_dir, nproc=1, *overrides):
+    proc = subprocess.run(
+        _command(setup, output_dir, nproc, *overrides),
+        env=_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def _rewards(output_dir: Path) -> dict[int, dict]:
+    """The last logged metrics of every step (a resumed run logs some steps twice)."""
+    by_step = {}
+    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step[record["step"]] = record
+    return by_step
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return make_ppo_setup(tmp_path_factory.mktemp("ppo"))
+
+
+@pytest.fixture(scope="module")
+def tp1_run(setup):
+    output_dir = setup["root"] / "tp1"
+    _run(setup, output_dir)
+    return _rewards(output_dir)
+
+
+@pytest.mark.slow
+def test_ppo_raises_a_known_reward(tp1_run, setup):
+    first = sum(tp1_run[s]["reward/mean"] for s in (1, 2, 3)) / 3
+    last = sum(tp1_run[s]["reward/mean"] for s in (10, 11, 12)) / 3
+    print(f"reward: first three steps {first:.3f}, last three {last:.3f}")
+    assert first < 0.15 and last > 0.5, (first, last)
+    for key in ("kl/mean", "actor/entropy", "actor/clip_fraction", "actor/approx_kl",
+                "critic/explained_variance", "response/length", "time/rollout_s",
+                "throughput/tokens_per_s"):  # fmt: skip
+        assert key in tp1_run[12], key
+    samples = (setup["root"] / "tp1" / "samples.jsonl").read_text().splitlines()
+    assert {json.loads(line)["step"] for line in samples} == {4, 8, 12}
+    assert list((setup["root"] / "tp1" / "tensorboard").iterdir())
+
+
+@pytest.mark.slow
+def test_tp2_follows_the_tp1_trajectory(tp1_run, setup):
+    """Same seed, same data: TP=2 reproduces TP=1 until a near-tie sample flips (logits agree
+    to ~1e-7, so the first steps are identical), and learns as well."""
+    output_dir = setup["root"] / "tp2"
+    _run(setup, output_dir, 2, "parallel.tp=2")
+    tp2 = _rewards(output_dir)
+    for step in (1, 2, 3):
+        assert tp2[step]["reward/mean"] == pytest.approx(tp1_run[step]["reward/mean"], abs=1e-6)
+        assert tp2[step]["kl/mean"] == pytest.approx(tp1_run[step]["kl/mean"], abs=1e-4)
+    for step in range(1, 13):
+        assert abs(tp2[step]["reward/mean"] - tp1_run[step]["reward/mean"]) < 0.15
+    assert sum(tp2[s]["reward/mean"] for s in (10, 11, 12)) / 3 > 0.5
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_exactly(tp1_run, setup):
+    """SIGKILL after the step-4 checkpoint, relaunch: steps 5..12 equal the uninterrupted run."""
+    output_dir = setup["root"] / "killed"
+    proc = subprocess.Popen(
+        _command(setup, output_dir, 1), env=_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    pointer = output_dir / "latest_checkpoint.txt"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if pointer.exists() and pointer.read_text().strip() == "step_0000004":
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    _run(setup, output_dir)
+    resumed = _rewards(output_dir)
+    for step in range(5, 13):
+        for key in ("reward/mean", "kl/mean", "actor/policy_loss", "critic/value_loss"):
+            assert resumed[step][key] == tp1_run[step][key], (step, key)

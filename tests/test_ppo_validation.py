@@ -1,0 +1,55 @@
+"""train-ppo refuses bad input before it builds any model, with a message naming the key."""
+
+from __future__ import annotations
+
+import pytest
+from ppo_fixtures import make_ppo_setup
+
+from megatron_rlhf.ppo.train import main
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return make_ppo_setup(tmp_path_factory.mktemp("ppo_validation"))
+
+
+def _fails(setup, capsys, *overrides) -> str:
+    assert main(["--config", str(setup["config"]), *overrides]) == 2
+    return capsys.readouterr().err
+
+
+def test_missing_role_checkpoint(setup, capsys):
+    err = _fails(setup, capsys, "models.critic=/nonexistent/critic")
+    assert "models.critic: checkpoint directory /nonexistent/critic does not exist" in err
+
+
+def test_roles_with_different_vocabularies(setup, capsys, tmp_path):
+    from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
+
+    other = tmp_path / "other_vocab"
+    save_random_hf_bloom(other, tiny_architecture(vocab_size=128, hidden_size=32, num_heads=4))
+    err = _fails(setup, capsys, f"models.critic={other}")
+    assert "vocabularies differ" in err and "'critic': 128" in err
+
+
+def test_rehearsal_set_from_another_tokenizer(setup, capsys, tmp_path):
+    from megatron_rlhf.data import write_sft_dataset
+
+    write_sft_dataset(tmp_path / "dr", [([5, 6], [7])], vocab_size=64, eos_id=9, pad_id=9)
+    err = _fails(setup, capsys, "rehearsal.enabled=true", f"rehearsal.dataset={tmp_path / 'dr'}")
+    assert "rehearsal.dataset was built with tokenizer" in err
+
+
+def test_layout_that_does_not_divide(setup, capsys):
+    err = _fails(setup, capsys, "parallel.tp=3")
+    assert "num_heads 4 is not divisible by" in err and "world size 1" in err
+
+
+def test_untrained_reward_model(setup, capsys):
+    err = _fails(setup, capsys, f"models.reward={setup['root'] / 'actor'}", "models.reward_fn=null")
+    assert "not a trained reward/advantage model" in err
+
+
+def test_unknown_config_key(setup, capsys):
+    err = _fails(setup, capsys, "ppo.clip=0.3")
+    assert "unknown config key ppo.clip" in err
