@@ -9,17 +9,14 @@ Triton reads that variable when a kernel is decorated, so it must be set before 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from collections.abc import Iterator
 
 import torch
 
-try:  # guarded: triton is an optional GPU dependency
-    import triton  # noqa: F401
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    HAVE_TRITON = False
+# Guarded: triton is an optional GPU dependency, imported (by triton_*.py) only when used.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
