@@ -163,7 +163,9 @@ def _forward_step(loss_fn, data_iterator, model):
 
 def _loss_on_last_stage(loss_fn, microbatch, output):
     loss, metrics = loss_fn(output, microbatch)
-    return loss, {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+    # clone: the schedule divides the returned loss by num_microbatches in place, which would
+    # also shrink a detached view of it (schedules.py:269)
+    return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in metrics.items()}}
 
 
 def _average(per_microbatch: list[dict]) -> dict:
