@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ._dispatch import use_triton
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
-GAE_BLOCK = 64  # tokens per block of the CPU discounted sum (a (64, 64) matrix of powers)
+GAE_BLOCK = 32  # tokens per block of the CPU discounted sum (a (32, 32) matrix of powers)
 
 
 def kl_penalty(
@@ -95,14 +95,13 @@ def gae(
     _check_rows("gae", rewards=rewards, values=values, mask=mask)
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gae: gamma and lam must lie in [0, 1], got {gamma}, {lam}")
-    valid = mask != 0  # (B, T)
-    _check_mask_shape("gae", valid)
     dtype = torch.promote_types(values.dtype, torch.float32)
+    m = _nonzero_as(mask, dtype)  # (B, T) 1.0 on response tokens
+    _check_mask_shape("gae", m)
     if use_triton(values) and dtype != torch.float64:
         from . import triton_advantages
 
         return triton_advantages.gae(rewards, values, mask, gamma, lam)
-    m = valid.to(dtype)
     v = values.to(dtype)
     deltas = rewards.to(dtype) - v  # (B, T), then + gamma * V_{t+1} m_{t+1} (0 after the end)
     deltas[:, :-1].addcmul_(v[:, 1:], m[:, 1:], value=gamma)
@@ -179,9 +178,16 @@ def _check_rows(name: str, **tensors: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected tensors of one (B, T) shape, got {shapes}")
 
 
-def _check_mask_shape(name: str, valid: torch.Tensor) -> None:
-    """Each row of the bool ``valid`` must be 0...0 1...1 0...0: at most one run start."""
-    starts = valid[:, 0] + (valid[:, 1:] > valid[:, :-1]).sum(1)  # (B,)
+def _nonzero_as(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """1 where ``mask`` is nonzero, else 0, in ``dtype`` (floating masks avoid a bool pass)."""
+    if mask.is_floating_point():
+        return mask.to(dtype).abs().sign()
+    return (mask != 0).to(dtype)
+
+
+def _check_mask_shape(name: str, m: torch.Tensor) -> None:
+    """Each row of the 0/1 ``m`` must be 0...0 1...1 0...0: at most one run start."""
+    starts = m[:, 0] + (m[:, 1:] - m[:, :-1]).clamp_(min=0).sum(1)  # (B,)
     if starts.numel() and int(starts.max()) > 1:
         row = int(starts.argmax())
         raise ValueError(
