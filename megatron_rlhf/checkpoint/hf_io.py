@@ -44,6 +44,7 @@ class HFReader:
         self._file_of = self._index()
         self._handles: dict[Path, object] = {}
         self._check_names()
+        self._check_vocab_rows()
 
     def _index(self) -> dict[str, Path]:
         single, index = self.directory / SINGLE_FILE, self.directory / INDEX_FILE
@@ -73,6 +74,17 @@ class HFReader:
             raise InputError(f"{self.directory}: missing tensors {missing[:8]} ({len(missing)})")
         if unknown:
             raise InputError(f"{self.directory}: unknown tensors {unknown[:8]} ({len(unknown)})")
+
+    def _check_vocab_rows(self) -> None:
+        """The embedding must have exactly config.json's vocab_size rows (rows are zero-padded
+        per TP rank when loading, so a shorter embedding would otherwise load silently)."""
+        shape = tuple(self._view("word_embeddings.weight").get_shape())
+        expected = (self.arch.vocab_size, self.arch.hidden_size)
+        if shape != expected:
+            raise InputError(
+                f"{self.directory}: word_embeddings.weight has shape {shape} but config.json "
+                f"gives vocab_size x hidden_size = {expected}; weights and config disagree"
+            )
 
     def has(self, name: str) -> bool:
         return name in self._file_of

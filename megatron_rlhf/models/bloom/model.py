@@ -84,7 +84,7 @@ class BloomModel(GPTModel):
                 pre_process=pre_process,
                 post_process=post_process and head == "lm",
                 parallel_output=True,
-                share_embeddings_and_output_weights=True,
+                share_embeddings_and_output_weights=head == "lm",  # no LM head to tie to otherwise
                 position_embedding_type="none",
             )
         self.arch = arch

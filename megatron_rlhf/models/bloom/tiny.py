@@ -17,15 +17,16 @@ def tiny_architecture(vocab_size: int = 512, **overrides) -> BloomArchitecture:
 
 
 def random_hf_bloom(arch: BloomArchitecture, seed: int = 0, init_std: float = 0.02):
-    """A ``transformers.BloomForCausalLM`` with random weights (LayerNorms perturbed too)."""
+    """A ``transformers.BloomForCausalLM`` with random weights (LayerNorms and biases too)."""
     from transformers import BloomConfig, BloomForCausalLM
 
     config = BloomConfig(**{**arch.to_hf_dict(), "initializer_range": init_std})
     torch.manual_seed(seed)
     model = BloomForCausalLM(config).eval()
-    with torch.no_grad():  # non-trivial LayerNorm affine parameters catch mapping mistakes
+    # Non-trivial LayerNorms and (otherwise zero) biases catch name-map mistakes.
+    with torch.no_grad():
         for name, param in model.named_parameters():
-            if "layernorm" in name or "ln_f" in name:
+            if "layernorm" in name or "ln_f" in name or name.endswith(".bias"):
                 param.add_(torch.randn_like(param) * 0.1)
     return model
 
