@@ -1,0 +1,269 @@
+"""torchrun worker (4 processes, gloo): BLOOM at TP=1/2 x PP=1/2 against transformers.
+
+    torchrun --nproc-per-node 4 tests/dist_bloom_worker.py --out OUT.json \\
+        --hf-a HF_DIR_A --hf-b HF_DIR_B --work SCRATCH_DIR
+
+Every rank builds the transformers reference itself (tiny models), switches Megatron-Core's
+layout between checks, and records ``{check: (ok, detail)}`` for the checks it can judge (the
+last pipeline stage judges logits). Rank 0 merges all ranks' records (a check passes only if
+every rank that judged it agrees) and writes them as JSON for ``test_bloom_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from dist_bloom_common import (
+    ARCH_A,
+    ARCH_B,
+    EOS_ID,
+    PAD_ID,
+    hf_greedy,
+    hf_scalar_reference,
+    left_padded_batch,
+)
+from megatron.core import parallel_state
+
+from megatron_rlhf.checkpoint import dist as dist_ckpt
+from megatron_rlhf.checkpoint import load_bloom
+from megatron_rlhf.distributed import ParallelConfig, initialize
+from megatron_rlhf.distributed.pipeline import gather_vocab_shards, pipeline_forward
+from megatron_rlhf.generation import SamplingConfig, generate
+from megatron_rlhf.utils import InputError
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+TOLERANCE = 1e-4
+RECORDS: dict[str, tuple[bool, str]] = {}
+
+
+def record(name: str, ok: bool, detail: str = "") -> None:
+    RECORDS[name] = (bool(ok), detail)
+
+
+def use_layout(tp: int, pp: int, arch) -> None:
+    initialize(ParallelConfig(tp=tp, pp=pp), num_heads=arch.num_heads, num_layers=arch.num_layers)
+
+
+def hf_model(directory):
+    from transformers import BloomForCausalLM
+
+    return BloomForCausalLM.from_pretrained(directory).eval()
+
+
+def compare_logits(name: str, model, ids, mask, ref, vocab_size: int) -> None:
+    """Judge this layout's logits on the last stage: real vocab vs ``ref``, padding at -inf."""
+    with torch.no_grad():
+        shard = pipeline_forward(model, ids, mask)  # (B, S, V_pad / tp) on the last stage
+    if not parallel_state.is_pipeline_last_stage():
+        if shard is not None:
+            record(name, False, "a non-last stage returned logits")
+        return
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    full = gather_vocab_shards(shard)  # (B, S, V_pad)
+    expected_shape = (*ids.shape, model.vocab_size // tp)
+    real = mask.bool()
+    diff = (full[..., :vocab_size] - ref)[real].abs().max().item()
+    padding_ok = bool((full[..., vocab_size:] == torch.finfo(full.dtype).min).all())
+    ok = tuple(shard.shape) == expected_shape and diff <= TOLERANCE and padding_ok
+    record(
+        name,
+        ok,
+        f"shard {tuple(shard.shape)} max|diff| {diff:.2e} padded-vocab-masked {padding_ok}",
+    )
+
+
+def check_logits_parity(hf_dirs) -> None:
+    for arch_name, arch, directory in (("a", ARCH_A, hf_dirs[0]), ("b", ARCH_B, hf_dirs[1])):
+        ids, mask = left_padded_batch(arch.vocab_size, [10, 6, 1, 8], seed=11)
+        with torch.no_grad():
+            ref = hf_model(directory)(input_ids=ids, attention_mask=mask).logits
+        for tp, pp in LAYOUTS:
+            use_layout(tp, pp, arch)
+            model = load_bloom(directory, init_weights=False).eval()
+            compare_logits(
+                f"logits_{arch_name}_tp{tp}pp{pp}", model, ids, mask, ref, arch.vocab_size
+            )
+            if tp == 2 and arch_name == "a":
+                model = load_bloom(directory, init_weights=False, sequence_parallel=True).eval()
+                name = f"logits_{arch_name}_tp{tp}pp{pp}_sequence_parallel"
+                compare_logits(name, model, ids, mask, ref, arch.vocab_size)
+
+
+def perturb_scalar_head(model) -> None:
+    """Give the (replicated) scalar head random weights and bias, the same on every rank."""
+    if not model.is_last_stage:
+        return
+    generator = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for param in model.scalar_head.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator))
+
+
+def compare_scalar(name: str, model, ids, mask, hf) -> None:
+    with torch.no_grad():
+        values = pipeline_forward(model, ids, mask)  # (B, S, n) on the last stage
+    if not parallel_state.is_pipeline_last_stage():
+        return
+    head = model.scalar_head
+    ref = hf_scalar_reference(hf, ids, mask, head.weight, head.bias)
+    diff = (values.double() - ref)[mask.bool()].abs().max().item()
+    ok = tuple(values.shape) == (*ids.shape, 2) and diff <= TOLERANCE
+    record(name, ok, f"values {tuple(values.shape)} max|diff| {diff:.2e}")
+
+
+def check_checkpoints(hf_a: str, work: Path) -> None:
+    """Save at TP2xPP2 (LM and scalar heads), load at every other layout."""
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, [7, 3, 9], seed=12)
+    hf = hf_model(hf_a)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask).logits
+    lm_dir, scalar_dir = work / "ckpt_lm_tp2pp2", work / "ckpt_scalar_tp2pp2"
+    use_layout(2, 2, ARCH_A)
+    model = load_bloom(hf_a, init_weights=False)
+    dist_ckpt.save(lm_dir, model.sharded_state_dict(), dist_ckpt.model_metadata(model))
+    scalar = load_bloom(hf_a, head="scalar", num_scalar_outputs=2).eval()
+    perturb_scalar_head(scalar)
+    compare_scalar("scalar_head_tp2pp2", scalar, ids, mask, hf)
+    dist_ckpt.save(scalar_dir, scalar.sharded_state_dict(), dist_ckpt.model_metadata(scalar))
+    for tp, pp in [(1, 1), (2, 1), (1, 2)]:
+        use_layout(tp, pp, ARCH_A)
+        from_ckpt = load_bloom(lm_dir, init_weights=False).eval()
+        from_hf = load_bloom(hf_a, init_weights=False)
+        names = [n for n, _ in from_hf.named_parameters()]
+        same = [
+            torch.equal(a, b)
+            for (_, a), (_, b) in zip(from_ckpt.named_parameters(), from_hf.named_parameters())
+        ]
+        ok = len(same) == len(names) and all(same)
+        bad = [n for n, s in zip(names, same) if not s]
+        record(f"ckpt_tp2pp2_loads_at_tp{tp}pp{pp}_bit_exact", ok, f"differing: {bad[:4]}")
+        compare_logits(
+            f"ckpt_tp2pp2_logits_at_tp{tp}pp{pp}", from_ckpt, ids, mask, ref, ARCH_A.vocab_size
+        )
+        from_ckpt = load_bloom(scalar_dir, head="scalar", num_scalar_outputs=2).eval()
+        compare_scalar(f"scalar_ckpt_tp2pp2_at_tp{tp}pp{pp}", from_ckpt, ids, mask, hf)
+    try:
+        load_bloom(lm_dir, head="scalar")
+        record("ckpt_wrong_head_refused", False, "an LM checkpoint loaded into a scalar head")
+    except InputError as err:
+        record("ckpt_wrong_head_refused", "'lm' head" in str(err), str(err))
+
+
+def greedy_config(use_kv_cache: bool, eos_id: int = EOS_ID) -> SamplingConfig:
+    return SamplingConfig(
+        max_new_tokens=10, greedy=True, eos_id=eos_id, pad_id=PAD_ID, use_kv_cache=use_kv_cache
+    )
+
+
+def response_mask_until_eos(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 on every token up to and including the first EOS of each row (B, N)."""
+    eos_before = (tokens == eos_id).long().cumsum(dim=1) - (tokens == eos_id).long()
+    return (eos_before == 0).long()
+
+
+def compare_generation(name: str, out, ref_tokens, ref_logprobs, eos_id: int) -> None:
+    ref_mask = response_mask_until_eos(ref_tokens, eos_id)
+    same_tokens = out.response_ids.shape == ref_tokens.shape and torch.equal(
+        out.response_ids, ref_tokens
+    )
+    same_mask = same_tokens and torch.equal(out.response_mask, ref_mask)
+    diff, padding_zero = float("inf"), False
+    if same_mask:
+        diff = (out.response_logprobs - ref_logprobs)[ref_mask.bool()].abs().max().item()
+        padding_zero = bool((out.response_logprobs[~ref_mask.bool()] == 0).all())
+    ok = same_mask and diff <= TOLERANCE and padding_zero
+    detail = f"tokens equal {same_tokens} mask equal {same_mask} logprob max|diff| {diff:.2e}"
+    if not same_tokens:
+        detail += f" ours {out.response_ids.tolist()} ref {ref_tokens.tolist()}"
+    record(name, ok, detail)
+
+
+def check_generation(hf_a: str) -> None:
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, [7, 3, 9, 5], seed=13)
+    hf = hf_model(hf_a)
+    ref_tokens, ref_logprobs = hf_greedy(hf, ids, mask, max_new_tokens=10)
+    # Stop row 1 early: the first of its greedy tokens (from the 3rd on) not seen before in the
+    # row becomes EOS; the other rows stop there too if they produce it.
+    row = ref_tokens[1].tolist()
+    firsts = [t for i, t in enumerate(row) if i >= 2 and t not in row[:i] and t != EOS_ID]
+    stop_token = firsts[0] if firsts else EOS_ID
+    record("generation_eos_token_usable", bool(firsts), f"stop token {stop_token} in {row}")
+    stop_tokens, stop_logprobs = hf_greedy(hf, ids, mask, max_new_tokens=10, eos_id=stop_token)
+    sampled = {}
+    for tp, pp in [(1, 1), (2, 1), (1, 2)]:
+        use_layout(tp, pp, ARCH_A)
+        model = load_bloom(hf_a, init_weights=False)
+        for cache in (True, False):
+            out = generate(model, ids, mask, greedy_config(cache))
+            tag = "kv_cache" if cache else "no_cache"
+            compare_generation(f"greedy_tp{tp}pp{pp}_{tag}", out, ref_tokens, ref_logprobs, EOS_ID)
+        out = generate(model, ids, mask, greedy_config(True, eos_id=stop_token))
+        name = f"greedy_eos_stop_tp{tp}pp{pp}"
+        compare_generation(name, out, stop_tokens, stop_logprobs, stop_token)
+        for seed in (7, 8):
+            sampling = SamplingConfig(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=seed)
+            sampled[(tp, pp, seed)] = generate(model, ids, mask, sampling).response_ids
+    if dist.get_rank() == 0:  # data-parallel rank 0 in every layout
+        base = sampled[(1, 1, 7)]
+        for tp, pp in [(2, 1), (1, 2)]:
+            same = torch.equal(sampled[(tp, pp, 7)], base)
+            record(f"sampling_seed_reproducible_tp{tp}pp{pp}_vs_tp1", same, str(base.tolist()))
+        differs = not torch.equal(sampled[(1, 1, 8)], base)
+        record("sampling_other_seed_differs", differs, str(sampled[(1, 1, 8)].tolist()))
+
+
+def run_checks(args) -> None:
+    use_layout(1, 1, ARCH_A)
+    work = Path(args.work)
+    for name, check in (
+        ("logits_parity", lambda: check_logits_parity((args.hf_a, args.hf_b))),
+        ("checkpoints", lambda: check_checkpoints(args.hf_a, work)),
+        ("generation", lambda: check_generation(args.hf_a)),
+    ):
+        try:
+            check()
+        except Exception:  # recorded, so the other groups still report
+            record(f"{name}_raised", False, traceback.format_exc()[-3000:])
+            raise
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--hf-a", required=True)
+    parser.add_argument("--hf-b", required=True)
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--hang-seconds", type=float, default=400)
+    args = parser.parse_args()
+    # A collective that never completes would otherwise hang until the launcher's timeout.
+    faulthandler.dump_traceback_later(args.hang_seconds, exit=True)
+    try:
+        run_checks(args)
+    finally:
+        write_records(args.out)
+
+
+def write_records(out: str) -> None:
+    if not dist.is_initialized():
+        return
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, RECORDS)
+    if dist.get_rank() != 0:
+        return
+    merged: dict[str, dict] = {}
+    for rank, records in enumerate(gathered):
+        for name, (ok, detail) in records.items():
+            entry = merged.setdefault(name, {"ok": True, "detail": ""})
+            entry["ok"] = entry["ok"] and ok
+            entry["detail"] += f"[rank {rank}] {detail} "
+    Path(out).write_text(json.dumps(merged, indent=2))
+
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing spawns a helper process
+    main()

@@ -1,0 +1,62 @@
+"""BLOOM at TP=1/2 x PP=1/2 (4 processes over gloo) against transformers, in one torchrun launch.
+
+``dist_bloom_worker.py`` runs every check; this file builds the tiny HF checkpoints, launches it
+once, and turns each check into a test. See the worker for what each check compares.
+"""
+
+from __future__ import annotations
+
+import pytest
+from dist_bloom_common import ARCH_A, ARCH_B, save_hf_bloom
+from torchrun_util import REPO, run_torchrun
+
+LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]
+OTHER_LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2"]
+GEN_LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2"]
+CHECKS = [
+    *(f"logits_{arch}_{layout}" for arch in "ab" for layout in LAYOUTS),
+    "logits_a_tp2pp1_sequence_parallel",
+    "logits_a_tp2pp2_sequence_parallel",
+    "scalar_head_tp2pp2",
+    *(f"ckpt_tp2pp2_loads_at_{layout}_bit_exact" for layout in OTHER_LAYOUTS),
+    *(f"ckpt_tp2pp2_logits_at_{layout}" for layout in OTHER_LAYOUTS),
+    *(f"scalar_ckpt_tp2pp2_at_{layout}" for layout in OTHER_LAYOUTS),
+    "ckpt_wrong_head_refused",
+    "generation_eos_token_usable",
+    *(f"greedy_{layout}_{cache}" for layout in GEN_LAYOUTS for cache in ("kv_cache", "no_cache")),
+    *(f"greedy_eos_stop_{layout}" for layout in GEN_LAYOUTS),
+    "sampling_seed_reproducible_tp2pp1_vs_tp1",
+    "sampling_seed_reproducible_tp1pp2_vs_tp1",
+    "sampling_other_seed_differs",
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bloom_parallel")
+    save_hf_bloom(root / "hf_a", ARCH_A, seed=0)
+    save_hf_bloom(root / "hf_b", ARCH_B, seed=1)
+    (root / "work").mkdir()
+    return run_torchrun(
+        REPO / "tests" / "dist_bloom_worker.py",
+        4,
+        root / "results.json",
+        "--hf-a",
+        str(root / "hf_a"),
+        "--hf-b",
+        str(root / "hf_b"),
+        "--work",
+        str(root / "work"),
+        timeout=600,
+    )
+
+
+def test_worker_ran_exactly_the_expected_checks(results):
+    assert sorted(results) == sorted(CHECKS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", CHECKS)
+def test_bloom_parallel(results, check):
+    assert check in results, f"the worker did not run {check}"
+    assert results[check]["ok"], results[check]["detail"]

@@ -1,0 +1,279 @@
+"""BLOOM building blocks in one process: ALiBi, masks, layout validation, name map, parity.
+
+References: transformers' ``build_alibi_tensor`` and ``BloomForCausalLM`` (same weights), and
+brute-force loops for the masks. The multi-process layouts are in ``test_bloom_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from dist_bloom_common import (
+    ARCH_A,
+    ARCH_B,
+    hf_scalar_reference,
+    left_padded_batch,
+    save_hf_bloom,
+)
+
+from megatron_rlhf.distributed import ParallelConfig, validate
+from megatron_rlhf.models.bloom import alibi_slopes, alibi_slopes_for_rank, padded_vocab_size
+from megatron_rlhf.models.bloom.alibi import positions_from_mask
+from megatron_rlhf.utils import InputError
+
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _hf_slopes(num_heads: int) -> torch.Tensor:
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    alibi = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), num_heads, torch.float32)
+    return alibi[:, 0, 1]  # (H,) bias at position 1 = the slope
+
+
+def test_alibi_slopes_match_transformers_for_every_head_count():
+    for num_heads in [*range(1, 131), 112]:
+        ours, ref = alibi_slopes(num_heads), _hf_slopes(num_heads)
+        assert ours.dtype == torch.float32 and ours.shape == (num_heads,)
+        assert torch.equal(ours, ref), f"num_heads={num_heads}"
+
+
+def test_alibi_slopes_per_tp_rank_are_contiguous_blocks():
+    for num_heads, tp in [(6, 2), (6, 3), (12, 2), (12, 4), (16, 8), (112, 4), (112, 8), (5, 1)]:
+        ref = _hf_slopes(num_heads)
+        per_rank = num_heads // tp
+        for rank in range(tp):
+            block = alibi_slopes_for_rank(num_heads, rank, tp)
+            assert torch.equal(block, ref[rank * per_rank : (rank + 1) * per_rank]), (num_heads, tp)
+
+
+def _random_masks(batch: int, seq: int, seed: int) -> torch.Tensor:
+    """Left-padded, right-padded, holed, full and all-padding rows."""
+    generator = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(batch, seq, generator=generator) > 0.3).long()
+    mask[0] = 0
+    mask[1] = 1
+    mask[2, :3] = 0
+    mask[2, 3:] = 1
+    mask[3, : seq - 2] = 1
+    mask[3, seq - 2 :] = 0
+    return mask
+
+
+def test_positions_from_mask_counts_from_first_real_token():
+    mask = _random_masks(8, 11, seed=0)
+    expected = torch.zeros_like(mask)
+    for row in range(mask.shape[0]):
+        count = 0
+        for col in range(mask.shape[1]):
+            if mask[row, col]:
+                expected[row, col] = count
+                count += 1
+    assert torch.equal(positions_from_mask(mask), expected)
+    assert torch.equal(positions_from_mask(mask.bool()), expected)
+
+
+@pytest.mark.parametrize("query_length", [11, 4, 1])
+def test_attention_mask_for_matches_brute_force(query_length):
+    from megatron_rlhf.models.bloom import attention_mask_for
+
+    mask = _random_masks(6, 11, seed=1)
+    batch, keys = mask.shape
+    expected = torch.ones(batch, 1, query_length, keys, dtype=torch.bool)  # True = masked
+    for b in range(batch):
+        for q in range(query_length):
+            query_position = keys - query_length + q
+            for k in range(keys):
+                if k <= query_position and mask[b, k]:
+                    expected[b, 0, q, k] = False
+    got = attention_mask_for(mask, query_length)
+    assert got.dtype == torch.bool and torch.equal(got, expected)
+
+
+def test_validate_names_every_factor():
+    with pytest.raises(InputError) as err:
+        validate(ParallelConfig(tp=4, pp=3), world_size=6, num_heads=6, num_layers=4)
+    message = str(err.value)
+    assert "world size 6" in message and "tp*pp = 4*3 = 12" in message
+    assert "num_heads 6" in message and "parallel.tp=4" in message and "[1, 2, 3, 6]" in message
+    assert "num_layers 4" in message and "parallel.pp=3" in message and "[1, 2, 4]" in message
+    with pytest.raises(InputError, match="must be >= 1"):
+        validate(ParallelConfig(tp=0), world_size=1)
+    assert validate(ParallelConfig(tp=2, pp=2), world_size=8, num_heads=6, num_layers=4) == 2
+    assert validate(ParallelConfig(), world_size=3) == 3
+
+
+def test_initialize_validates_before_building_anything():
+    import torch.distributed as dist
+
+    from megatron_rlhf.distributed import initialize
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    saved = {key: os.environ.get(key) for key in _DIST_ENV}
+    try:
+        os.environ.pop("WORLD_SIZE", None)
+        with pytest.raises(InputError, match="world size 1 is not divisible by tp"):
+            initialize(ParallelConfig(tp=2), num_heads=6, num_layers=4)
+        assert not dist.is_initialized()
+    finally:
+        _restore_env(saved)
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(250_880, 1) == 250_880  # BLOOM needs no padding
+    for vocab in [1, 250, 1000, 1024, 1025, 50_257, 250_680]:
+        sizes = {padded_vocab_size(vocab, tp) for tp in (1, 2, 4, 8)}
+        assert len(sizes) == 1, f"vocab {vocab}: padded size depends on tp: {sizes}"
+        for tp in (1, 2, 4, 8, 16):
+            padded = padded_vocab_size(vocab, tp)
+            assert padded >= vocab and padded % (128 * tp) == 0 and padded - vocab < 128 * 16
+
+
+def _restore_env(saved: dict) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    """Megatron-Core parallel state at world size 1; torch.distributed torn down afterwards."""
+    import torch.distributed as dist
+
+    from megatron_rlhf.distributed import destroy, initialize
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    saved = {key: os.environ.get(key) for key in _DIST_ENV}
+    initialize(ParallelConfig())
+    yield
+    destroy()
+    _restore_env(saved)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hf_bloom_a")
+    save_hf_bloom(directory, ARCH_A, seed=0)
+    return directory
+
+
+def _hf_model(directory):
+    from transformers import BloomForCausalLM
+
+    return BloomForCausalLM.from_pretrained(directory).eval()
+
+
+def test_hf_name_map_covers_exactly_the_hf_tensors(single_process):
+    from transformers import BloomConfig, BloomForSequenceClassification
+
+    from megatron_rlhf.checkpoint.hf_names import canonical_hf_name, hf_names, mapping_for
+    from megatron_rlhf.models.bloom import BloomModel
+    from megatron_rlhf.models.bloom.tiny import random_hf_bloom
+
+    arch = ARCH_B
+    hf_lm = {canonical_hf_name(n) for n in random_hf_bloom(arch).state_dict()} - {"lm_head.weight"}
+    assert hf_lm == set(hf_names(arch.num_layers, "lm"))
+    hf_cls = BloomForSequenceClassification(BloomConfig(**arch.to_hf_dict(), num_labels=2))
+    hf_scalar = {canonical_hf_name(n) for n in hf_cls.state_dict()}
+    # Our scalar head has a bias; BloomForSequenceClassification's `score` has none.
+    assert hf_scalar | {"score.bias"} == set(hf_names(arch.num_layers, "scalar"))
+
+    for head in ("lm", "scalar"):
+        model = BloomModel(arch, head=head, num_scalar_outputs=2)
+        names = [n for n, _ in model.named_parameters() if n != "output_layer.weight"]
+        mapped = [mapping_for(n, head, layer_offset=0).hf_name for n in names]
+        assert len(set(mapped)) == len(mapped), f"{head}: two parameters map to one HF tensor"
+        assert set(mapped) == set(hf_names(arch.num_layers, head)), head
+    with pytest.raises(KeyError):
+        mapping_for("decoder.layers.0.self_attention.linear_q.weight", "lm", 0)
+
+
+def _our_logits(model, ids, mask) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, mask)  # (B, S, V_padded) at TP=1
+
+
+def test_logits_match_transformers_single_process(single_process, hf_dir):
+    from megatron_rlhf.checkpoint import load_bloom
+
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, [9, 5, 1, 7], seed=3)
+    with torch.no_grad():
+        ref = _hf_model(hf_dir)(input_ids=ids, attention_mask=mask).logits  # (B, S, V)
+    model = load_bloom(hf_dir).eval()
+    logits = _our_logits(model, ids, mask)
+    assert logits.shape == (4, 9, padded_vocab_size(ARCH_A.vocab_size, 1))
+    real = mask.bool()
+    assert ref[real].abs().max() > 1.0  # logits are not trivially small
+    diff = (logits[..., : ARCH_A.vocab_size] - ref)[real].abs().max().item()
+    assert diff <= 1e-4, diff
+    assert (logits[..., ARCH_A.vocab_size :] == torch.finfo(logits.dtype).min).all()
+
+    # A left-padded row gives the same logits as the same prompt alone, unpadded.
+    for row in range(ids.shape[0]):
+        alone = ids[row][real[row]][None]
+        single = _our_logits(model, alone, torch.ones_like(alone))
+        diff = (single[0] - logits[row][real[row]]).abs().max().item()
+        assert diff <= 1e-5, (row, diff)
+
+
+def test_scalar_head_matches_transformers_trunk(single_process, hf_dir):
+    from megatron_rlhf.checkpoint import load_bloom
+
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, [6, 8, 2], seed=4)
+    model = load_bloom(hf_dir, head="scalar", num_scalar_outputs=2).eval()
+    head = model.scalar_head
+    assert head.weight.abs().sum() > 0  # a fresh initialisation, not zeros
+    with torch.no_grad():
+        head.bias.copy_(torch.randn(2, generator=torch.Generator().manual_seed(5)))
+        values = model(ids, mask)  # (B, S, 2)
+    assert values.shape == (3, 8, 2) and values.dtype == torch.float32
+    ref = hf_scalar_reference(_hf_model(hf_dir), ids, mask, head.weight, head.bias)
+    diff = (values.double() - ref)[mask.bool()].abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+def test_unknown_head_is_refused(single_process):
+    from megatron_rlhf.models.bloom import BloomModel
+
+    with pytest.raises(ValueError, match="head must be one of"):
+        BloomModel(ARCH_A, head="value")
+
+
+def _top_p_support(logits: torch.Tensor, top_p: float) -> set[int]:
+    """Plain reference: the smallest set of most likely tokens whose probability reaches top_p."""
+    probs = logits.double().softmax(-1)
+    kept, total = set(), 0.0
+    for token in probs.argsort(descending=True).tolist():
+        kept.add(token)
+        total += probs[token].item()
+        if total >= top_p:
+            break
+    return kept
+
+
+def test_sampling_top_p_and_temperature_follow_the_reference():
+    from megatron_rlhf.generation.engine import SamplingConfig, _choose
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 37, generator=generator) * 2.0
+    draws = 20_000
+    batch = logits.expand(draws, -1)
+    for top_p, temperature in [(1.0, 1.0), (0.9, 1.0), (0.5, 0.7), (1e-6, 1.0)]:
+        sampling = SamplingConfig(top_p=top_p, temperature=temperature)
+        tokens = _choose(batch, sampling, torch.Generator().manual_seed(1))
+        support = _top_p_support(logits[0] / temperature, top_p)
+        assert set(tokens.tolist()) <= support, (top_p, temperature)
+        expected = torch.zeros(37, dtype=torch.float64)
+        kept = torch.tensor(sorted(support))
+        expected[kept] = (logits[0, kept].double() / temperature).softmax(-1)
+        observed = torch.bincount(tokens, minlength=37).double() / draws
+        sigma = (expected * (1 - expected) / draws).sqrt()
+        assert ((observed - expected).abs() <= 5 * sigma + 1e-9).all(), (top_p, temperature)
+    greedy = _choose(batch[:3], SamplingConfig(greedy=True), None)
+    assert torch.equal(greedy, logits.argmax(-1).expand(3))
