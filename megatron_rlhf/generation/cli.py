@@ -50,6 +50,14 @@ def load_tokenizer(directory):
         raise InputError(f"{directory}: cannot load a Hugging Face tokenizer ({err})") from None
 
 
+def resolve_tokenizer(tokenizer_dir, model_dir):
+    """``tokenizer_dir`` if given, else ``model_dir``'s tokenizer if it has one, else None
+    (prompts must then be token ids)."""
+    if tokenizer_dir or _has_tokenizer(model_dir):
+        return load_tokenizer(tokenizer_dir or model_dir)
+    return None
+
+
 def read_prompts(path, tokenizer) -> list[tuple[dict, list[int]]]:
     records = []
     for line, record in read_jsonl(path):
@@ -97,11 +105,7 @@ def _run(args) -> int:
     from megatron_rlhf.generation.engine import SamplingConfig, generate
 
     arch = checkpoint_architecture(args.load)
-    tokenizer = (
-        load_tokenizer(args.tokenizer or args.load)
-        if (args.tokenizer or _has_tokenizer(args.load))
-        else None
-    )
+    tokenizer = resolve_tokenizer(args.tokenizer, args.load)
     records = read_prompts(args.prompts, tokenizer)
     eos = getattr(tokenizer, "eos_token_id", None)
     pad = getattr(tokenizer, "pad_token_id", None)
