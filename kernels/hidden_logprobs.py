@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .logprobs import (
+    check_targets,
     finish_stats,
     gather_tp_stats,
     local_stats,
@@ -60,9 +61,7 @@ def token_logprobs_from_hidden(
         )
     if not temperature > 0 or token_chunk < 1 or vocab_chunk < 1:
         raise ValueError("token_logprobs_from_hidden: temperature and chunk sizes must be > 0")
-    _, vocab_global = vocab_range(weight.shape[0], tp_group)
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_global):
-        raise ValueError(f"token_logprobs_from_hidden: target ids must lie in [0, {vocab_global})")
+    check_targets("token_logprobs_from_hidden", targets, vocab_range(weight.shape[0], tp_group)[1])
     outputs = _HiddenLogprobs.apply(
         hidden,
         weight,

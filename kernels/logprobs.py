@@ -55,12 +55,7 @@ def token_logprobs(
         raise ValueError("token_logprobs: logits must be floating point and targets integer ids")
     if not temperature > 0:
         raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
-    _, vocab_global = vocab_range(logits.shape[-1], tp_group)
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_global):
-        raise ValueError(
-            f"token_logprobs: target ids must lie in [0, {vocab_global}); got "
-            f"[{int(targets.min())}, {int(targets.max())}]"
-        )
+    check_targets("token_logprobs", targets, vocab_range(logits.shape[-1], tp_group)[1])
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     outputs = _TokenLogprobs.apply(logits, targets, temperature, tp_group, return_entropy)
@@ -122,6 +117,18 @@ def shard_targets(targets: torch.Tensor, vocab_start: int, vocab_local: int) -> 
     """Target ids relative to this shard, -1 where the target lives on another rank."""
     local = targets.long() - vocab_start
     return torch.where((local >= 0) & (local < vocab_local), local, -1).contiguous()
+
+
+def check_targets(name: str, targets: torch.Tensor, vocab: int) -> None:
+    """Raise unless every id lies in ``[0, vocab)`` (one device sync)."""
+    if targets.numel() == 0:
+        return
+    low, high = torch.stack(torch.aminmax(targets)).tolist()
+    if low < 0 or high >= vocab:
+        raise ValueError(
+            f"{name}: target ids must lie in [0, {vocab}); got [{low}, {high}] (give padding "
+            "positions any valid id and mask the result)"
+        )
 
 
 def stats_dtype(x: torch.Tensor) -> torch.dtype:
