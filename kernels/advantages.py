@@ -3,9 +3,10 @@
 All tensors are ``(B, T)`` over response positions; ``mask`` is nonzero on response tokens and
 zero on padding, i.e. each row is ``0...0 1...1 0...0`` (left and/or right padding; a hole inside
 a response is rejected, because peers disagree on what it should mean). On CUDA (or under
-``TRITON_INTERPRET=1``) the row-wise functions run as one Triton kernel over the whole batch; on
-CPU they are vectorised PyTorch with no Python loop over T. Outputs are fp32 (fp64 for fp64
-inputs, which always take the PyTorch path).
+``TRITON_INTERPRET=1``) ``kl_penalty``, ``shaped_rewards`` and ``gae`` each run as one Triton
+kernel over the whole batch; on CPU they are vectorised PyTorch with no Python loop over T.
+``masked_whiten`` is two reductions and an all-reduce, left to PyTorch on every device. Outputs
+are fp32 (fp64 for fp64 inputs, which always take the PyTorch path).
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def gae(
         _gae_kernel[(batch,)](
             rewards.to(torch.float32).contiguous(),
             values.to(torch.float32).contiguous(),
-            mask.to(torch.float32).contiguous(),
+            (mask != 0).to(torch.float32),
             advantages,
             returns,
             seq_len,
