@@ -275,10 +275,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ROLE=FIELD",
         help="field names, e.g. prompt=question response=answer",
     )
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--max-length", type=int, default=None)
-    parser.add_argument("--max-prompt-length", type=int, default=None)
-    parser.add_argument("--truncation", choices=TRUNCATION_POLICIES, default="truncate")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="tokenizing processes (output is identical for any number)",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="max tokens of prompt + response (+EOS); of the prompt for prompts",
+    )
+    parser.add_argument(
+        "--max-prompt-length",
+        type=int,
+        default=None,
+        help="prompt tokens kept when truncating (default max-length // 2)",
+    )
+    parser.add_argument(
+        "--truncation",
+        choices=TRUNCATION_POLICIES,
+        default="truncate",
+        help="over-long examples: cut (prompt from the left, responses from the "
+        "right), drop, or treat as bad input; counts go to the sidecar",
+    )
     parser.add_argument("--no-eos", action="store_true", help="do not append EOS to responses")
     parser.add_argument(
         "--prompt-special-tokens",
@@ -289,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-bad", action="store_true", help="skip and count bad lines instead of stopping"
     )
     parser.add_argument("--split", default=None, help="split of a saved DatasetDict")
-    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--chunk-size", type=int, default=256, help="lines per worker task")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
