@@ -211,6 +211,13 @@ def test_pca_2d_matches_sklearn_up_to_sign():
     reference = PCA(2, svd_solver="full").fit_transform(vectors.astype(np.float64))
     signs = np.sign((ours * reference).sum(0))
     np.testing.assert_allclose(ours, reference * signs, rtol=1e-6, atol=1e-6)
+    # Axes fitted on a subsample of 200 rows still find two well-separated dominant directions.
+    spread = (rng.normal(size=(1001, 12)) * np.r_[5.0, 2.5, np.full(10, 0.5)]).astype(np.float32)
+    sampled = pca_2d(spread, max_fit_rows=200)
+    reference = PCA(2, svd_solver="full").fit_transform(spread.astype(np.float64))
+    assert sampled.shape == (1001, 2)
+    for column in range(2):
+        assert abs(np.corrcoef(sampled[:, column], reference[:, column])[0, 1]) > 0.99
 
 
 def write_lines(path, rows):
