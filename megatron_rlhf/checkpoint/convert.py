@@ -112,6 +112,11 @@ def megatron_to_hf(args) -> int:
         raise InputError(f"{args.save}: already exists; choose another --save directory")
     if "WORLD_SIZE" not in os.environ and args.pp > 1:
         return _relaunch_under_torchrun(args.pp)
+    if int(os.environ.get("WORLD_SIZE", "1")) != args.pp:  # each rank writes one stage's shard
+        raise InputError(
+            f"launched with {os.environ.get('WORLD_SIZE')} processes; megatron-to-hf needs "
+            f"exactly --pp = {args.pp}"
+        )
     start = time.time()
     initialize(ParallelConfig(pp=args.pp), num_heads=arch.num_heads, num_layers=arch.num_layers)
     model = BloomModel(

@@ -46,9 +46,10 @@ def save(
     """
     final = Path(directory)
     partial = final.with_name(final.name + ".tmp-partial")
+    # Checked on every rank: if rank 0 alone raised, the others would wait at the barrier.
+    if final.exists() and not overwrite:
+        raise InputError(f"{final}: already exists; choose another --save directory")
     if _rank() == 0:
-        if final.exists() and not overwrite:
-            raise InputError(f"{final}: already exists; choose another --save directory")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()

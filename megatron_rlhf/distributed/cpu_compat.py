@@ -55,6 +55,9 @@ PATCHED_MODULES: dict[str, list[str]] = {
     "megatron.core.tensor_parallel.mappings": [
         "mappings.py:91,... gathers/scatters allocate on torch.cuda.current_device()",
     ],
+    "megatron.core.tensor_parallel.layers": [
+        "layers.py:552 sequence-parallel backward: reduce-scatter buffer on current_device()",
+    ],
     "megatron.core.transformer.attention": [
         "attention.py:430 _allocate_memory (static KV cache) device=torch.cuda.current_device()",
     ],
@@ -88,6 +91,9 @@ EXPECTED_CALL_SITES: dict[str, list[str]] = {
         "assert param.grad.type() == 'torch.cuda.FloatTensor'",
     ],
     "megatron.core.tensor_parallel.mappings": ["device=torch.cuda.current_device()"],
+    "megatron.core.tensor_parallel.layers": [
+        "dim_size, dtype=input.dtype, device=torch.cuda.current_device(), requires_grad=False"
+    ],
     "megatron.core.transformer.attention": ["device=torch.cuda.current_device()"],
     "megatron.core.dist_checkpointing.strategies.filesystem_async": ["torch.cuda.synchronize()"],
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": [

@@ -132,9 +132,15 @@ class BloomModel(GPTModel):
         return self._mask_padded_vocab(output)
 
     def _scalar_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.config.sequence_parallel:
-            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
+        # Under SP the norm sees this rank's (S/tp, B, H) tokens, so its sequence-parallel
+        # gradients are partial sums, as the TP all-reduce of finalize_model_grads expects.
         hidden = self.final_layernorm(hidden)  # (S, B, H)
+        if self.config.sequence_parallel:
+            # Every TP rank applies the replicated head to the whole sequence: the backward
+            # must only split the gradient, not reduce-scatter (sum) tp equal copies.
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False
+            )
         return self.scalar_head(hidden).transpose(0, 1).float()  # (B, S, num_outputs)
 
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
