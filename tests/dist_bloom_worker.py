@@ -1,7 +1,12 @@
-"""torchrun worker (4 processes, gloo): BLOOM at TP=1/2 x PP=1/2 against transformers.
+"""torchrun worker (4 processes, gloo): BLOOM at TP=1/2/4 x PP=1/2/4 against transformers.
 
     torchrun --nproc-per-node 4 tests/dist_bloom_worker.py --out OUT.json \\
-        --hf-a HF_DIR_A --hf-b HF_DIR_B --work SCRATCH_DIR
+        --hf-a HF_DIR_A --hf-b HF_DIR_B --work SCRATCH_DIR [--groups logits ...]
+
+Check groups: ``logits`` (LM logits at every layout, with sequence parallelism at TP=2),
+``checkpoints`` (LM and scalar heads saved at TP2xPP2, loaded at the other layouts),
+``generation`` (greedy with/without KV cache, EOS, seeded sampling across layouts) and
+``gradients`` (backward at TP=2, with and without sequence parallelism, equals TP=1).
 
 Every rank builds the transformers reference itself (tiny models), switches Megatron-Core's
 layout between checks, and records ``{check: (ok, detail)}`` for the checks it can judge (the
@@ -79,11 +84,14 @@ def compare_logits(name: str, model, ids, mask, ref, vocab_size: int) -> None:
 
 
 def check_logits_parity(hf_dirs) -> None:
+    # 4 layers over 4 stages; 12 heads over 4 TP ranks (3 each, 256 vocab rows, the last 232
+    # of them real for vocab 1000).
+    extra = {"a": [(1, 4)], "b": [(4, 1)]}
     for arch_name, arch, directory in (("a", ARCH_A, hf_dirs[0]), ("b", ARCH_B, hf_dirs[1])):
         ids, mask = left_padded_batch(arch.vocab_size, [10, 6, 1, 8], seed=11)
         with torch.no_grad():
             ref = hf_model(directory)(input_ids=ids, attention_mask=mask).logits
-        for tp, pp in LAYOUTS:
+        for tp, pp in LAYOUTS + extra[arch_name]:
             use_layout(tp, pp, arch)
             model = load_bloom(directory, init_weights=False).eval()
             compare_logits(
@@ -127,6 +135,11 @@ def check_checkpoints(hf_a: str, work: Path) -> None:
     use_layout(2, 2, ARCH_A)
     model = load_bloom(hf_a, init_weights=False)
     dist_ckpt.save(lm_dir, model.sharded_state_dict(), dist_ckpt.model_metadata(model))
+    try:  # every rank must refuse (a refusal on rank 0 alone would hang the others)
+        dist_ckpt.save(lm_dir, model.sharded_state_dict(), dist_ckpt.model_metadata(model))
+        record("ckpt_save_refuses_existing_dir", False, "saved over an existing checkpoint")
+    except InputError as err:
+        record("ckpt_save_refuses_existing_dir", "already exists" in str(err), str(err))
     scalar = load_bloom(hf_a, head="scalar", num_scalar_outputs=2).eval()
     perturb_scalar_head(scalar)
     compare_scalar("scalar_head_tp2pp2", scalar, ids, mask, hf)
@@ -218,14 +231,75 @@ def check_generation(hf_a: str) -> None:
         record("sampling_other_seed_differs", differs, str(sampled[(1, 1, 8)].tolist()))
 
 
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient at PP=1 as TP=1 would hold it: the sequence-parallel
+    all-reduce that Megatron's finalize_model_grads does, then TP shards gathered."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.detach().clone()
+        if getattr(param, "sequence_parallel", False) and model.config.sequence_parallel:
+            dist.all_reduce(grad, group=group)
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            shards = [torch.empty_like(grad) for _ in range(tp)]
+            dist.all_gather(shards, grad.contiguous(), group=group)
+            grad = torch.cat(shards, dim=param.partition_dim)
+        grads[name] = grad
+    return grads
+
+
+def backward_grads(directory, head: str, ids, mask, sequence_parallel: bool):
+    """Gradients of a fixed linear function of the outputs (all vocab / scalar outputs)."""
+    model = load_bloom(
+        directory, head=head, num_scalar_outputs=2, sequence_parallel=sequence_parallel
+    )
+    if head == "scalar":
+        perturb_scalar_head(model)
+    output = model(ids, mask)  # (B, S, V_pad / tp) or (B, S, 2)
+    if head == "lm":
+        width = output.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * width
+        weights = torch.randn(
+            *ids.shape, model.vocab_size, generator=torch.Generator().manual_seed(5)
+        )
+        weights = weights[..., start : start + width]
+        output = output.masked_fill(output == torch.finfo(output.dtype).min, 0.0)
+    else:
+        weights = torch.randn(*ids.shape, 2, generator=torch.Generator().manual_seed(5))
+    ((output * weights) * mask[..., None]).sum().backward()
+    return full_grads(model)
+
+
+def check_gradients(hf_a: str) -> None:
+    """Backward at TP=2 (with and without sequence parallelism) equals TP=1, both heads."""
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, [8, 5, 2, 8], seed=14)
+    for head in ("lm", "scalar"):
+        use_layout(1, 1, ARCH_A)
+        ref = backward_grads(hf_a, head, ids, mask, sequence_parallel=False)
+        use_layout(2, 1, ARCH_A)
+        for sequence_parallel in (False, True):
+            grads = backward_grads(hf_a, head, ids, mask, sequence_parallel)
+            worst, where = 0.0, ""
+            for name, grad in ref.items():
+                diff = (grads[name] - grad).abs().max().item() / max(1.0, grad.abs().max().item())
+                worst, where = max((worst, where), (diff, name))
+            name = f"{head}_grads_tp2pp1{'_sequence_parallel' if sequence_parallel else ''}_vs_tp1"
+            ok = sorted(grads) == sorted(ref) and worst <= TOLERANCE
+            record(name, ok, f"worst relative diff {worst:.2e} at {where}")
+
+
 def run_checks(args) -> None:
     use_layout(1, 1, ARCH_A)
     work = Path(args.work)
-    for name, check in (
-        ("logits_parity", lambda: check_logits_parity((args.hf_a, args.hf_b))),
-        ("checkpoints", lambda: check_checkpoints(args.hf_a, work)),
-        ("generation", lambda: check_generation(args.hf_a)),
-    ):
+    groups = {
+        "logits": lambda: check_logits_parity((args.hf_a, args.hf_b)),
+        "checkpoints": lambda: check_checkpoints(args.hf_a, work),
+        "generation": lambda: check_generation(args.hf_a),
+        "gradients": lambda: check_gradients(args.hf_a),
+    }
+    for name in args.groups or groups:
+        check = groups[name]
         try:
             check()
         except Exception:  # recorded, so the other groups still report
@@ -240,6 +314,7 @@ def main() -> None:
     parser.add_argument("--hf-b", required=True)
     parser.add_argument("--work", required=True)
     parser.add_argument("--hang-seconds", type=float, default=400)
+    parser.add_argument("--groups", nargs="*", help="run only these check groups (debugging)")
     args = parser.parse_args()
     # A collective that never completes would otherwise hang until the launcher's timeout.
     faulthandler.dump_traceback_later(args.hang_seconds, exit=True)

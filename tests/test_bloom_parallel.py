@@ -15,6 +15,8 @@ OTHER_LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2"]
 GEN_LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2"]
 CHECKS = [
     *(f"logits_{arch}_{layout}" for arch in "ab" for layout in LAYOUTS),
+    "logits_a_tp1pp4",
+    "logits_b_tp4pp1",
     "logits_a_tp2pp1_sequence_parallel",
     "logits_a_tp2pp2_sequence_parallel",
     "scalar_head_tp2pp2",
@@ -22,12 +24,18 @@ CHECKS = [
     *(f"ckpt_tp2pp2_logits_at_{layout}" for layout in OTHER_LAYOUTS),
     *(f"scalar_ckpt_tp2pp2_at_{layout}" for layout in OTHER_LAYOUTS),
     "ckpt_wrong_head_refused",
+    "ckpt_save_refuses_existing_dir",
     "generation_eos_token_usable",
     *(f"greedy_{layout}_{cache}" for layout in GEN_LAYOUTS for cache in ("kv_cache", "no_cache")),
     *(f"greedy_eos_stop_{layout}" for layout in GEN_LAYOUTS),
     "sampling_seed_reproducible_tp2pp1_vs_tp1",
     "sampling_seed_reproducible_tp1pp2_vs_tp1",
     "sampling_other_seed_differs",
+    *(
+        f"{head}_grads_tp2pp1{sp}_vs_tp1"
+        for head in ("lm", "scalar")
+        for sp in ("", "_sequence_parallel")
+    ),
 ]
 
 

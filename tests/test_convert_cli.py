@@ -172,6 +172,15 @@ def test_generate_cli_end_to_end(converted, tmp_path):
         assert diff <= 1e-4, (row, diff)
 
 
+@pytest.mark.slow
+def test_megatron_to_hf_refuses_a_launch_of_the_wrong_size(
+    converted, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["megatron-to-hf", "--load", str(converted["mc"]), "--save", str(tmp_path / "out")]
+    _refused(capsys, tmp_path, argv, "launched with 2 processes", "exactly --pp = 1")
+
+
 # ---- refusals: a clear message and nothing written ----
 
 
