@@ -1,0 +1,300 @@
+"""``python -m megatron_rlhf score``: score (prompt, response) pairs with a trained RM or AM.
+
+    torchrun --nproc-per-node N -m megatron_rlhf score --load RUN/step_0000100 \\
+        --input generations.jsonl --output scored.jsonl [--tokenizer TOK] --tp T --pp P
+
+Inputs, by form:
+
+- JSONL of single responses (e.g. ``generate``'s output): ``prompt`` or ``prompt_token_ids``
+  and ``response`` or ``response_token_ids`` per line; other fields are carried through. Each
+  output line adds ``reward`` (r) and ``score``; an AM also adds ``expected_reward`` (e_τ(x))
+  and ``advantage`` (a = r - e_τ(x)), and its ``score`` is a; an RM's ``score`` is r. Text is
+  tokenized without special tokens and text responses get the tokenizer's EOS appended (as
+  ``tools/preprocess_data.py`` does; ``--no-eos`` to skip); token ids are scored as given.
+- A preference set, JSONL (``prompt``/``chosen``/``rejected`` or HH-RLHF transcripts, as the
+  preprocessor reads them) or an indexed preference prefix (``tools/preprocess_data.py --kind
+  preference``): one line per pair, ``{"chosen_score", "rejected_score", "task"}``, the input
+  of ``eval-reward``.
+
+The AM's score of a response is a = r - e_τ(x) (Eqs. 5, 7): Eq. 8's importance-weighted terms
+belong to the training comparisons' collecting policies, not to a response scored later.
+Sequences are split over data-parallel replicas (world size / (tp·pp)); rank 0 writes the
+output, in input order, atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.utils import InputError, is_rank0, print_summary, read_jsonl, write_jsonl
+
+
+@dataclass
+class ScoringInput:
+    """What to score: token sequences and how their scores become output lines."""
+
+    prompts: list[list[int]]
+    """Prompt ids of each sequence."""
+    responses: list[list[int]]
+    """Response ids of each sequence (a pair is two consecutive sequences)."""
+    records: list[dict] | None
+    """Single responses: the input record of each sequence, carried into its output line."""
+    tasks: list[str | None] | None
+    """Pairs: the task of each pair (None where it has none)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_rlhf score", description=__doc__)
+    parser.add_argument("--load", required=True, help="train-reward checkpoint (RM or AM)")
+    parser.add_argument("--input", required=True, help="JSONL file or indexed preference prefix")
+    parser.add_argument("--output", required=True, help="output JSONL (written atomically)")
+    parser.add_argument("--tokenizer", help="HF tokenizer dir for text (default: --load)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    parser.add_argument("--no-eos", action="store_true", help="do not append EOS to text")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except InputError as err:
+        print(f"score: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            from megatron_rlhf.distributed import destroy
+
+            destroy()
+
+
+def _run(args) -> int:
+    from megatron.core import parallel_state
+    from tqdm import tqdm
+
+    from megatron_rlhf.checkpoint import checkpoint_architecture, is_hf_checkpoint, load_bloom
+    from megatron_rlhf.checkpoint.dist import TOKENIZER_FILES, read_metadata
+    from megatron_rlhf.distributed import ParallelConfig, initialize
+
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size {args.batch_size}: must be at least 1")
+    if is_hf_checkpoint(args.load):
+        raise InputError(
+            f"{args.load}: a Hugging Face model has no trained reward head; score with a "
+            "train-reward checkpoint (train.output_dir/step_N)"
+        )
+    meta = read_metadata(args.load)
+    num_outputs = meta.get("num_scalar_outputs", 0)
+    if meta.get("head") != "scalar" or num_outputs not in (1, 2):
+        raise InputError(
+            f"{args.load}: holds a {meta.get('head')!r} head with {num_outputs} scalar outputs;"
+            " score needs a reward model (1 output) or advantage model (2 outputs)"
+        )
+    arch = checkpoint_architecture(args.load)
+    tokenizer_dir = args.tokenizer or (
+        args.load if any((Path(args.load) / n).exists() for n in TOKENIZER_FILES) else None
+    )
+    scoring = read_input(args.input, tokenizer_dir, not args.no_eos, arch.vocab_size)
+
+    initialize(
+        ParallelConfig(tp=args.tp, pp=args.pp), num_heads=arch.num_heads, num_layers=arch.num_layers
+    )
+    model = load_bloom(args.load, head="scalar", num_scalar_outputs=num_outputs, init_weights=False)
+    model.eval()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    mine = list(range(dp_rank, len(scoring.prompts), dp_size))
+    mine.sort(key=lambda i: len(scoring.prompts[i]) + len(scoring.responses[i]))  # less padding
+    batches = [mine[i : i + args.batch_size] for i in range(0, len(mine), args.batch_size)]
+    start = time.time()
+    results: dict[int, tuple[float, float | None]] = {}
+    for batch in tqdm(batches, desc="score", disable=not is_rank0()):
+        results.update(score_batch(model, scoring, batch))
+    reports = (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results if reports else {})
+    if is_rank0():
+        merged = {index: value for part in gathered for index, value in part.items()}
+        write_jsonl(args.output, output_lines(scoring, merged))
+    print_summary(
+        "score",
+        model="am" if num_outputs == 2 else "rm",
+        sequences=len(scoring.prompts),
+        pairs=len(scoring.tasks) if scoring.tasks is not None else "-",
+        seconds=round(time.time() - start, 1),
+        output=args.output,
+    )
+    return 0
+
+
+@torch.no_grad()
+def score_batch(model, scoring: ScoringInput, batch: list[int]) -> dict:
+    """{sequence index: (r, e_τ or None)} on the last pipeline stage, {} elsewhere."""
+    from megatron_rlhf.distributed.pipeline import pipeline_forward
+    from megatron_rlhf.reward.model import read_scalars
+
+    sequences = [scoring.prompts[i] + scoring.responses[i] for i in batch]
+    width = max(len(ids) for ids in sequences)
+    input_ids = torch.zeros((len(batch), width), dtype=torch.long)  # (B, S) right-padded
+    padding_mask = torch.zeros((len(batch), width), dtype=torch.long)  # (B, S)
+    for row, ids in enumerate(sequences):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        padding_mask[row, : len(ids)] = 1
+    prompt_lengths = torch.tensor([len(scoring.prompts[i]) for i in batch])  # (B,)
+    if torch.cuda.is_available():
+        input_ids, padding_mask = input_ids.cuda(), padding_mask.cuda()
+        prompt_lengths = prompt_lengths.cuda()
+    output = pipeline_forward(model, input_ids, padding_mask)  # (B, S, n) on the last stage
+    if output is None:
+        return {}
+    rewards, expected = read_scalars(output, padding_mask, prompt_lengths)
+    rewards = rewards.float().tolist()
+    expected = [None] * len(batch) if expected is None else expected.float().tolist()
+    return {index: (r, e) for index, r, e in zip(batch, rewards, expected)}
+
+
+def output_lines(scoring: ScoringInput, results: dict):
+    """The output records, in input order (see the module docstring)."""
+    if scoring.records is None:
+        for pair, task in enumerate(scoring.tasks):
+            line = {
+                "chosen_score": _score(*results[2 * pair]),
+                "rejected_score": _score(*results[2 * pair + 1]),
+            }
+            if task is not None:
+                line["task"] = task
+            yield line
+        return
+    for index, record in enumerate(scoring.records):
+        reward, expected = results[index]
+        line = dict(record)
+        line["reward"] = reward
+        if expected is not None:
+            line["expected_reward"] = expected
+            line["advantage"] = reward - expected
+        line["score"] = _score(reward, expected)
+        yield line
+
+
+def _score(reward: float, expected: float | None) -> float:
+    return reward if expected is None else reward - expected
+
+
+def read_input(path: str, tokenizer_dir, append_eos: bool, vocab_size: int) -> ScoringInput:
+    """Read any accepted input form (see the module docstring); errors name file and line."""
+    if Path(path).is_file():
+        first = next((record for _, record in read_jsonl(path)), None)
+        if first is None:
+            raise InputError(f"{path}: no records (the file is empty)")
+        tokenizer = _tokenizer(tokenizer_dir)
+        if "chosen" in first or "rejected" in first:
+            return _read_jsonl_pairs(path, tokenizer, append_eos, vocab_size)
+        return _read_jsonl_responses(path, tokenizer, append_eos, vocab_size)
+    if Path(f"{path}.json").is_file():
+        return _read_indexed_pairs(path)
+    raise InputError(f"{path}: neither a JSONL file nor an indexed dataset prefix (no {path}.json)")
+
+
+def _read_jsonl_responses(path, tokenizer, append_eos, vocab_size) -> ScoringInput:
+    from megatron_rlhf.generation.cli import read_prompts
+
+    prompts, responses, records = [], [], []
+    prompt_rows = read_prompts(path, tokenizer)
+    for (line, record), (_, prompt_ids) in zip(read_jsonl(path), prompt_rows):
+        where = f"{path}:{line}"
+        if "response_token_ids" in record:
+            response = record["response_token_ids"]
+            if not isinstance(response, list) or not all(isinstance(t, int) for t in response):
+                raise InputError(f"{where}: response_token_ids must be a list of ints")
+        elif "response" in record:
+            response = _encode(tokenizer, record["response"], append_eos, where, "response")
+        else:
+            raise InputError(
+                f"{where}: needs a 'response' or 'response_token_ids' field (or 'chosen' and "
+                "'rejected' in every line for a preference set)"
+            )
+        if not response:
+            raise InputError(f"{where}: empty response")
+        _check_ids(prompt_ids + response, vocab_size, where)
+        prompts.append(prompt_ids)
+        responses.append(response)
+        records.append(record)
+    return ScoringInput(prompts, responses, records, None)
+
+
+def _read_jsonl_pairs(path, tokenizer, append_eos, vocab_size) -> ScoringInput:
+    from megatron_rlhf.data.records import DEFAULT_KEYS, BadRecord, extract_fields
+
+    prompts, responses, tasks = [], [], []
+    for line, record in read_jsonl(path):
+        where = f"{path}:{line}"
+        try:
+            fields = extract_fields(record, "preference", DEFAULT_KEYS["preference"])
+        except BadRecord as err:
+            raise InputError(f"{where}: {err}") from None
+        prompt = _encode(tokenizer, fields.prompt, False, where, "prompt")
+        pair = [
+            _encode(tokenizer, text, append_eos, where, "response") for text in fields.responses
+        ]
+        if pair[0] == pair[1]:
+            raise InputError(f"{where}: chosen and rejected are identical; no comparison")
+        for response in pair:
+            _check_ids(prompt + response, vocab_size, where)
+            prompts.append(prompt)
+            responses.append(response)
+        tasks.append(fields.task)
+    return ScoringInput(prompts, responses, None, tasks)
+
+
+def _read_indexed_pairs(prefix: str) -> ScoringInput:
+    from megatron_rlhf.data import PreferenceDataset
+
+    dataset = PreferenceDataset(prefix)
+    prompts, responses, tasks = [], [], []
+    for index in range(len(dataset)):
+        item = dataset[index]
+        for side in ("chosen_ids", "rejected_ids"):
+            prompts.append(item["prompt_ids"].tolist())
+            responses.append(item[side].tolist())
+        task_id = item.get("task_id")
+        tasks.append(None if task_id is None else dataset.task_names[task_id])
+    return ScoringInput(prompts, responses, None, tasks)
+
+
+def _tokenizer(directory):
+    if directory is None:
+        return None
+    from megatron_rlhf.generation.cli import load_tokenizer
+
+    return load_tokenizer(directory)
+
+
+def _encode(tokenizer, text, append_eos: bool, where: str, what: str) -> list[int]:
+    if tokenizer is None:
+        raise InputError(f"{where}: a text {what} needs --tokenizer (or token ids)")
+    if not isinstance(text, str):
+        raise InputError(f"{where}: {what} must be a string, got {type(text).__name__}")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if append_eos and eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)
+    if not ids:
+        raise InputError(f"{where}: empty {what}")
+    return ids
+
+
+def _check_ids(ids: list[int], vocab_size: int, where: str) -> None:
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise InputError(f"{where}: token id out of range [0, {vocab_size}) for this model")

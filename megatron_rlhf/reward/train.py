@@ -1,0 +1,597 @@
+"""``torchrun ... -m megatron_rlhf train-reward --config FILE [key=value ...]``: RM or AM training.
+
+    torchrun --nproc-per-node 8 -m megatron_rlhf train-reward \\
+        --config examples/reward/bloomz_7b1_am.yaml model.tp=2 optim.lr=5e-6
+
+``loss: rm`` trains a Reward Model (Eq. 1) with a 1-output scalar head r(x, y); ``loss: am`` an
+Advantage Model (Eqs. 5-8) with a 2-output head, r(x, y) and e_τ(x) (see reward/model.py). The
+trunk comes from a Hugging Face BLOOM directory (a fresh head is initialised) or a megatron-rlhf
+checkpoint of the same head. Any tp/pp/dp; Megatron-Core's DDP and optimizer (the distributed
+optimizer on GPU), linear warm-up over the first ``optim.warmup_fraction`` of the steps then
+cosine to ``optim.min_lr_ratio`` of the peak lr (the paper's 10 % / 10 %), the global batch of
+``train.global_batch_size`` pairs via gradient accumulation over microbatches, bf16 on GPU and
+fp32 on CPU. Every ``train.eval_interval`` steps the held-out split is scored (loss, accuracy,
+ECE, per-task score means); every ``train.save_interval`` steps and at the end a checkpoint is
+written to ``train.output_dir/step_N`` that resumes exactly (model, optimizer, LR schedule, RNG,
+data position) and is also a model checkpoint for ``score`` and PPO; its ``megatron_rlhf.json``
+holds the resolved config. TensorBoard scalars go to ``train.output_dir/tensorboard``.
+
+Importance weights (Eq. 8): with ``am.policy_column: k``, column k of the preference data's
+behaviour log-probs is taken as π_φ(y|x), the policy whose expected reward e_τ models (e.g. the
+SFT model that sampled the comparisons), and all K columns are the collecting policies π'_k.
+Without it (the default) the log-probs are ignored and a = r - e_τ(x) (K = 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from megatron_rlhf.reward.losses import DEFAULT_MARGIN
+from megatron_rlhf.training.engine import OptimConfig
+from megatron_rlhf.utils import InputError, is_rank0, print_summary, write_json
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Where the trunk comes from and how it is split."""
+
+    load: str
+    """Hugging Face BLOOM directory or megatron-rlhf checkpoint with the same head."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    sequence_parallel: bool = False
+    """Sequence parallelism over the TP group (tp > 1)."""
+    bf16: bool | Literal["auto"] = "auto"
+    """bf16 parameters; "auto" = bf16 on GPU, fp32 on CPU (bf16 needs a GPU)."""
+    recompute_activations: bool = False
+    """Recompute each layer's activations in the backward pass (saves memory)."""
+    seed: int = 1234
+    """Model-parallel RNG seed."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Preference data: prefixes written by ``tools/preprocess_data.py --kind preference``."""
+
+    train: str
+    """Training pairs."""
+    eval: str | None = None
+    """Held-out pairs; None holds out ``eval_fraction`` of ``train``."""
+    eval_fraction: float = 0.0
+    """Share of ``train`` held out for evaluation when ``eval`` is None (0: no evaluation)."""
+    max_length: int | None = None
+    """Longest prompt + response allowed (None: the model's max_sequence_length)."""
+
+
+@dataclass(kw_only=True)
+class AMConfig:
+    """Advantage Model settings (ignored for ``loss: rm``)."""
+
+    margin: float = DEFAULT_MARGIN
+    """m(x) of Eq. 6 (the paper: 2.5)."""
+    policy_column: int | None = None
+    """Behaviour log-prob column holding π_φ(y|x) (see the module docstring); None: K = 0."""
+    num_policies: float | None = None
+    """N of Eq. 8 (default K + 1)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Batching, length, evaluation, checkpointing and logging."""
+
+    output_dir: str
+    """Checkpoints, TensorBoard logs and the resolved config go here."""
+    global_batch_size: int = 180
+    """Pairs per optimizer step (paper: 180 English, 480 Chinese)."""
+    micro_batch_size: int = 1
+    """Pairs per forward pass (2 sequences each); global = micro × microbatches × dp."""
+    epochs: float = 1.0
+    """Passes over the training pairs (paper: 1); ignored when ``steps`` is set."""
+    steps: int | None = None
+    """Optimizer steps (None: from ``epochs``)."""
+    eval_interval: int = 100
+    """Evaluate every this many steps and at the end (0: only at the end)."""
+    save_interval: int = 500
+    """Checkpoint every this many steps and at the end (0: only at the end)."""
+    log_interval: int = 10
+    """Print and write TensorBoard scalars every this many steps."""
+    seed: int = 1234
+    """Data order and held-out split."""
+    resume: bool = True
+    """Continue from ``output_dir``'s latest checkpoint when there is one."""
+
+
+@dataclass(kw_only=True)
+class RewardTrainConfig:
+    """``train-reward``: one Reward Model or Advantage Model run."""
+
+    loss: Literal["am", "rm"] = "am"
+    """am: Advantage Model (Eq. 6); rm: Reward Model (Eq. 1)."""
+    model: ModelConfig
+    data: DataConfig
+    am: AMConfig = field(default_factory=AMConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig
+
+
+def main(argv: list[str]) -> int:
+    from megatron_rlhf.config import load_config
+
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_rlhf train-reward", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--config", help="YAML/JSON config (see examples/reward/)")
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. optim.lr=1e-5")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(RewardTrainConfig, args.config, args.overrides)
+        result = train(config)
+    except InputError as err:
+        print(f"train-reward: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if torch.distributed.is_initialized():
+            from megatron_rlhf.distributed import destroy
+
+            destroy()
+    final_eval = result["eval"] or {}
+    print_summary(
+        "train-reward",
+        loss=config.loss,
+        steps=result["step"],
+        train_loss=result["history"][-1]["loss"] if result["history"] else float("nan"),
+        eval_accuracy=final_eval.get("accuracy", "-"),
+        eval_ece=final_eval.get("ece", "-"),
+        seconds=round(result["seconds"], 1),
+        checkpoint=result["checkpoint"],
+    )
+    return 0
+
+
+def train(config: RewardTrainConfig) -> dict:
+    """Run (or resume) the training run; returns per-step metrics, the last evaluation and the
+    final checkpoint. Collective over every rank of the launch."""
+    from megatron_rlhf.checkpoint import checkpoint_architecture
+    from megatron_rlhf.checkpoint.dist import model_metadata
+    from megatron_rlhf.config import to_dict
+    from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.training.checkpointing import save_training_checkpoint
+
+    start_time = time.time()
+    _check_config(config)
+    arch = checkpoint_architecture(config.model.load)
+    dp_size = initialize(
+        ParallelConfig(
+            tp=config.model.tp,
+            pp=config.model.pp,
+            sequence_parallel=config.model.sequence_parallel,
+            seed=config.model.seed,
+        ),
+        num_heads=arch.num_heads,
+        num_layers=arch.num_layers,
+    )
+    batches = PairBatches.for_layout(config.train, dp_size, config.model)
+    dataset, train_set, eval_set = _open_data(config, arch.max_sequence_length)
+    batches.pad_id = dataset.pad_id if dataset.pad_id is not None else 0
+    total_steps = config.train.steps or int(
+        config.train.epochs * len(train_set) // config.train.global_batch_size
+    )
+    if total_steps < 1:
+        raise InputError(
+            f"{config.data.train}: {len(train_set)} training pairs make no whole global batch "
+            f"of train.global_batch_size={config.train.global_batch_size} in train.epochs="
+            f"{config.train.epochs}; lower the batch size or set train.steps"
+        )
+    output_dir = Path(config.train.output_dir)
+    engine, step, consumed, checkpoint = _build_engine(config, arch, total_steps, output_dir)
+    if is_rank0():
+        write_json(output_dir / "config.json", to_dict(config))
+
+    loss_fn = make_loss_fn(config)
+    steps = batches.train_steps(train_set, config.train.seed, consumed)
+    metadata = {"loss": config.loss, "config": to_dict(config)}
+    tokenizer_dir = _tokenizer_dir(dataset, config.model.load)
+    logger = _Logger(output_dir, step, total_steps)
+    history, last_eval = [], None
+    try:
+        while step < total_steps:
+            metrics = reduce_metrics(engine.step(next(steps), loss_fn))
+            step += 1
+            consumed += config.train.global_batch_size
+            history.append(metrics)
+            logger.train(step, metrics, config.train.log_interval)
+            last = step == total_steps
+            if eval_set is not None and (last or _every(step, config.train.eval_interval)):
+                last_eval = evaluate(engine, eval_set, config, batches)
+                logger.eval(step, last_eval)
+            if last or _every(step, config.train.save_interval):
+                meta = model_metadata(engine.module, **metadata, step=step, eval=last_eval)
+                checkpoint = save_training_checkpoint(
+                    output_dir,
+                    step,
+                    {"model": engine},
+                    meta,
+                    {"step": step, "consumed_samples": consumed},
+                    tokenizer_dir=tokenizer_dir,
+                )
+    finally:
+        logger.close()
+    return {
+        "step": step,
+        "history": history,
+        "eval": last_eval,
+        "checkpoint": str(checkpoint),
+        "seconds": time.time() - start_time,
+    }
+
+
+def make_loss_fn(config: RewardTrainConfig, sink: list | None = None):
+    """``loss_fn(output, microbatch)`` for the engine: Eq. 1 or Eq. 6 on one microbatch of pairs.
+
+    ``sink`` (a list) receives (chosen scores, rejected scores, task ids) lists per microbatch.
+    """
+    from megatron_rlhf.reward import losses
+    from megatron_rlhf.reward.model import read_scalars, split_pairs
+
+    def loss_fn(output, microbatch):
+        rewards, expected = read_scalars(
+            output, microbatch["padding_mask"], microbatch["prompt_lengths"]
+        )  # (2P,), (2P,) or None
+        chosen_r, rejected_r = split_pairs(rewards)
+        if config.loss == "rm":
+            loss, metrics = losses.bradley_terry_loss(chosen_r, rejected_r)
+            chosen, rejected = chosen_r, rejected_r
+        else:
+            chosen_e, rejected_e = split_pairs(expected)
+            chosen = _advantage(chosen_r, chosen_e, microbatch.get("chosen_logprobs"), config.am)
+            rejected = _advantage(
+                rejected_r, rejected_e, microbatch.get("rejected_logprobs"), config.am
+            )
+            loss, metrics = losses.advantage_model_loss(chosen, rejected, config.am.margin)
+            metrics["expected_reward_mean"] = expected.detach().mean()
+        if sink is not None:
+            task_ids = microbatch.get("task_ids")
+            tasks = [None] * len(chosen) if task_ids is None else task_ids.tolist()
+            sink.append((chosen.detach().tolist(), rejected.detach().tolist(), tasks))
+        return loss, metrics
+
+    return loss_fn
+
+
+def _advantage(rewards, expected, logprobs, am: AMConfig):
+    """Eq. 8 for one side of the pairs; logprobs (P, K) are the behaviour log-probs or None."""
+    from megatron_rlhf.reward.losses import advantage
+
+    if am.policy_column is None or logprobs is None:
+        return advantage(rewards, expected)
+    logprobs = logprobs.to(rewards.dtype)
+    return advantage(
+        rewards,
+        expected,
+        policy_logprobs=logprobs[:, am.policy_column],
+        behaviour_logprobs=logprobs,
+        num_policies=am.num_policies,
+    )
+
+
+def check_pairs(dataset, max_length: int) -> None:
+    """Refuse pairs whose chosen and rejected tokens are identical, and over-long pairs."""
+    prompt = dataset.streams["prompt"].sequence_lengths.astype(np.int64)
+    chosen = dataset.streams["chosen"].sequence_lengths.astype(np.int64)
+    rejected = dataset.streams["rejected"].sequence_lengths.astype(np.int64)
+    sources = ", ".join(str(s.get("path")) for s in dataset.sidecar.get("inputs", [])) or "-"
+    for index in np.flatnonzero(chosen == rejected):
+        if np.array_equal(dataset.streams["chosen"][index], dataset.streams["rejected"][index]):
+            raise InputError(
+                f"{dataset.prefix}: pair {index} (0-based record; sources: {sources}) has "
+                "identical chosen and rejected responses, which is no comparison; remove it "
+                "from the input and preprocess again"
+            )
+    longest = prompt + np.maximum(chosen, rejected)
+    if longest.max() > max_length:
+        index = int(longest.argmax())
+        raise InputError(
+            f"{dataset.prefix}: pair {index} (0-based record; sources: {sources}) is "
+            f"{longest[index]} tokens long, more than data.max_length={max_length}; preprocess "
+            "with --max-length to truncate, or raise data.max_length"
+        )
+
+
+@dataclass
+class PairBatches:
+    """How this rank turns preference pairs into microbatches of (2P, S) rows."""
+
+    micro_batch_size: int
+    num_microbatches: int
+    dp_rank: int
+    dp_size: int
+    width_multiple: int
+    pad_id: int = 0
+
+    @classmethod
+    def for_layout(cls, train: TrainConfig, dp_size: int, model: ModelConfig) -> PairBatches:
+        from megatron.core import parallel_state
+
+        if train.global_batch_size % (train.micro_batch_size * dp_size):
+            raise InputError(
+                f"train.global_batch_size={train.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={train.micro_batch_size} × data-parallel size "
+                f"{dp_size} (= world size / (tp·pp)); change one of them"
+            )
+        return cls(
+            micro_batch_size=train.micro_batch_size,
+            num_microbatches=train.global_batch_size // (train.micro_batch_size * dp_size),
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=dp_size,
+            width_multiple=model.tp if model.sequence_parallel else 1,
+        )
+
+    def train_steps(self, dataset, seed: int, consumed: int):
+        """Endless iterator of this rank's microbatches, one list per optimizer step.
+
+        The pairs follow :class:`~megatron_rlhf.data.ShardedSampler`'s stream from global
+        position ``consumed``, so a resumed run sees exactly what an uninterrupted one would.
+        """
+        from megatron_rlhf.data import ShardedSampler
+
+        sampler = ShardedSampler(
+            len(dataset),
+            self.dp_rank,
+            self.dp_size,
+            seed,
+            consumed_samples=consumed,
+            micro_batch_size=self.micro_batch_size,
+        )
+        positions = iter(sampler)
+        while True:
+            chunks = [
+                [dataset[next(positions)] for _ in range(self.micro_batch_size)]
+                for _ in range(self.num_microbatches)
+            ]
+            yield self.collate(chunks)
+
+    def eval_microbatches(self, dataset):
+        """This rank's share of ``dataset``, one microbatch (a list of one) at a time."""
+        mine = list(range(self.dp_rank, len(dataset), self.dp_size))
+        for start in range(0, len(mine), self.micro_batch_size):
+            chunk = [dataset[i] for i in mine[start : start + self.micro_batch_size]]
+            yield self.collate([chunk]), len(chunk)
+
+    def collate(self, chunks: list[list[dict]]) -> list[dict]:
+        from megatron_rlhf.reward.model import collate_pairs
+
+        return [
+            _to_device(rows) for rows in collate_pairs(chunks, self.pad_id, self.width_multiple)
+        ]
+
+
+def evaluate(engine, eval_set, config: RewardTrainConfig, batches: PairBatches) -> dict:
+    """Loss, accuracy, ECE and per-task score statistics on the held-out pairs (all ranks)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_rlhf.reward import calibration
+
+    sink: list = []
+    loss_fn = make_loss_fn(config, sink)
+    loss_sum = 0.0
+    for microbatches, pairs in batches.eval_microbatches(eval_set):
+        loss_sum += engine.step(microbatches, loss_fn, forward_only=True).get("loss", 0.0) * pairs
+    reports = (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (sink, loss_sum) if reports else ([], 0.0))
+    chosen, rejected, task_ids = [], [], []
+    for part, _ in gathered:
+        for c, r, t in part:
+            chosen += c
+            rejected += r
+            task_ids += t
+    names = getattr(eval_set, "task_names", None) or getattr(
+        getattr(eval_set, "dataset", None), "task_names", None
+    )
+    tasks = [names[t] if names and t is not None else "untagged" for t in task_ids]
+    per_task = calibration.per_task_stats(chosen, rejected, tasks)
+    means = [row["mean"] for row in per_task.values()]
+    return {
+        "pairs": len(chosen),
+        "loss": sum(loss for _, loss in gathered) / len(chosen),
+        "accuracy": calibration.ranking_accuracy(chosen, rejected),
+        "ece": calibration.expected_calibration_error(chosen, rejected),
+        "outside_margin": float(np.mean(np.abs(np.array(chosen + rejected)) > config.am.margin)),
+        "per_task": per_task,
+        "task_mean_spread": max(means) - min(means),
+    }
+
+
+def reduce_metrics(metrics: dict) -> dict:
+    """Average the step metrics of the last-stage ranks of every data-parallel replica."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, metrics)
+    reporting = [m for m in gathered if "loss" in m]
+    return {key: float(np.mean([m[key] for m in reporting])) for key in reporting[0]}
+
+
+def _build_engine(config: RewardTrainConfig, arch, total_steps: int, output_dir: Path):
+    """(engine, step, consumed samples, checkpoint resumed from or None): the model from
+    ``model.load``, or everything from ``output_dir``'s latest checkpoint."""
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.checkpoint.dist import read_metadata
+    from megatron_rlhf.models.bloom import BloomModel
+    from megatron_rlhf.reward.model import NUM_OUTPUTS
+    from megatron_rlhf.training import TrainEngine
+    from megatron_rlhf.training.checkpointing import latest_checkpoint, load_training_checkpoint
+
+    resume_from = latest_checkpoint(output_dir)
+    if resume_from is not None and not config.train.resume:
+        raise InputError(
+            f"{output_dir}: already holds checkpoints ({resume_from.name}); set "
+            "train.resume=true to continue that run or choose another train.output_dir"
+        )
+    kwargs = dict(
+        head="scalar",
+        num_scalar_outputs=NUM_OUTPUTS[config.loss],
+        params_dtype=torch.bfloat16 if _use_bf16(config.model.bf16) else torch.float32,
+        sequence_parallel=config.model.sequence_parallel,
+        recompute_activations=config.model.recompute_activations,
+    )
+    if resume_from is None:
+        engine = TrainEngine(load_bloom(config.model.load, **kwargs), config.optim, total_steps)
+        return engine, 0, 0, None
+    saved = read_metadata(resume_from)
+    if saved.get("num_scalar_outputs") != kwargs["num_scalar_outputs"]:
+        raise InputError(
+            f"{resume_from}: was trained with loss={saved.get('loss')!r}, but loss="
+            f"{config.loss!r} was asked for; choose another train.output_dir"
+        )
+    model = BloomModel(arch, init_weights=False, **kwargs)  # every weight comes from the checkpoint
+    engine = TrainEngine(model, config.optim, total_steps)
+    state = load_training_checkpoint(resume_from, {"model": engine})
+    _log(f"[train-reward] resumed from {resume_from} at step {state.get('step', 0)}")
+    return engine, state.get("step", 0), state.get("consumed_samples", 0), resume_from
+
+
+def _use_bf16(setting) -> bool:
+    if setting == "auto":
+        return torch.cuda.is_available()
+    if setting and not torch.cuda.is_available():
+        raise InputError("model.bf16=true needs a GPU; use model.bf16=auto (fp32 on CPU)")
+    return bool(setting)
+
+
+def _check_config(config: RewardTrainConfig) -> None:
+    train, data = config.train, config.data
+    problems = [
+        f"train.{key}={getattr(train, key)} must be >= {least}"
+        for key, least in (
+            ("global_batch_size", 1),
+            ("micro_batch_size", 1),
+            ("log_interval", 1),
+            ("eval_interval", 0),
+            ("save_interval", 0),
+            ("steps", 1),
+        )
+        if getattr(train, key) is not None and getattr(train, key) < least
+    ]
+    if not 0.0 <= data.eval_fraction < 1.0:
+        problems.append(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
+    if data.eval is not None and data.eval_fraction > 0:
+        problems.append("give data.eval or data.eval_fraction, not both")
+    if config.am.margin <= 0:
+        problems.append(f"am.margin={config.am.margin} must be > 0")
+    if problems:
+        raise InputError("invalid train-reward config:\n  - " + "\n  - ".join(problems))
+
+
+def _check_policy_column(config: RewardTrainConfig, dataset) -> None:
+    column, count = config.am.policy_column, dataset.num_behaviour_policies
+    if config.loss != "am" or column is None:
+        if count and config.loss == "am":
+            _log(
+                f"[train-reward] note: {dataset.prefix} has {count} behaviour log-probs per "
+                "response, unused without am.policy_column (a = r - e_τ)"
+            )
+        return
+    if not 0 <= column < count:
+        raise InputError(
+            f"am.policy_column={column}: {dataset.prefix} has {count} behaviour log-prob "
+            f"columns; choose one in [0, {count}) or leave am.policy_column unset"
+        )
+
+
+def _open_data(config: RewardTrainConfig, model_max_length: int):
+    """(training dataset, training pairs, held-out pairs or None), every pair checked."""
+    from megatron_rlhf.data import PreferenceDataset
+
+    max_length = config.data.max_length or model_max_length
+    dataset = PreferenceDataset(config.data.train)
+    check_pairs(dataset, max_length)
+    _check_policy_column(config, dataset)
+    if config.data.eval is not None:
+        eval_set = PreferenceDataset(config.data.eval)
+        check_pairs(eval_set, max_length)
+        return dataset, dataset, eval_set
+    fraction = config.data.eval_fraction
+    if fraction == 0:
+        return dataset, dataset, None
+    order = np.random.default_rng([config.train.seed, 1]).permutation(len(dataset))
+    held_out = max(1, int(round(fraction * len(dataset))))
+    eval_indices, train_indices = np.sort(order[:held_out]), np.sort(order[held_out:])
+    if len(train_indices) == 0:
+        raise InputError(f"data.eval_fraction={fraction} leaves no training pairs")
+    subset = torch.utils.data.Subset
+    return dataset, subset(dataset, train_indices.tolist()), subset(dataset, eval_indices.tolist())
+
+
+def _tokenizer_dir(dataset, load: str) -> str | None:
+    path = dataset.sidecar.get("tokenizer", {}).get("path")
+    if path and Path(path).is_dir():
+        return path
+    return load if (Path(load) / "tokenizer.json").exists() else None
+
+
+def _to_device(rows: dict) -> dict:
+    if not torch.cuda.is_available():
+        return rows
+    return {k: v.cuda(non_blocking=True) if torch.is_tensor(v) else v for k, v in rows.items()}
+
+
+def _every(step: int, interval: int) -> bool:
+    return interval > 0 and step % interval == 0
+
+
+def _log(message: str) -> None:
+    if is_rank0():
+        print(message, file=sys.stderr, flush=True)
+
+
+class _Logger:
+    """Rank 0's progress bar, log lines and TensorBoard scalars (other ranks: nothing)."""
+
+    def __init__(self, output_dir: Path, step: int, total_steps: int):
+        self.enabled = is_rank0()
+        if self.enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            from tqdm import tqdm
+
+            self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=step + 1)
+            self.bar = tqdm(total=total_steps, initial=step, desc="train-reward")
+
+    def train(self, step: int, metrics: dict, interval: int) -> None:
+        if self.enabled:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['accuracy']:.3f}")
+            if step % interval == 0:
+                self._write("train", metrics, step)
+
+    def eval(self, step: int, result: dict) -> None:
+        if self.enabled:
+            scalars = {k: v for k, v in result.items() if k not in ("pairs", "per_task")}
+            scalars.update({f"task_mean/{t}": row["mean"] for t, row in result["per_task"].items()})
+            self._write("eval", scalars, step)
+
+    def _write(self, prefix: str, scalars: dict, step: int) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        self.bar.write(
+            f"{prefix} @ step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in scalars.items())
+        )
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.close()
+            self.writer.close()

@@ -1,0 +1,233 @@
+"""Worker for test_reward_train.py: ``train-reward`` on 4 gloo ranks (launched by torchrun).
+
+One launch runs every check (a launch costs 10-15 s of imports):
+- for the AM and the RM, two optimizer steps at TP1 (DP4), TP2 (DP2), PP2 (DP2) and TP2xPP2
+  (DP1) on the same 8-pair global batches: the per-step losses and the updated weights must
+  agree across layouts, and the first step's loss must equal an independent float64
+  computation with Hugging Face ``BloomModel`` (one unpadded sequence at a time) plus the
+  score head read from the HF files;
+- training killed during step 3 (PP2 × DP2, with evaluation) and resumed from its step-2
+  checkpoint gives bit-identical step-3 and step-4 losses and evaluation to an uninterrupted run.
+Rank 0 writes ``{check: {"ok", "detail"}}`` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
+GLOBAL_BATCH = 8
+SEED = 11
+TOLERANCE = 1e-5
+
+
+class Killed(Exception):
+    """Stands in for the process being killed in the middle of a step."""
+
+
+def config_for(args, loss: str, tp: int, pp: int, output_dir: Path, **train):
+    from megatron_rlhf.reward.train import (
+        AMConfig,
+        DataConfig,
+        ModelConfig,
+        RewardTrainConfig,
+        TrainConfig,
+    )
+    from megatron_rlhf.training import OptimConfig
+
+    settings = dict(
+        output_dir=str(output_dir),
+        global_batch_size=GLOBAL_BATCH,
+        micro_batch_size=1,
+        steps=2,
+        eval_interval=0,
+        save_interval=0,
+        log_interval=1,
+        seed=SEED,
+    )
+    settings.update(train)
+    eval_fraction = settings.pop("eval_fraction", 0.0)
+    return RewardTrainConfig(
+        loss=loss,
+        model=ModelConfig(load=getattr(args, f"hf_{loss}"), tp=tp, pp=pp),
+        data=DataConfig(train=args.data, eval_fraction=eval_fraction),
+        am=AMConfig(margin=1.5),
+        optim=OptimConfig(lr=3e-3, warmup_fraction=0.0, weight_decay=0.01),
+        train=TrainConfig(**settings),
+    )
+
+
+def reference_first_loss(args, loss: str) -> float:
+    """Eq. 1 / Eq. 6 in float64 on the first global batch, with transformers' BLOOM trunk."""
+    from safetensors.torch import load_file
+    from transformers import BloomModel
+
+    from megatron_rlhf.data import PreferenceDataset, ShardedSampler
+
+    hf_dir = getattr(args, f"hf_{loss}")
+    trunk = BloomModel.from_pretrained(hf_dir).double().eval()
+    tensors = load_file(str(Path(hf_dir) / "model.safetensors"))
+    weight, bias = tensors["score.weight"].double(), tensors["score.bias"].double()
+    dataset = PreferenceDataset(args.data)
+    sampler = ShardedSampler(len(dataset), 0, 1, SEED, micro_batch_size=1)
+    losses = []
+    with torch.no_grad():
+        for position in range(GLOBAL_BATCH):
+            item = dataset[sampler.global_index(position)]
+            prompt_length = len(item["prompt_ids"])
+            outputs = []
+            for side in ("chosen_ids", "rejected_ids"):
+                ids = torch.cat([item["prompt_ids"], item[side]])[None]
+                hidden = trunk(ids).last_hidden_state[0]  # (S, H), after ln_f
+                scalars = hidden @ weight.T + bias  # (S, n)
+                reward = scalars[-1, 0]
+                outputs.append(reward if loss == "rm" else reward - scalars[prompt_length - 1, 1])
+            chosen, rejected = outputs
+            if loss == "rm":
+                losses.append(-F.logsigmoid(chosen - rejected))
+            else:
+                margin = 1.5
+                losses.append(
+                    -F.logsigmoid(chosen - rejected)
+                    - F.logsigmoid(margin - chosen)
+                    - F.logsigmoid(margin + rejected)
+                )
+    return float(torch.stack(losses).mean())
+
+
+def full_weights(directory: str, num_outputs: int) -> dict:
+    """Every tensor of a checkpoint, loaded at TP1/PP1 on this rank."""
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.distributed import ParallelConfig, initialize
+
+    initialize(ParallelConfig(tp=1, pp=1))
+    model = load_bloom(directory, head="scalar", num_scalar_outputs=num_outputs)
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def parity_checks(args, work: Path) -> dict:
+    from megatron_rlhf.reward.train import train
+
+    checks = {}
+    for loss, num_outputs in (("am", 2), ("rm", 1)):
+        runs = {}
+        for tp, pp in LAYOUTS:
+            result = train(config_for(args, loss, tp, pp, work / f"{loss}_tp{tp}_pp{pp}"))
+            runs[(tp, pp)] = result
+        base = runs[(1, 1)]
+        base_losses = [m["loss"] for m in base["history"]]
+        if dist.get_rank() == 0:
+            reference = reference_first_loss(args, loss)
+            checks[f"{loss}_first_step_loss_matches_hf_float64"] = (
+                abs(base_losses[0] - reference) < TOLERANCE,
+                f"megatron {base_losses[0]:.8f} vs float64 reference {reference:.8f}",
+            )
+        base_weights = full_weights(base["checkpoint"], num_outputs)
+        moved = max(
+            (base_weights[name] - start).abs().max().item()
+            for name, start in initial_weights(args, loss, num_outputs).items()
+        )
+        for (tp, pp), result in runs.items():
+            if (tp, pp) == (1, 1):
+                continue
+            losses = [m["loss"] for m in result["history"]]
+            norms = [m["grad_norm"] for m in result["history"]]
+            base_norms = [m["grad_norm"] for m in base["history"]]
+            pairs = zip(losses + norms, base_losses + base_norms)
+            gap = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)  # relative above 1
+            checks[f"{loss}_tp{tp}_pp{pp}_losses_match_tp1"] = (
+                len(losses) == 2 and gap < TOLERANCE,
+                f"relative gap {gap:.1e}: losses {losses} grad norms {norms} vs TP1 "
+                f"{base_losses} {base_norms}",
+            )
+            weights = full_weights(result["checkpoint"], num_outputs)
+            weight_gap = max((weights[k] - base_weights[k]).abs().max().item() for k in weights)
+            checks[f"{loss}_tp{tp}_pp{pp}_updated_weights_match_tp1"] = (
+                weights.keys() == base_weights.keys() and weight_gap < TOLERANCE and moved > 1e-3,
+                f"max |w - w_tp1| = {weight_gap:.2e} (weights moved {moved:.2e} in training)",
+            )
+    return checks
+
+
+def initial_weights(args, loss: str, num_outputs: int) -> dict:
+    """The model before training, from the HF directory (parallel state already TP1/PP1)."""
+    from megatron_rlhf.checkpoint import load_bloom
+
+    model = load_bloom(getattr(args, f"hf_{loss}"), head="scalar", num_scalar_outputs=num_outputs)
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+def resume_checks(args, work: Path) -> dict:
+    from megatron_rlhf.reward import train as train_module
+    from megatron_rlhf.training import TrainEngine
+
+    settings = dict(steps=4, save_interval=2, eval_interval=2, eval_fraction=0.25)
+    whole = train_module.train(config_for(args, "am", 1, 2, work / "whole", **settings))
+    killed_dir = work / "killed"
+    original_step, calls = TrainEngine.step, []
+
+    def dying_step(self, microbatches, loss_fn, forward_only=False):
+        if not forward_only:
+            calls.append(1)
+            if len(calls) == 3:
+                raise Killed("killed during step 3")
+        return original_step(self, microbatches, loss_fn, forward_only)
+
+    TrainEngine.step = dying_step
+    try:
+        train_module.train(config_for(args, "am", 1, 2, killed_dir, **settings))
+    except Killed:
+        pass
+    finally:
+        TrainEngine.step = original_step
+    resumed = train_module.train(config_for(args, "am", 1, 2, killed_dir, **settings))
+    whole_losses = [m["loss"] for m in whole["history"]]
+    resumed_losses = [m["loss"] for m in resumed["history"]]
+    return {
+        "killed_and_resumed_next_losses_equal_uninterrupted_bitwise": (
+            len(calls) == 3 and resumed_losses == whole_losses[2:],
+            f"uninterrupted {whole_losses}, resumed {resumed_losses}",
+        ),
+        "killed_and_resumed_final_evaluation_equal": (
+            resumed["eval"]["loss"] == whole["eval"]["loss"]
+            and resumed["eval"]["accuracy"] == whole["eval"]["accuracy"]
+            and resumed["eval"]["pairs"] == 16,
+            f"uninterrupted {whole['eval']['loss']!r} vs resumed {resumed['eval']['loss']!r}",
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--hf-am", dest="hf_am", required=True)
+    parser.add_argument("--hf-rm", dest="hf_rm", required=True)
+    parser.add_argument("--work", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    work = Path(args.work)
+    try:
+        checks = parity_checks(args, work)
+        checks.update(resume_checks(args, work))
+        results = {
+            name: {"ok": bool(ok), "detail": detail} for name, (ok, detail) in checks.items()
+        }
+    except Exception:  # report instead of hanging the other ranks
+        results = {"worker": {"ok": False, "detail": traceback.format_exc()}}
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results))
+    from megatron_rlhf.distributed import destroy
+
+    destroy()
+
+
+if __name__ == "__main__":
+    main()
