@@ -60,9 +60,9 @@ def load_bloom(
     if is_hf_checkpoint(directory):
         load_hf_into_model(model, HFReader(directory, head=head))
         return model
-    meta = dist_ckpt.read_metadata(directory)
+    meta, prefix = _role_view(dist_ckpt.read_metadata(directory), head)
     if trunk_only:
-        _load_trunk(model, directory, meta)
+        _load_trunk(model, directory, meta, prefix)
         return model
     if meta["head"] != head or (
         head == "scalar" and meta["num_scalar_outputs"] != num_scalar_outputs
@@ -72,19 +72,29 @@ def load_bloom(
             f"scalar outputs, but a {head!r} head with {num_scalar_outputs if head == 'scalar' else 0}"
             " was asked for; use a checkpoint of the right role"
         )
-    model.load_state_dict(dist_ckpt.load(directory, model.sharded_state_dict()))
+    loaded = dist_ckpt.load(directory, model.sharded_state_dict(prefix=prefix))
+    model.load_state_dict({name.removeprefix(prefix): value for name, value in loaded.items()})
     return model
 
 
-def _load_trunk(model, directory, meta: dict) -> None:
+def _role_view(meta: dict, head: str) -> tuple[dict, str]:
+    """A PPO checkpoint holds the actor (``actor.`` keys) and the critic (``critic.`` keys):
+    an LM head reads the actor, a scalar head the critic. Other checkpoints hold one model."""
+    if "roles" not in meta:
+        return meta, ""
+    role = meta["roles"]["actor" if head == "lm" else "critic"]
+    return {**meta, **role}, role["prefix"]
+
+
+def _load_trunk(model, directory, meta: dict, prefix: str = "") -> None:
     """Load every tensor but the head; an LM checkpoint's ``decoder.final_layernorm`` feeds a
     scalar model's ``final_layernorm``."""
     from megatron_rlhf.checkpoint import dist as dist_ckpt
 
     sharded = {
-        name: tensor
-        for name, tensor in model.sharded_state_dict().items()
-        if not name.startswith(("scalar_head.", "output_layer."))
+        name.removeprefix(prefix): tensor
+        for name, tensor in model.sharded_state_dict(prefix=prefix).items()
+        if not name.removeprefix(prefix).startswith(("scalar_head.", "output_layer."))
     }
     if meta["head"] == "lm" and model.head == "scalar":
         for name, tensor in sharded.items():

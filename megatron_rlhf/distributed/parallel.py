@@ -69,18 +69,23 @@ def world_size_from_env() -> int:
 
 
 def init_process_group() -> None:
-    """torch.distributed over NCCL (GPU) or gloo (CPU); a 1-process group outside torchrun."""
+    """torch.distributed over NCCL (GPU) or gloo (CPU); a 1-process group outside torchrun.
+
+    Outside torchrun every call binds a fresh local port, so one process can run several
+    commands in a row (the demo does) without colliding with a closing store.
+    """
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
+    if "TORCHELASTIC_RUN_ID" in os.environ or "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend)
+        return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
 
 
 def initialize(

@@ -220,9 +220,11 @@ class PPOTrainer:
             "kl": self.kl.state_dict(),
             "normalizer": self.normalizer.state_dict(),
         }
-        metadata = model_metadata(
-            self.roles.actor, roles=["actor", "critic"], config=to_dict(self.config)
-        )
+        roles = {
+            "actor": {"head": "lm", "num_scalar_outputs": 0, "prefix": "actor."},
+            "critic": {"head": "scalar", "num_scalar_outputs": 1, "prefix": "critic."},
+        }
+        metadata = model_metadata(self.roles.actor, roles=roles, config=to_dict(self.config))
         save_training_checkpoint(
             self.output_dir, step, {"actor": self.actor, "critic": self.critic}, metadata, state
         )

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# AM-PPO-SR, BLOOMZ-176B policy + BLOOMZ-7B1 AM, on 10 nodes x 8 GPUs (TP=8, PP=10, DP=1).
+# Run this same script on every node (e.g. with pdsh); MASTER_ADDR is the first node.
+#   NNODES=10 MASTER_ADDR=node001 bash examples/ppo/launch_176b_torchrun.sh
+set -euo pipefail
+NNODES=${NNODES:-10}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+MASTER_ADDR=${MASTER_ADDR:?set MASTER_ADDR to the first node}
+MASTER_PORT=${MASTER_PORT:-29500}
+export CUDA_DEVICE_MAX_CONNECTIONS=1     # sequence-parallel overlap ordering (Megatron-Core)
+export NCCL_ASYNC_ERROR_HANDLING=1
+
+torchrun \
+  --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
+  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id bloomz176b-ppo \
+  -m megatron_rlhf train-ppo --config examples/ppo/bloomz_176b_am_ppo_sr.yaml "$@"
