@@ -75,6 +75,8 @@ def data(tmp_path_factory):
         random_hf_bloom(ARCH, seed, init_std=0.3).save_pretrained(root / name)
     main_prompts = write_prompts(root / "main.jsonl", 13, 0)
     forget_prompts = write_prompts(root / "forget.jsonl", 6, 1)
+    other = tiny_architecture(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4)
+    random_hf_bloom(other).save_pretrained(root / "other_vocab")
     make_checkpoints(root)
     train_tiny_tokenizer(None, root / "tokenizer", vocab_size=ARCH.vocab_size)
     texts = ["The cat sat on", "Why is the sky blue?", "a", "Tell me about  rivers\n", "42 + 1 ="]
@@ -195,14 +197,19 @@ def test_text_prompts_are_tokenized_and_responses_decoded(data, tmp_path):
     assert "| main | 5 |" in table and "Forget" not in table  # no --forget: one set
 
 
-@pytest.mark.parametrize("decoding", [["--greedy"], ["--temperature", "0.8", "--seed", "5"]])
-def test_policy_equal_to_sft_gives_all_ties(data, tmp_path, decoding):
-    result = run_eval(
-        data, tmp_path, "--score-fn", SCORE_FN, *decoding, policy=data["root"] / "sft"
+@pytest.mark.parametrize("judge", ["am", "score-fn"])
+def test_policy_equal_to_sft_gives_all_ties(data, tmp_path, judge):
+    """Greedy with the AM judge at margin 0; sampling (same seed) with the score function."""
+    root = data["root"]
+    extra = (
+        ["--greedy", "--judge", str(root / "am")]
+        if judge == "am"
+        else ["--temperature", "0.8", "--seed", "5", "--score-fn", SCORE_FN]
     )
-    for name, row in result["report"]["sets"].items():
-        assert (row["win"], row["lose"], row["tie"]) == (0, 0, len(data[name]))
-        assert row["net_win_rate"] == 0.0
+    result = run_eval(data, tmp_path, *extra, policy=root / "sft", sets=("main",))
+    row = result["report"]["sets"]["main"]
+    assert (row["win"], row["lose"], row["tie"]) == (0, 0, len(data["main"]))
+    assert row["net_win_rate"] == 0.0 and row["mean_score_policy"] == row["mean_score_sft"]
     assert all(s["score_diff"] == 0.0 for s in result["samples"])
 
 
@@ -301,7 +308,11 @@ BAD = {
     "LM as judge": (["--judge", "{root}/sft"], "not a trained reward/advantage model"),
     "AM as RM": (["--judge", "{root}/am", "--judge-kind", "rm"], "needs a scalar head with 1"),
     "scalar head as policy": (["--score-fn", SCORE_FN, "--policy", "{root}/am"], "language model"),
-    "tp not dividing": (["--score-fn", SCORE_FN, "--tp", "3"], "--tp/--pp"),
+    "tp not dividing": (
+        ["--score-fn", SCORE_FN, "--tp", "3"],
+        "--tp 3 --pp 1: invalid parallel layout",
+    ),
+    "vocabularies differ": (["--score-fn", SCORE_FN, "--sft", "{root}/other_vocab"], "differ"),
     "unknown score fn": (["--score-fn", "no_such_module_xyz:f"], "cannot import"),
     "negative margin": (["--score-fn", SCORE_FN, "--tie-margin", "-1"], "--tie-margin"),
 }

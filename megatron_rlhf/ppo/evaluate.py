@@ -145,8 +145,13 @@ def validate_inputs(args) -> dict:
         if not Path(directory).is_dir():
             raise InputError(f"{flag} {directory}: no such checkpoint directory")
         arch = checkpoint_architecture(directory)
-        validate(ParallelConfig(tp=args.tp, pp=args.pp), world_size(), arch.num_heads,
-                 arch.num_layers, key=f"--tp/--pp ({flag} {directory})")  # fmt: skip
+        try:
+            validate(ParallelConfig(tp=args.tp, pp=args.pp), world_size(), arch.num_heads,
+                     arch.num_layers)  # fmt: skip
+        except InputError as err:
+            raise InputError(
+                f"{flag} {directory} with --tp {args.tp} --pp {args.pp}: {err}"
+            ) from None
         vocab_sizes[flag] = arch.vocab_size
     if len(set(vocab_sizes.values())) > 1:
         raise InputError(f"the models' vocabularies differ: {vocab_sizes}; they must share one")
