@@ -277,3 +277,19 @@ def test_sampling_top_p_and_temperature_follow_the_reference():
         assert ((observed - expected).abs() <= 5 * sigma + 1e-9).all(), (top_p, temperature)
     greedy = _choose(batch[:3], SamplingConfig(greedy=True), None)
     assert torch.equal(greedy, logits.argmax(-1).expand(3))
+
+
+def test_architecture_from_hf_reads_bigscience_legacy_keys():
+    from transformers import BloomConfig
+
+    from megatron_rlhf.models.bloom import BloomArchitecture
+
+    # bigscience/bloom-560m's config.json spells hidden size and heads the legacy way.
+    legacy = {"model_type": "bloom", "vocab_size": 250880, "n_embed": 1024, "n_layer": 24}
+    legacy.update(num_attention_heads=16, layer_norm_epsilon=1e-5)
+    expected = BloomArchitecture(vocab_size=250880, hidden_size=1024, num_layers=24, num_heads=16)
+    assert BloomArchitecture.from_hf(legacy) == expected
+    assert BloomArchitecture.from_hf(BloomConfig(**legacy)) == expected
+    assert BloomArchitecture.from_hf(ARCH_B.to_hf_dict()) == ARCH_B
+    with pytest.raises(InputError, match=r"none of \['n_head', 'num_attention_heads'\]"):
+        BloomArchitecture.from_hf({"vocab_size": 10, "hidden_size": 8, "n_layer": 1})

@@ -10,6 +10,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rlhf.models.bloom.layers import gelu_tanh
+from megatron_rlhf.utils import InputError
 
 
 @dataclass(kw_only=True)
@@ -31,15 +32,25 @@ class BloomArchitecture:
 
     @classmethod
     def from_hf(cls, hf_config) -> BloomArchitecture:
-        """From a ``transformers.BloomConfig`` (or its dict)."""
-        get = hf_config.get if isinstance(hf_config, dict) else hf_config.__getattribute__
+        """From a ``transformers.BloomConfig`` or its ``config.json`` dict. BigScience's own
+        config files use the legacy keys ``n_embed`` and ``num_attention_heads``, which
+        ``BloomConfig`` also accepts."""
+
+        def get(*keys, default=None):
+            for key in keys:
+                if _hf_get(hf_config, key, None) is not None:
+                    return _hf_get(hf_config, key, None)
+            if default is None:
+                raise InputError(f"config.json has none of {list(keys)}; is it a BLOOM config?")
+            return default
+
         return cls(
             vocab_size=get("vocab_size"),
-            hidden_size=get("hidden_size"),
-            num_layers=get("n_layer"),
-            num_heads=get("n_head"),
-            layer_norm_epsilon=get("layer_norm_epsilon"),
-            max_sequence_length=_hf_get(hf_config, "seq_length", 2048),
+            hidden_size=get("hidden_size", "n_embed"),
+            num_layers=get("n_layer", "num_hidden_layers"),
+            num_heads=get("n_head", "num_attention_heads"),
+            layer_norm_epsilon=get("layer_norm_epsilon", default=1e-5),
+            max_sequence_length=get("seq_length", default=2048),
         )
 
     def to_hf_dict(self) -> dict:
