@@ -115,15 +115,19 @@ def stage_data(demo: Demo, tokenizer: Path) -> dict:
         "sft": write_jsonl(raw / "sft.jsonl", synthetic_records("sft", 512, seed=1)),
         "preference": write_jsonl(raw / "pref.jsonl", synthetic_records("preference", 768, seed=2)),
         "prompt": write_jsonl(raw / "ppo_prompts.jsonl", synthetic_records("prompt", 128, seed=3)),
+        "preference_test": write_jsonl(
+            raw / "pref_test.jsonl", synthetic_records("preference", 96, seed=6)
+        ),
     }
     write_jsonl(raw / "main_test.jsonl", synthetic_records("prompt", 24, seed=4))
     write_jsonl(
         raw / "forget_test.jsonl",
         ({"prompt": r["prompt"]} for r in synthetic_records("sft", 24, seed=5)),
     )
-    for kind, path in files.items():
+    for name, path in files.items():
+        kind = name.removesuffix("_test")
         demo.run(preprocess, ["--input", path, "--kind", kind, "--tokenizer", tokenizer,
-                              "--output-prefix", data / kind, "--max-length", 160, "--no-progress"])  # fmt: skip
+                              "--output-prefix", data / name, "--max-length", 160, "--no-progress"])  # fmt: skip
     demo.done(started, f"indexed datasets in {data}")
     return {"raw": raw, "indexed": data}
 
@@ -172,7 +176,7 @@ def stage_advantage_model(demo: Demo, sft: Path, data: dict) -> Path:
     ])  # fmt: skip
     checkpoint = latest_checkpoint(run_dir)
     scores = demo.out / "am" / "heldout_scores.jsonl"
-    demo.run(score, ["--load", checkpoint, "--input", data["indexed"] / "preference",
+    demo.run(score, ["--load", checkpoint, "--input", data["indexed"] / "preference_test",
                      "--output", scores])  # fmt: skip
     demo.run(eval_reward, ["--scores", scores, "--output-dir", demo.out / "am" / "eval"])
     demo.done(started, f"{checkpoint}; calibration report in {demo.out / 'am' / 'eval'}")

@@ -2,10 +2,18 @@
 
 from megatron_rlhf.distributed.parallel import (
     ParallelConfig,
+    compute_device,
     destroy,
     init_process_group,
     initialize,
     validate,
 )
 
-__all__ = ["ParallelConfig", "destroy", "init_process_group", "initialize", "validate"]
+__all__ = [
+    "ParallelConfig",
+    "compute_device",
+    "destroy",
+    "init_process_group",
+    "initialize",
+    "validate",
+]

@@ -64,6 +64,13 @@ def validate(
     return world_size // (parallel.tp * parallel.pp)
 
 
+def compute_device() -> torch.device:
+    """Where models and their inputs live: this process's GPU, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 

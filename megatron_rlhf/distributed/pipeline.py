@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_rlhf.distributed.parallel import compute_device
+
 
 def pipeline_forward(model, input_ids: torch.Tensor, padding_mask: torch.Tensor, **kwargs):
     """Run ``model`` across the pipeline; the last stage returns its output, others None."""
@@ -27,7 +29,7 @@ def pipeline_forward(model, input_ids: torch.Tensor, padding_mask: torch.Tensor,
             input_ids.shape[0],
             config.hidden_size,
             dtype=config.params_dtype,
-            device=input_ids.device,
+            device=compute_device(),
         )
         dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
         model.set_input_tensor(hidden)
@@ -39,11 +41,14 @@ def pipeline_forward(model, input_ids: torch.Tensor, padding_mask: torch.Tensor,
 
 
 def broadcast_from_last_stage(tensor: torch.Tensor | None, shape, dtype) -> torch.Tensor:
-    """Give every pipeline stage the last stage's ``tensor`` (others pass None)."""
+    """Give every pipeline stage the last stage's ``tensor`` (others pass None); the result
+    lives on the compute device (NCCL broadcasts GPU tensors only)."""
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return tensor
-    if not parallel_state.is_pipeline_last_stage():
-        tensor = torch.empty(shape, dtype=dtype)
+    if parallel_state.is_pipeline_last_stage():
+        tensor = tensor.to(compute_device()).contiguous()
+    else:
+        tensor = torch.empty(shape, dtype=dtype, device=compute_device())
     last = parallel_state.get_pipeline_model_parallel_last_rank()
     dist.broadcast(tensor, src=last, group=parallel_state.get_pipeline_model_parallel_group())
     return tensor

@@ -16,6 +16,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megatron_rlhf.distributed.parallel import compute_device
 from megatron_rlhf.distributed.pipeline import broadcast_from_last_stage, pipeline_forward
 
 
@@ -75,11 +76,12 @@ def generate(
     batch, prompt_length = prompt_ids.shape
     max_length = prompt_length + sampling.max_new_tokens
     context = StaticInferenceContext(batch, max_length) if sampling.use_kv_cache else None
-    generator = torch.Generator().manual_seed(
+    device = compute_device()
+    generator = torch.Generator(device=device).manual_seed(
         sampling.seed + parallel_state.get_data_parallel_rank()
     )
-    tokens, mask = prompt_ids.clone(), prompt_mask.clone().long()
-    finished = torch.zeros(batch, dtype=torch.bool)
+    tokens, mask = prompt_ids.to(device), prompt_mask.to(device).long()
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
     new_tokens, new_logprobs, new_mask = [], [], []
     for step in range(sampling.max_new_tokens):
         step_input = tokens[:, -1:] if (context is not None and step > 0) else tokens
@@ -89,8 +91,7 @@ def generate(
         if context is not None:
             context.sequence_len_offset += step_input.shape[1]
             context.enable_decode_mode()
-        chosen = torch.empty(batch, dtype=torch.long)
-        logprob = torch.empty(batch, dtype=torch.float32)
+        chosen, logprob = None, None
         if parallel_state.is_pipeline_last_stage():
             last = logits[:, -1, :].float()  # (B, V)
             chosen = _choose(last, sampling, generator)

@@ -23,7 +23,13 @@ def dp_group_or_none():
 
 def global_mean_var(x: torch.Tensor, group) -> tuple[float, float]:
     """Mean and (population) variance of ``x`` over every data-parallel rank."""
-    moments = torch.stack([x.double().sum(), x.double().square().sum(), torch.tensor(x.numel())])
+    moments = torch.stack(
+        [
+            x.double().sum(),
+            x.double().square().sum(),
+            torch.tensor(x.numel(), dtype=torch.float64, device=x.device),
+        ]
+    )
     if group is not None:
         dist.all_reduce(moments, group=group)
     total, total_sq, count = moments.tolist()

@@ -24,7 +24,7 @@ def select_best(scores: torch.Tensor, samples_per_prompt: int, threshold: float 
     """Row index of the best response of each prompt, kept if its score >= threshold."""
     grouped = scores.view(-1, samples_per_prompt)  # (B, K)
     best_score, best = grouped.max(dim=1)
-    rows = torch.arange(grouped.shape[0]) * samples_per_prompt + best
+    rows = torch.arange(grouped.shape[0], device=scores.device) * samples_per_prompt + best
     keep = torch.ones_like(best_score, dtype=torch.bool)
     if threshold is not None:
         keep = best_score >= threshold

@@ -12,6 +12,8 @@ def rollout(actor, prompts: dict, sampling: SamplingConfig) -> Experience:
     """Generate one response per prompt; ``prompts`` is ``collate_prompts`` output."""
     prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]  # (B, P)
     out = generate(actor, prompt_ids, prompt_mask, sampling)
+    device = out.response_ids.device  # the compute device: the experience stays there
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     return Experience(
         sequences=torch.cat([prompt_ids, out.response_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, out.response_mask], dim=1),

@@ -94,7 +94,8 @@ class RunData:
         clusters = torch.tensor(
             [self.clusters.cluster_of_index(int(i)) for i in experience.prompt_index]
         )
-        pairs = torch.stack([clusters.double(), experience.scores.double()], dim=1)
+        scores = experience.scores.double()
+        pairs = torch.stack([clusters.to(scores.device).double(), scores], dim=1)
         if self.dp_size > 1:
             gathered = [torch.empty_like(pairs) for _ in range(self.dp_size)]
             torch.distributed.all_gather(

@@ -51,9 +51,9 @@ def sequence_scores(
     """The score of each response: r at its last token (RM), or ``a = r - e_tau(x)`` with
     e_tau read at the last prompt token (AM, K = 0 at PPO time: Eq. 8 with no behaviour
     policies). Returns (B,)."""
-    positions = torch.arange(attention_mask.shape[1])
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = torch.where(attention_mask.bool(), positions, -1).amax(dim=1)  # (B,)
-    rows = torch.arange(attention_mask.shape[0])
+    rows = torch.arange(attention_mask.shape[0], device=attention_mask.device)
     reward = scalars[rows, last, 0]
     if reward_kind == "rm":
         return reward
@@ -69,7 +69,7 @@ def function_scores(reward_fn, experience: Experience) -> torch.Tensor:
         response_mask = experience.response_mask[row].bool()
         response = experience.responses[row][response_mask].tolist()
         scores.append(float(reward_fn(prompt, response)))
-    return torch.tensor(scores, dtype=torch.float32)
+    return torch.tensor(scores, dtype=torch.float32, device=experience.sequences.device)
 
 
 @torch.no_grad()

@@ -179,7 +179,9 @@ class PPOTrainer:
         kept = select_best(
             experience.scores, ppo.rejection_samples_per_prompt, ppo.rejection_threshold
         )
-        usable = torch.tensor([len(kept) - len(kept) % ppo.micro_batch_size])
+        usable = torch.tensor(
+            [len(kept) - len(kept) % ppo.micro_batch_size], device=experience.scores.device
+        )
         group = dp_group_or_none()
         if group is not None:  # every replica must run the same number of microbatches
             dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)

@@ -34,6 +34,7 @@ def actor_microbatch(experience: Experience, rehearsal: dict | None, pad_id: int
         "response_mask": experience.response_mask,
     }
     if rehearsal is not None:
+        rehearsal = {key: value.to(sequences.device) for key, value in rehearsal.items()}
         width = max(sequences.shape[1], rehearsal["input_ids"].shape[1])
         sequences = torch.cat(
             [right_pad(sequences, width, pad_id), right_pad(rehearsal["input_ids"], width, pad_id)]

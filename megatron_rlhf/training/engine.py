@@ -156,7 +156,11 @@ class TrainEngine:
 
 
 def _forward_step(loss_fn, data_iterator, model):
-    microbatch = next(data_iterator)
+    device = next(model.parameters()).device
+    microbatch = {
+        key: value.to(device) if isinstance(value, torch.Tensor) else value
+        for key, value in next(data_iterator).items()
+    }
     output = model(microbatch["input_ids"], microbatch["padding_mask"])
     return output, partial(_loss_on_last_stage, loss_fn, microbatch)
 

@@ -117,6 +117,8 @@ class BloomModel(GPTModel):
         inference_context=None,
         runtime_gather_output: bool | None = None,
     ) -> torch.Tensor:
+        device = next(self.parameters()).device
+        input_ids, padding_mask = input_ids.to(device), padding_mask.to(device)
         attention_mask = attention_mask_for(padding_mask, input_ids.shape[1])
         output = super().forward(
             input_ids=input_ids,
