@@ -238,6 +238,6 @@ def stage_evaluation(demo: Demo, policy: Path, sft: Path, am: Path, data: dict) 
                            data["raw"] / "main_test.jsonl", "--forget",
                            data["raw"] / "forget_test.jsonl", "--judge", am, "--judge-kind",
                            "am", "--output-dir", demo.out / "eval", "--max-new-tokens", 32,
-                           "--greedy", "--label", "AM-PPO-SR"])  # fmt: skip
+                           "--greedy", "--tie-margin", 0.05, "--label", "AM-PPO-SR"])  # fmt: skip
     print((demo.out / "eval" / "eval_policy.md").read_text())
     demo.done(started, f"{demo.out / 'eval'}")
