@@ -7,7 +7,8 @@ One launch runs every check (a launch costs 10-15 s of imports):
   computation with Hugging Face ``BloomModel`` (one unpadded sequence at a time) plus the
   score head read from the HF files;
 - training killed during step 3 (PP2 × DP2, with evaluation) and resumed from its step-2
-  checkpoint gives bit-identical step-3 and step-4 losses and evaluation to an uninterrupted run.
+  checkpoint gives bit-identical step-3 and step-4 losses and evaluation to an uninterrupted run;
+- ``score`` of the same pairs at TP2xPP2 and TP1 agree.
 Rank 0 writes ``{check: {"ok", "detail"}}`` to --out.
 """
 
@@ -204,6 +205,32 @@ def resume_checks(args, work: Path) -> dict:
     }
 
 
+def score_checks(args, work: Path) -> dict:
+    """``score`` of the same pairs at TP2xPP2 (DP1) and TP1 (DP4) agree."""
+    from megatron_rlhf.reward import score
+
+    checkpoint = str(work / "am_tp1_pp1" / "step_0000002")
+    lines = {}
+    for tp, pp in ((2, 2), (1, 1)):
+        out = work / f"scores_tp{tp}_pp{pp}.jsonl"
+        argv = ["--load", checkpoint, "--input", args.data, "--output", str(out)]
+        score.run(score.build_parser().parse_args([*argv, "--tp", str(tp), "--pp", str(pp)]))
+        dist.barrier()
+        lines[tp, pp] = [json.loads(line) for line in out.read_text().splitlines()]
+    sharded, single = lines[2, 2], lines[1, 1]
+    gap = max(
+        abs(a[key] - b[key])
+        for a, b in zip(sharded, single)
+        for key in ("chosen_score", "rejected_score")
+    )
+    return {
+        "score_tp2_pp2_equals_tp1": (
+            len(sharded) == len(single) == 66 and gap < TOLERANCE,
+            f"{len(sharded)} pairs, max gap {gap:.2e}",
+        )
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -217,6 +244,7 @@ def main() -> None:
     try:
         checks = parity_checks(args, work)
         checks.update(resume_checks(args, work))
+        checks.update(score_checks(args, work))
         results = {
             name: {"ok": bool(ok), "detail": detail} for name, (ok, detail) in checks.items()
         }

@@ -41,6 +41,7 @@ DIST_CHECKS = [
 ] + [
     "killed_and_resumed_next_losses_equal_uninterrupted_bitwise",
     "killed_and_resumed_final_evaluation_equal",
+    "score_tp2_pp2_equals_tp1",
 ]
 
 
@@ -161,6 +162,12 @@ def test_fig4_rm_task_means_spread_am_means_sit_near_zero(fig4):
     }
     print("\nFig. 4 on held-out synthetic pairs:", json.dumps(report, indent=1))
     assert rm["pairs"] == am["pairs"] == 600
+    for loss in ("rm", "am"):  # TensorBoard events and the resolved config beside the checkpoint
+        run_dir = fig4["root"] / loss
+        assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+        saved = json.loads((fig4[loss]["checkpoint"] / "megatron_rlhf.json").read_text())
+        assert saved["config"] == json.loads((run_dir / "config.json").read_text())
+        assert saved["config"]["loss"] == loss and saved["config"]["train"]["steps"] == FIG4_STEPS
     # The RM scores every QA response higher: the leaked "code pattern" lifts the whole task.
     assert rm["per_task"]["qa"]["mean"] - rm["per_task"]["chat"]["mean"] > 0.7
     assert rm["task_mean_spread"] > 4 * am["task_mean_spread"]

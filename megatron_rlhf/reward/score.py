@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        return run(args)
     except InputError as err:
         print(f"score: error: {err}", file=sys.stderr)
         return 2
@@ -77,7 +77,8 @@ def main(argv: list[str]) -> int:
             destroy()
 
 
-def _run(args) -> int:
+def run(args) -> int:
+    """Score ``args.input`` (parsed by :func:`build_parser`); collective over every rank."""
     from megatron.core import parallel_state
     from tqdm import tqdm
 
