@@ -55,7 +55,12 @@ def hf_to_megatron(args) -> int:
         arch, head=args.head, num_scalar_outputs=args.num_scalar_outputs, init_weights=False
     )
     load_hf_into_model(model, reader)
-    meta = dist_ckpt.model_metadata(model, source=str(Path(args.load).resolve()))
+    hf_dtype = reader.get_rows("word_embeddings.weight", 0, 1).dtype  # megatron-to-hf restores it
+    meta = dist_ckpt.model_metadata(
+        model,
+        source=str(Path(args.load).resolve()),
+        hf_dtype=str(hf_dtype).removeprefix("torch."),
+    )
     dist_ckpt.save(args.save, model.sharded_state_dict(), meta, tokenizer_dir=args.load)
     destroy()
     print_summary(
@@ -128,13 +133,16 @@ def megatron_to_hf(args) -> int:
     )
     dist_ckpt.load(args.load, model.sharded_state_dict())
     stage, offset = dist.get_rank(), stage_layer_offset(arch.num_layers)
+    # A converted HF model goes back in its own dtype (bf16 -> fp32 -> bf16 is exact).
+    export_dtype = meta.get("hf_dtype", meta.get("dtype", "float32"))
+    to_dtype = getattr(torch, export_dtype)
     tensors = {}
     for name, param in model.named_parameters():
         if name == "output_layer.weight":
             continue  # tied to the word embedding, which the first stage writes
         mapping = mapping_for(name, head, offset)
         tensor = param.detach()[: arch.vocab_size] if mapping.is_vocab else param.detach()
-        tensors[full_hf_name(mapping.hf_name)] = tensor.contiguous()
+        tensors[full_hf_name(mapping.hf_name)] = tensor.to(to_dtype).contiguous()
     final, partial = Path(args.save), Path(args.save + ".tmp-partial")
     if stage == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -150,7 +158,7 @@ def megatron_to_hf(args) -> int:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         hf_config = arch.to_hf_dict()
-        hf_config["torch_dtype"] = meta.get("dtype", "float32")
+        hf_config["torch_dtype"] = export_dtype
         if head == "scalar":
             hf_config["architectures"] = ["BloomForSequenceClassification"]
             hf_config["num_labels"] = meta["num_scalar_outputs"]
