@@ -22,9 +22,11 @@ INIT_STD = 0.2
 PAD_ID, EOS_ID = 3, 2
 
 
-def save_hf_bloom(directory: str | Path, arch: BloomArchitecture, seed: int = 0):
+def save_hf_bloom(
+    directory: str | Path, arch: BloomArchitecture, seed: int = 0, dtype=torch.float32
+):
     """Save a random ``BloomForCausalLM`` (safetensors, no ``lm_head``); return the model."""
-    model = random_hf_bloom(arch, seed=seed, init_std=INIT_STD)
+    model = random_hf_bloom(arch, seed=seed, init_std=INIT_STD).to(dtype)
     model.save_pretrained(directory, safe_serialization=True)
     return model
 

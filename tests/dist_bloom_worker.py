@@ -209,7 +209,7 @@ def check_generation(hf_a: str) -> None:
     record("generation_eos_token_usable", bool(firsts), f"stop token {stop_token} in {row}")
     stop_tokens, stop_logprobs = hf_greedy(hf, ids, mask, max_new_tokens=10, eos_id=stop_token)
     sampled = {}
-    for tp, pp in [(1, 1), (2, 1), (1, 2)]:
+    for tp, pp in LAYOUTS:
         use_layout(tp, pp, ARCH_A)
         model = load_bloom(hf_a, init_weights=False)
         for cache in (True, False):
@@ -224,7 +224,7 @@ def check_generation(hf_a: str) -> None:
             sampled[(tp, pp, seed)] = generate(model, ids, mask, sampling).response_ids
     if dist.get_rank() == 0:  # data-parallel rank 0 in every layout
         base = sampled[(1, 1, 7)]
-        for tp, pp in [(2, 1), (1, 2)]:
+        for tp, pp in LAYOUTS[1:]:
             same = torch.equal(sampled[(tp, pp, 7)], base)
             record(f"sampling_seed_reproducible_tp{tp}pp{pp}_vs_tp1", same, str(base.tolist()))
         differs = not torch.equal(sampled[(1, 1, 8)], base)

@@ -12,7 +12,7 @@ from torchrun_util import REPO, run_torchrun
 
 LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]
 OTHER_LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2"]
-GEN_LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2"]
+GEN_LAYOUTS = LAYOUTS
 CHECKS = [
     *(f"logits_{arch}_{layout}" for arch in "ab" for layout in LAYOUTS),
     "logits_a_tp1pp4",
@@ -28,8 +28,7 @@ CHECKS = [
     "generation_eos_token_usable",
     *(f"greedy_{layout}_{cache}" for layout in GEN_LAYOUTS for cache in ("kv_cache", "no_cache")),
     *(f"greedy_eos_stop_{layout}" for layout in GEN_LAYOUTS),
-    "sampling_seed_reproducible_tp2pp1_vs_tp1",
-    "sampling_seed_reproducible_tp1pp2_vs_tp1",
+    *(f"sampling_seed_reproducible_{layout}_vs_tp1" for layout in LAYOUTS[1:]),
     "sampling_other_seed_differs",
     *(
         f"{head}_grads_tp2pp1{sp}_vs_tp1"

@@ -64,10 +64,11 @@ def _tokenizer(directory: Path, vocab_size: int = 300) -> Path:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """An HF BLOOM with a tokenizer, converted to Megatron at TP2xPP2 and back with --pp 2."""
+    """A bf16 HF BLOOM (as BigScience's releases) with a tokenizer, converted to Megatron at
+    TP2xPP2 (fp32 parameters) and back with --pp 2."""
     root = tmp_path_factory.mktemp("convert")
     hf_dir, mc_dir, back_dir = root / "hf", root / "mc_tp2pp2", root / "hf_back"
-    save_hf_bloom(hf_dir, ARCH_B, seed=2)
+    save_hf_bloom(hf_dir, ARCH_B, seed=2, dtype=torch.bfloat16)
     _tokenizer(hf_dir)
     to_mcore = _run(
         CONVERT, "hf-to-megatron", "--load", str(hf_dir), "--save", str(mc_dir),
@@ -86,7 +87,8 @@ def test_round_trip_is_bit_exact_for_every_tensor(converted):
     original, back = _tensors(converted["hf"]), _tensors(converted["back"])
     assert sorted(original) == sorted(back)
     for name, tensor in original.items():
-        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+        assert tensor.dtype == back[name].dtype == torch.bfloat16, name
+        assert torch.equal(back[name], tensor), name
     index = json.loads((converted["back"] / "model.safetensors.index.json").read_text())
     assert sorted(index["weight_map"]) == sorted(original)
     assert sorted(set(index["weight_map"].values())) == [
@@ -94,7 +96,7 @@ def test_round_trip_is_bit_exact_for_every_tensor(converted):
         "model-00002-of-00002.safetensors",
     ]
     config = json.loads((converted["back"] / "config.json").read_text())
-    assert BloomArchitecture.from_hf(config) == ARCH_B
+    assert BloomArchitecture.from_hf(config) == ARCH_B and config["torch_dtype"] == "bfloat16"
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (converted["back"] / name).read_bytes() == (converted["hf"] / name).read_bytes()
     assert "[hf-to-megatron] done:" in converted["logs"]
@@ -117,6 +119,7 @@ def test_transformers_loads_the_exported_model_unchanged(converted):
 def test_megatron_checkpoint_records_what_it_holds(converted):
     meta = json.loads((converted["mc"] / "megatron_rlhf.json").read_text())
     assert BloomArchitecture(**meta["architecture"]) == ARCH_B
+    assert meta["dtype"] == "float32" and meta["hf_dtype"] == "bfloat16"
     assert meta["head"] == "lm" and meta["padded_vocab_size"] == 1024
     assert (converted["mc"] / "tokenizer.json").exists()
 
@@ -153,7 +156,7 @@ def test_generate_cli_end_to_end(converted, tmp_path):
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompt_ids):
         ids[row, width - len(p) :], mask[row, width - len(p) :] = torch.tensor(p), 1
-    hf = BloomForCausalLM.from_pretrained(converted["hf"]).eval()
+    hf = BloomForCausalLM.from_pretrained(converted["hf"], dtype=torch.float32).eval()
     ref_tokens, ref_logprobs = hf_greedy(hf, ids, mask, max_new_tokens=6)
 
     assert len(lines) == len(records)
