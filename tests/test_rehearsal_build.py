@@ -263,4 +263,12 @@ def test_bad_arguments_fail_cleanly(workspace, capsys):
     assert "no_such_model: no such directory" in capsys.readouterr().err
     assert run_tool(workspace, "bad_args/dr", "--clusters", "4", "--min-score", "1e9") == 2
     assert "no record passes the filters" in capsys.readouterr().err
+    for flags, message in (
+        (("--clusters", "0"), "--clusters must be >= 1"),
+        (("--clusters", "4", "--min-score", "nan"), "--min-score must be a finite number"),
+        (("--sweep-clusters", "4,4"), "expected distinct positive integers"),
+    ):
+        with pytest.raises(SystemExit):
+            run_tool(workspace, "bad_args/dr", *flags)
+        assert message in capsys.readouterr().err
     assert not out.exists() or not any(out.iterdir())

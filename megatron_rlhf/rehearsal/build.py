@@ -15,12 +15,17 @@ Writes, all or nothing:
 ``--sweep-clusters 10,20,50`` writes one such set per count under ``OUT_c10`` ... (embedding the
 prompts once) and compares them in ``OUT.sweep.md`` and ``OUT.sweep.json`` (paper Fig. 6).
 ``--max-response-tokens`` counts tokens of ``--tokenizer`` (the policy's), response only.
+Selection rules: ``selection.py``. Bad records (no/NaN score, empty prompt, duplicate prompt
+unless ``--dedupe``) stop the run before any work, naming file:line (``records.py``); so do
+more clusters than records and a missing model directory. A cluster with fewer than k eligible
+records is not an error: it gives all it has, with a warning and a count in the report.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -105,22 +110,45 @@ def parse_args(argv: list[str]) -> RehearsalConfig:
     counts.add_argument("--clusters", type=int, help="number of k-means clusters c")
     counts.add_argument("--sweep-clusters", type=_parse_counts, help="e.g. 10,20,50")
     parser.add_argument("--top-k", type=int, required=True, help="records kept per cluster")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--seed", type=int, default=0, help="k-means seeding and D_R shuffle")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="embeddings, and k-means when faiss-gpu is installed",
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="embedding batch size")
     parser.add_argument("--niter", type=int, default=50, help="k-means iterations")
-    parser.add_argument("--no-normalize", dest="normalize", action="store_false")
+    parser.add_argument(
+        "--no-normalize",
+        dest="normalize",
+        action="store_false",
+        help="cluster raw embeddings instead of L2-normalised ones",
+    )
     parser.add_argument("--min-score", type=float, help="filter: minimum score")
     parser.add_argument("--max-response-tokens", type=int, help="filter: max response tokens")
     parser.add_argument("--max-entropy", type=float, help="filter: max mean token entropy")
-    parser.add_argument("--rank-by", choices=["score", "entropy"], default="score")
+    parser.add_argument(
+        "--rank-by",
+        choices=["score", "entropy"],
+        default="score",
+        help="inside a cluster: highest score (paper) or lowest mean token entropy",
+    )
     parser.add_argument("--entropy-field", default="entropy", help="record field for entropy")
     parser.add_argument("--dedupe", action="store_true", help="keep best of duplicate prompts")
     args = parser.parse_args(argv)
-    if args.top_k < 1:
-        parser.error("--top-k must be >= 1")
-    if args.clusters is not None and args.clusters < 1:
-        parser.error("--clusters must be >= 1")
+    for flag, value in (
+        ("--top-k", args.top_k),
+        ("--clusters", args.clusters),
+        ("--batch-size", args.batch_size),
+        ("--niter", args.niter),
+        ("--max-response-tokens", args.max_response_tokens),
+    ):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--min-score", args.min_score), ("--max-entropy", args.max_entropy)):
+        if value is not None and not math.isfinite(value):
+            parser.error(f"{flag} must be a finite number, got {value}")
     return RehearsalConfig(
         input=args.input,
         embedding_model=args.embedding_model,
