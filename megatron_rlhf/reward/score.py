@@ -117,7 +117,7 @@ def run(args) -> int:
     mine.sort(key=lambda i: len(scoring.prompts[i]) + len(scoring.responses[i]))  # less padding
     batches = [mine[i : i + args.batch_size] for i in range(0, len(mine), args.batch_size)]
     start = time.time()
-    results: dict[int, tuple[float, float | None]] = {}
+    results: dict[int, tuple[float, float | None, float]] = {}
     for batch in tqdm(batches, desc="score", disable=not is_rank0()):
         results.update(score_batch(model, scoring, batch))
     reports = (
@@ -142,9 +142,9 @@ def run(args) -> int:
 
 @torch.no_grad()
 def score_batch(model, scoring: ScoringInput, batch: list[int]) -> dict:
-    """{sequence index: (r, e_τ or None)} on the last pipeline stage, {} elsewhere."""
+    """{sequence index: (r, e_τ or None, score)} on the last pipeline stage, {} elsewhere."""
     from megatron_rlhf.distributed.pipeline import pipeline_forward
-    from megatron_rlhf.reward.model import read_scalars
+    from megatron_rlhf.reward.model import advantage_scores, read_scalars
 
     sequences = [scoring.prompts[i] + scoring.responses[i] for i in batch]
     width = max(len(ids) for ids in sequences)
@@ -160,10 +160,10 @@ def score_batch(model, scoring: ScoringInput, batch: list[int]) -> dict:
     output = pipeline_forward(model, input_ids, padding_mask)  # (B, S, n) on the last stage
     if output is None:
         return {}
-    rewards, expected = read_scalars(output, padding_mask, prompt_lengths)
-    rewards = rewards.float().tolist()
-    expected = [None] * len(batch) if expected is None else expected.float().tolist()
-    return {index: (r, e) for index, r, e in zip(batch, rewards, expected)}
+    rewards, expected = read_scalars(output, padding_mask, prompt_lengths)  # (B,), (B,) | None
+    scores = advantage_scores(rewards, expected).tolist()
+    expected = [None] * len(batch) if expected is None else expected.tolist()
+    return {i: row for i, row in zip(batch, zip(rewards.tolist(), expected, scores))}
 
 
 def output_lines(scoring: ScoringInput, results: dict):
@@ -171,26 +171,22 @@ def output_lines(scoring: ScoringInput, results: dict):
     if scoring.records is None:
         for pair, task in enumerate(scoring.tasks):
             line = {
-                "chosen_score": _score(*results[2 * pair]),
-                "rejected_score": _score(*results[2 * pair + 1]),
+                "chosen_score": results[2 * pair][2],
+                "rejected_score": results[2 * pair + 1][2],
             }
             if task is not None:
                 line["task"] = task
             yield line
         return
     for index, record in enumerate(scoring.records):
-        reward, expected = results[index]
+        reward, expected, score = results[index]
         line = dict(record)
         line["reward"] = reward
         if expected is not None:
             line["expected_reward"] = expected
-            line["advantage"] = reward - expected
-        line["score"] = _score(reward, expected)
+            line["advantage"] = score
+        line["score"] = score
         yield line
-
-
-def _score(reward: float, expected: float | None) -> float:
-    return reward if expected is None else reward - expected
 
 
 def read_input(path: str, tokenizer_dir, append_eos: bool, vocab_size: int) -> ScoringInput:
