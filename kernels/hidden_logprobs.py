@@ -26,6 +26,7 @@ from .logprobs import (
     gather_tp_stats,
     local_stats,
     merge_stats,
+    new_workspace,
     rows_grad,
     shard_targets,
     stats_dtype,
@@ -85,14 +86,17 @@ class _HiddenLogprobs(torch.autograd.Function):
         local_targets = shard_targets(targets.reshape(-1), vocab_start, vocab_local)  # (N,)
         inv_temp = 1.0 / temperature
         stats = torch.empty((4, batch * seq), dtype=stats_dtype(hidden), device=hidden.device)
+        tile_buffer, workspace = _tile_buffers(hidden_rows, vocab_local, chunks)
         for t0 in range(0, batch * seq, token_chunk):
             tokens = slice(t0, t0 + token_chunk)
             pieces = []
             for v0 in range(0, vocab_local, vocab_chunk):
                 tile_weight = weight[v0 : v0 + vocab_chunk]  # (cv, H)
-                logits = hidden_rows[tokens] @ tile_weight.T  # (ct, cv)
+                logits = _tile_matmul(hidden_rows[tokens], tile_weight.T, tile_buffer)  # (ct, cv)
                 tile_targets = shard_targets(local_targets[tokens], v0, tile_weight.shape[0])
-                pieces.append(local_stats(logits, tile_targets, inv_temp, return_entropy))
+                pieces.append(
+                    local_stats(logits, tile_targets, inv_temp, return_entropy, workspace)
+                )
             stats[:, tokens] = merge_stats(torch.cat(pieces))
         if tp_group is not None:
             stats = merge_stats(gather_tp_stats(stats, tp_group))
@@ -114,14 +118,20 @@ class _HiddenLogprobs(torch.autograd.Function):
         accum_dtype = lse.dtype
         grad_hidden = torch.zeros(hidden_rows.shape, dtype=accum_dtype, device=lse.device)
         grad_weight = torch.empty_like(weight)
+        tile_buffer, workspace = _tile_buffers(hidden_rows, weight.shape[0], ctx.chunks)
+        grad_tile_buffer = torch.empty_like(tile_buffer)
+        one_token_chunk = n_tokens <= token_chunk  # then each weight tile's gradient is one matmul
         for v0 in range(0, weight.shape[0], vocab_chunk):
             tile_weight = weight[v0 : v0 + vocab_chunk]  # (cv, H)
-            tile_grad_weight = torch.zeros(tile_weight.shape, dtype=accum_dtype, device=lse.device)
+            if not one_token_chunk:
+                tile_grad_weight = torch.zeros(
+                    tile_weight.shape, dtype=accum_dtype, device=lse.device
+                )
             for t0 in range(0, n_tokens, token_chunk):
                 tokens = slice(t0, t0 + token_chunk)
                 tile_hidden = hidden_rows[tokens]  # (ct, H)
-                logits = tile_hidden @ tile_weight.T  # (ct, cv), recomputed
-                grad_logits = torch.empty_like(logits)
+                logits = _tile_matmul(tile_hidden, tile_weight.T, tile_buffer)  # recomputed
+                grad_logits = grad_tile_buffer[: logits.numel()].view_as(logits)
                 rows_grad(
                     logits,
                     grad_logits,
@@ -131,12 +141,16 @@ class _HiddenLogprobs(torch.autograd.Function):
                     grad_lp[tokens],
                     None if grad_ent is None else grad_ent[tokens],
                     ctx.inv_temp,
+                    workspace,
                 )
                 if ctx.needs_input_grad[0]:
                     grad_hidden[tokens] += grad_logits @ tile_weight
-                if ctx.needs_input_grad[1]:
+                if ctx.needs_input_grad[1] and one_token_chunk:
+                    torch.matmul(grad_logits.T, tile_hidden, out=grad_weight[v0 : v0 + vocab_chunk])
+                elif ctx.needs_input_grad[1]:
                     tile_grad_weight += grad_logits.T @ tile_hidden
-            grad_weight[v0 : v0 + vocab_chunk] = tile_grad_weight
+            if ctx.needs_input_grad[1] and not one_token_chunk:
+                grad_weight[v0 : v0 + vocab_chunk] = tile_grad_weight
         if ctx.tp_group is not None and ctx.needs_input_grad[0]:
             dist.all_reduce(grad_hidden, group=ctx.tp_group)
         grad_hidden = grad_hidden.to(hidden_rows.dtype).view(ctx.hidden_shape)
@@ -145,3 +159,22 @@ class _HiddenLogprobs(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             grad_weight = None
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _tile_buffers(
+    hidden_rows: torch.Tensor, vocab_local: int, chunks: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A flat buffer for one logits tile and the PyTorch path's scratch, reused for every tile."""
+    tile_rows = min(chunks[0], hidden_rows.shape[0])
+    tile_cols = min(chunks[1], vocab_local)
+    tile_buffer = hidden_rows.new_empty(tile_rows * tile_cols)
+    return tile_buffer, new_workspace(tile_buffer.view(tile_rows, tile_cols))
+
+
+def _tile_matmul(left: torch.Tensor, right: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """``left @ right`` written into the front of ``buffer``."""
+    return torch.matmul(
+        left,
+        right,
+        out=buffer[: left.shape[0] * right.shape[1]].view(left.shape[0], right.shape[1]),
+    )

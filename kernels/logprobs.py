@@ -178,13 +178,30 @@ def local_stats(
     local_targets: torch.Tensor,  # (n,)
     inv_temp: float,
     with_entropy: bool,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Partial statistics ``(k, 4, n)`` of each row over this shard (k pieces of the vocab)."""
+    """Partial statistics ``(k, 4, n)`` of each row over this shard (k pieces of the vocab).
+
+    ``workspace`` (from ``new_workspace``) is scratch memory for the PyTorch path, for callers
+    that call this many times; one is allocated when it is None.
+    """
     if use_triton(rows) and rows.dtype != torch.float64:
         from . import triton_logprobs
 
         return triton_logprobs.rows_stats(rows, local_targets, inv_temp, with_entropy)
-    return _rows_stats_torch(rows, local_targets, inv_temp, with_entropy)[None]
+    return _rows_stats_torch(rows, local_targets, inv_temp, with_entropy, workspace)[None]
+
+
+def new_workspace(rows: torch.Tensor) -> torch.Tensor | None:
+    """Scratch memory for repeated ``local_stats``/``rows_grad`` calls on rows shaped like these.
+
+    None when the Triton path will run (it needs none). Two fp32 buffers of about
+    ``CHUNK_ELEMENTS`` values: reusing them spares a fresh, page-faulting allocation per chunk.
+    """
+    if use_triton(rows) and rows.dtype != torch.float64:
+        return None
+    chunk_rows = min(rows.shape[0], max(1, CHUNK_ELEMENTS // max(rows.shape[1], 1)))
+    return torch.empty(2 * chunk_rows * rows.shape[1], dtype=stats_dtype(rows), device=rows.device)
 
 
 def rows_grad(
@@ -196,6 +213,7 @@ def rows_grad(
     grad_lp: torch.Tensor,  # (n,)
     grad_ent: torch.Tensor | None,  # (n,)
     inv_temp: float,
+    workspace: torch.Tensor | None = None,
 ) -> None:
     """Write d(sum grad_lp*logp + grad_ent*H)/d rows into ``grad_rows``, chunk by chunk."""
     if use_triton(rows) and rows.dtype != torch.float64:
@@ -205,11 +223,17 @@ def rows_grad(
             rows, grad_rows, local_targets, lse, entropy, grad_lp, grad_ent, inv_temp
         )
         return
-    chunk = max(1, CHUNK_ELEMENTS // max(rows.shape[1], 1))
+    workspace = new_workspace(rows) if workspace is None else workspace
+    vocab = rows.shape[1]
+    chunk = max(1, CHUNK_ELEMENTS // max(vocab, 1))
     for start in range(0, rows.shape[0], chunk):
         piece = slice(start, start + chunk)
         targets = local_targets[piece]
-        log_p = torch.add(-lse[piece, None], rows[piece], alpha=inv_temp)  # (c, V) x/tau - lse
+        size = targets.shape[0] * vocab
+        log_p = workspace[:size].view(-1, vocab).copy_(rows[piece])  # (c, V)
+        if inv_temp != 1.0:
+            log_p.mul_(inv_temp)
+        log_p.sub_(lse[piece, None])  # x/tau - lse
         scaled_lp = grad_lp[piece] * inv_temp  # (c,) the 1/tau of dx/dz folded in
         if grad_ent is None:
             grad = log_p.exp_().mul_(-scaled_lp[:, None])
@@ -217,7 +241,8 @@ def rows_grad(
             # p * (-g_H * (log p + H) - g_lp) / tau, as p * (slope * log p + offset)
             slope = -grad_ent[piece] * inv_temp
             offset = slope * entropy[piece] - scaled_lp
-            prob = log_p.clamp_(min=MIN_LOG_PROB).exp()
+            prob = workspace[size : 2 * size].view(-1, vocab)
+            torch.exp(log_p.clamp_(min=MIN_LOG_PROB), out=prob)
             grad = prob.mul_(log_p.mul_(slope[:, None]).add_(offset[:, None]))
         onehot_grad = torch.where(targets >= 0, scaled_lp, 0.0)[:, None]  # (c, 1)
         grad.scatter_add_(1, targets.clamp(min=0)[:, None], onehot_grad)
@@ -225,25 +250,33 @@ def rows_grad(
 
 
 def _rows_stats_torch(
-    rows: torch.Tensor, local_targets: torch.Tensor, inv_temp: float, with_entropy: bool
+    rows: torch.Tensor,
+    local_targets: torch.Tensor,
+    inv_temp: float,
+    with_entropy: bool,
+    workspace: torch.Tensor | None,
 ) -> torch.Tensor:
     """The PyTorch reference for one shard: ``(4, n)`` statistics, a few rows at a time."""
     n_rows, vocab = rows.shape
     dtype = stats_dtype(rows)
+    workspace = new_workspace(rows) if workspace is None else workspace
     out = torch.zeros((4, n_rows), dtype=dtype, device=rows.device)
     chunk = max(1, CHUNK_ELEMENTS // max(vocab, 1))
     for start in range(0, n_rows, chunk):
         piece = slice(start, start + chunk)
         targets = local_targets[piece]
-        x = rows[piece]  # (c, V) in the input dtype
-        target_logit = x.gather(1, targets.clamp(min=0)[:, None]).squeeze(1).to(dtype) * inv_temp
+        size = targets.shape[0] * vocab
+        x = workspace[:size].view(-1, vocab).copy_(rows[piece])  # (c, V) in fp32
+        if inv_temp != 1.0:
+            x.mul_(inv_temp)
+        target_logit = x.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
         out[3, piece] = torch.where(targets >= 0, target_logit, 0.0)
-        row_max = x.amax(1).to(dtype) * inv_temp  # (c,) exact: scaling is monotonic
+        row_max = x.amax(1)  # (c,)
         row_max = torch.where(row_max > EMPTY_MAX, row_max, EMPTY_MAX)  # all -inf rows
         out[0, piece] = row_max
-        shifted = torch.add(-row_max[:, None], x, alpha=inv_temp)  # (c, V) x/tau - max, in dtype
+        shifted = x.sub_(row_max[:, None])  # x/tau - max
         if with_entropy:
-            e = shifted.exp()
+            e = torch.exp(shifted, out=workspace[size : 2 * size].view(-1, vocab))
             sum_exp = e.sum(1)
             # nansum: a -inf logit gives 0 * -inf = nan, whose true contribution is 0
             centred = torch.nansum(shifted.mul_(e), 1) / sum_exp

@@ -122,14 +122,15 @@ def test_token_logprobs_grad_matches_float64_autograd(dtype, gen, small_chunks):
     torch.testing.assert_close(logits.grad.double(), ref_in.grad, atol=tol, rtol=0)
 
 
-def test_hidden_path_matches_full_logits_and_gradcheck(gen):
+@pytest.mark.parametrize("token_chunk", [4, 64])  # several token chunks, or one
+def test_hidden_path_matches_full_logits_and_gradcheck(token_chunk, gen):
     hidden = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64).requires_grad_()
     weight = torch.randn(13, 6, generator=gen, dtype=torch.float64).requires_grad_()
     targets = torch.randint(0, 13, (2, 5), generator=gen)
 
     def ours(h, w):
         return token_logprobs_from_hidden(
-            h, w, targets, 0.9, return_entropy=True, token_chunk=4, vocab_chunk=5
+            h, w, targets, 0.9, return_entropy=True, token_chunk=token_chunk, vocab_chunk=5
         )
 
     ref_lp, ref_h = ref_logprobs(hidden @ weight.T, targets, 0.9)
