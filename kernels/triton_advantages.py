@@ -78,29 +78,31 @@ def _gae_kernel(
     mask_ptr,
     advantages_ptr,
     returns_ptr,
+    discounts_ptr,  # (2,) fp64: gamma, gamma * lam
     seq_len,
-    gamma,
-    gamma_lam,
     BLOCK_T: tl.constexpr,
 ):
+    # fp64 inside: a product of up to T fp32-rounded gamma*lam would drift by ~T ulps
     row = tl.program_id(0)
     base = row.to(tl.int64) * seq_len
     lanes = tl.arange(0, BLOCK_T)
-    carry = 0.0  # advantage at the first token of the block after this one
+    gamma = tl.load(discounts_ptr)
+    gamma_lam = tl.load(discounts_ptr + 1)
+    carry = tl.full((), 0.0, tl.float64)  # advantage at the first token of the next block
     for block in range(0, tl.cdiv(seq_len, BLOCK_T)):
         pos = seq_len - 1 - block * BLOCK_T - lanes  # descending positions
         valid = pos >= 0
         has_next = valid & (pos + 1 < seq_len)
-        m = tl.load(mask_ptr + base + pos, mask=valid, other=0.0)
-        v = tl.load(values_ptr + base + pos, mask=valid, other=0.0)
-        r = tl.load(rewards_ptr + base + pos, mask=valid, other=0.0)
-        m_next = tl.load(mask_ptr + base + pos + 1, mask=has_next, other=0.0)
-        v_next = tl.load(values_ptr + base + pos + 1, mask=has_next, other=0.0)
+        m = tl.load(mask_ptr + base + pos, mask=valid, other=0.0).to(tl.float64)
+        v = tl.load(values_ptr + base + pos, mask=valid, other=0.0).to(tl.float64)
+        r = tl.load(rewards_ptr + base + pos, mask=valid, other=0.0).to(tl.float64)
+        m_next = tl.load(mask_ptr + base + pos + 1, mask=has_next, other=0.0).to(tl.float64)
+        v_next = tl.load(values_ptr + base + pos + 1, mask=has_next, other=0.0).to(tl.float64)
         delta = (r + gamma * v_next * m_next - v) * m
         coef, value = tl.associative_scan((gamma_lam * m_next, delta), 0, _compose_affine)
         advantage = value + coef * carry
-        tl.store(advantages_ptr + base + pos, advantage * m, mask=valid)
-        tl.store(returns_ptr + base + pos, (advantage + v) * m, mask=valid)
+        tl.store(advantages_ptr + base + pos, (advantage * m).to(tl.float32), mask=valid)
+        tl.store(returns_ptr + base + pos, ((advantage + v) * m).to(tl.float32), mask=valid)
         carry = tl.sum(tl.where(lanes == BLOCK_T - 1, advantage, 0.0), 0)
 
 
@@ -150,9 +152,8 @@ def gae(
             (mask != 0).to(torch.float32),
             advantages,
             returns,
+            torch.tensor([gamma, gamma * lam], dtype=torch.float64, device=values.device),
             seq_len,
-            gamma,
-            gamma * lam,
             BLOCK_T=min(BLOCK_T, triton.next_power_of_2(seq_len)),
         )
     return advantages, returns

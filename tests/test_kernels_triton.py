@@ -78,7 +78,7 @@ def _compile_cases():
         )
     )
     gae_ptrs = ["rewards_ptr", "values_ptr", "mask_ptr", "advantages_ptr", "returns_ptr"]
-    gae_sig = {**dict.fromkeys(gae_ptrs, "*fp32"), **rows, "gamma": "fp32", "gamma_lam": "fp32"}
+    gae_sig = {**dict.fromkeys(gae_ptrs, "*fp32"), "discounts_ptr": "*fp64", **rows}
     cases.append(("triton_advantages", "_gae_kernel", gae_sig, {"BLOCK_T": 1024}, 4))
     return cases
 
