@@ -28,6 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", help="HF tokenizer dir (default: --load)")
     parser.add_argument("--prompts", required=True, help="input JSONL")
     parser.add_argument("--output", required=True, help="output JSONL (written atomically)")
+    add_generation_arguments(parser)
+    parser.add_argument("--output-logprobs", action="store_true")
+    parser.add_argument("--no-kv-cache", action="store_true", help="recompute the prefix")
+    return parser
+
+
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """Layout, batching and sampling flags shared by ``generate`` and ``eval-policy``."""
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -36,9 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-logprobs", action="store_true")
-    parser.add_argument("--no-kv-cache", action="store_true", help="recompute the prefix")
-    return parser
 
 
 def load_tokenizer(directory):

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rlhf.generation.cli import add_generation_arguments
 from megatron_rlhf.utils import InputError, atomic_output, is_rank0, print_summary, write_json
 
 SET_NAMES = ("main", "forget")
@@ -63,14 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", help="HF tokenizer dir (default: --sft if it has one)")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--label", help="model name in the Markdown table (default: --policy)")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per forward batch")
-    parser.add_argument("--greedy", action="store_true", help="argmax decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    add_generation_arguments(parser)
     parser.add_argument("--bf16", action="store_true", help="bf16 weights (GPU only)")
     return parser
 
