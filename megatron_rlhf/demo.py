@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_rlhf demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--output-dir", default="demo_output", help="where everything goes")
-    parser.add_argument("--ppo-steps", type=int, default=8)
+    parser.add_argument("--ppo-steps", type=int, default=16)
     parser.add_argument("--overwrite", action="store_true", help="replace --output-dir")
     return parser
 
@@ -149,7 +149,7 @@ def stage_sft(demo: Demo, tokenizer: Path, data: dict) -> Path:
     )
     initialize(ParallelConfig(seed=0))
     model = BloomModel(arch)
-    run = SFTRun(steps=60, micro_batch_size=16, max_length=160)
+    run = SFTRun(steps=200, micro_batch_size=16, max_length=160)
     engine = TrainEngine(model, OptimConfig(lr=3e-3, warmup_fraction=0.05), run.steps)
     losses = train_sft(model, dataset, engine, run, dataset.pad_id)
     megatron_dir, hf_dir = demo.out / "sft" / "megatron", demo.out / "sft" / "hf"
@@ -171,7 +171,7 @@ def stage_advantage_model(demo: Demo, sft: Path, data: dict) -> Path:
     demo.run(train_reward, [
         "loss=am", f"model.load={sft}", f"data.train={data['indexed'] / 'preference'}",
         "data.eval_fraction=0.125", "optim.lr=1e-3", f"train.output_dir={run_dir}",
-        "train.global_batch_size=16", "train.micro_batch_size=8", "train.epochs=1",
+        "train.global_batch_size=16", "train.micro_batch_size=8", "train.epochs=2",
         "train.eval_interval=40", "train.save_interval=1000", "train.log_interval=20",
     ])  # fmt: skip
     checkpoint = latest_checkpoint(run_dir)
@@ -219,7 +219,7 @@ def stage_ppo(demo: Demo, sft: Path, am: Path, data: dict, rehearsal: Path, step
         f"data.prompt_clusters={rehearsal}", "rehearsal.enabled=true",
         f"rehearsal.dataset={rehearsal}", "rehearsal.gamma=0.01", "rehearsal.micro_batch_size=2",
         "rollout.prompts_per_step=16", "rollout.max_new_tokens=32", "ppo.micro_batch_size=8",
-        "ppo.num_minibatches=2", "actor_optim.lr=1e-4", "critic_optim.lr=1e-3",
+        "ppo.num_minibatches=2", "actor_optim.lr=3e-4", "critic_optim.lr=1e-3",
         "actor_optim.warmup_fraction=0.0", "critic_optim.warmup_fraction=0.0",
         f"train.steps={steps}", f"train.save_interval={steps}", "train.sample_interval=4",
         f"train.output_dir={run_dir}",
