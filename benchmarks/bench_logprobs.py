@@ -16,16 +16,47 @@ Peak extra memory: every method runs in a fresh subprocess with glibc told to se
 large allocations through mmap (``MALLOC_MMAP_THRESHOLD_``); the kernel's resident high-water mark
 is reset (``/proc/self/clear_refs``) just before the call, and the figure is ``VmHWM`` during the
 call minus ``VmRSS`` before it: every byte the call touched beyond its inputs, outputs and
-gradients included; ``excl. grads`` subtracts the bf16 gradients every method must return
-(of the logits, 2 bytes x T x V: 490 MB at T = 1,024; of hidden and W for the -hid rows). Time: the better of two calls (one when the first takes over 5 s), as wall-clock
-seconds and as CPU seconds of the process (the machine is shared: wall time is noisy).
+gradients included; ``excl. grads`` subtracts the bf16 gradients every method must return (of
+the logits, 2 bytes x T x V: 490 MB at T = 1,024; of hidden and W for the -hid rows). Time: the
+better of two calls (one when the first takes over 5 s), as wall-clock seconds and as CPU
+seconds of the process (the machine is shared: wall time is noisy).
 
 Measured on a 2-core CPU, no GPU, torch 2.13.0+cpu, H = 1,024 (BLOOM-560m's width), with
-``python benchmarks/bench_logprobs.py``:
+``python benchmarks/bench_logprobs.py`` on a quiet moment of the shared machine (2 threads):
 
-    method      T      mode      time (s)  peak extra (MB)  vs naive
-    naive       1024   fwd          1.70         1962        1.000
-    ...         (filled in from the run below)
+    method      T      mode      wall (s)  CPU (s)  peak extra (MB)  vs naive  excl. grads  vs naive
+    naive       1024   fwd           0.65     1.16             1961     1.000         1961     1.000
+    mcore       1024   fwd           0.65     1.22              987     0.503          987     0.503
+    ours        1024   fwd           0.18     0.36               21     0.011           21     0.011
+    ours+ent    1024   fwd           0.23     0.45               37     0.019           37     0.019
+    naive-hid   1024   fwd           2.05     3.91             1967     1.000         1967     1.000
+    ours-hid    1024   fwd           1.48     2.94               46     0.023           46     0.023
+    naive       1024   fwd+bwd       1.44     2.61             2945     1.000         2455     1.000
+    mcore       1024   fwd+bwd       0.87     1.63             1478     0.502          988     0.402
+    ours        1024   fwd+bwd       0.59     1.18              514     0.174           24     0.010
+    ours+ent    1024   fwd+bwd       0.67     1.33              529     0.180           39     0.016
+    naive-hid   1024   fwd+bwd       5.89    11.30             2951     1.000         2459     1.000
+    ours-hid    1024   fwd+bwd       6.04    12.03              562     0.190           70     0.028
+    naive       2048   fwd           1.30     2.28             3921     1.000         3921     1.000
+    mcore       2048   fwd           1.26     2.35             1967     0.502         1967     0.502
+    ours        2048   fwd           0.37     0.73               22     0.006           22     0.006
+    ours+ent    2048   fwd           0.41     0.82               37     0.009           37     0.009
+    naive-hid   2048   fwd           4.16     7.84             3927     1.000         3927     1.000
+    ours-hid    2048   fwd           3.06     6.10               46     0.012           46     0.012
+    naive       2048   fwd+bwd       3.31     5.82             5885     1.000         4905     1.000
+    mcore       2048   fwd+bwd       1.57     2.95             2948     0.501         1968     0.401
+    ours        2048   fwd+bwd       0.99     1.97             1004     0.171           24     0.005
+    ours+ent    2048   fwd+bwd       1.31     2.62             1019     0.173           39     0.008
+    naive-hid   2048   fwd+bwd      11.97    22.76             5891     1.000         5397     1.000
+    ours-hid    2048   fwd+bwd      12.99    25.84              616     0.105          122     0.023
+
+Forward (rollout and reference log-probs): ours needs 0.6-1.1 % of the naive peak and is 3.5x
+faster. Forward + backward: the bf16 gradient of the logits (490 / 980 MB) that every method
+returns is 17 % of the naive peak by itself; beyond it ours adds 24 MB (0.5-1 %). The hidden-states
+path never holds logits: 46 MB forward; its backward adds the gradient of W (490 MB) and one
+extra matmul per tile (about 10 % slower than naive). Single-threaded (``OMP_NUM_THREADS=1``,
+wall = CPU time), T = 2,048: naive fwd 2.35 s / fwd+bwd 9.20 s, mcore 2.28 / 2.83 s,
+ours 0.77 / 2.23 s, naive-hid 8.06 / 22.74 s, ours-hid 6.31 / 25.95 s; same memory.
 """
 
 from __future__ import annotations
