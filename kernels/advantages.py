@@ -67,6 +67,8 @@ def shaped_rewards(
     if scores.shape != kl.shape[:1]:
         raise ValueError(f"shaped_rewards: scores must be ({kl.shape[0]},), got {scores.shape}")
     dtype = torch.promote_types(kl.dtype, torch.float32)
+    if kl.numel() == 0:
+        return torch.zeros(kl.shape, dtype=dtype, device=kl.device)
     if use_triton(kl) and dtype != torch.float64:
         from . import triton_advantages
 
@@ -188,6 +190,8 @@ def _nonzero_as(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _check_mask_shape(name: str, m: torch.Tensor) -> None:
     """Each row of the 0/1 ``m`` must be 0...0 1...1 0...0: at most one run start."""
+    if m.numel() == 0:
+        return
     starts = m[:, 0] + (m[:, 1:] - m[:, :-1]).clamp_(min=0).sum(1)  # (B,)
     if starts.numel() and int(starts.max()) > 1:
         row = int(starts.argmax())
