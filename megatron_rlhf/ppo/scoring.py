@@ -14,6 +14,7 @@ from megatron.core import parallel_state
 from megatron_rlhf.distributed.pipeline import broadcast_from_last_stage, pipeline_forward
 from megatron_rlhf.kernels import token_logprobs
 from megatron_rlhf.ppo.experience import Experience
+from megatron_rlhf.reward.model import NUM_OUTPUTS, advantage_scores, read_scalars
 
 
 def tp_group_or_none():
@@ -48,16 +49,13 @@ def sequence_scores(
     prompt_length: int,
     reward_kind: str,
 ) -> torch.Tensor:
-    """The score of each response: r at its last token (RM), or ``a = r - e_tau(x)`` with
-    e_tau read at the last prompt token (AM, K = 0 at PPO time: Eq. 8 with no behaviour
-    policies). Returns (B,)."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    last = torch.where(attention_mask.bool(), positions, -1).amax(dim=1)  # (B,)
-    rows = torch.arange(attention_mask.shape[0], device=attention_mask.device)
-    reward = scalars[rows, last, 0]
-    if reward_kind == "rm":
-        return reward
-    return reward - scalars[:, prompt_length - 1, 1]
+    """The score of each response (B,): r at its last token (RM), or ``a = r - e_tau(x)`` with
+    e_tau read at the last prompt token (AM; K = 0 at PPO time: Eq. 8 with no behaviour
+    policies). Prompts are left-padded to width P, so every prompt ends at column P - 1."""
+    if scalars.shape[-1] != NUM_OUTPUTS[reward_kind]:
+        raise ValueError(f"a {reward_kind} scores with {NUM_OUTPUTS[reward_kind]} outputs")
+    prompt_ends = torch.full((scalars.shape[0],), prompt_length, device=scalars.device)
+    return advantage_scores(*read_scalars(scalars, attention_mask, prompt_ends))
 
 
 def function_scores(reward_fn, experience: Experience) -> torch.Tensor:
