@@ -46,6 +46,25 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def sampling_from_args(args, tokenizer, **overrides):
+    """The SamplingConfig of ``add_generation_arguments`` flags; EOS/pad from the tokenizer
+    (BLOOM's 2/3 without one)."""
+    from megatron_rlhf.generation.engine import SamplingConfig
+
+    eos = getattr(tokenizer, "eos_token_id", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return SamplingConfig(
+        max_new_tokens=args.max_new_tokens,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_id=2 if eos is None else eos,
+        pad_id=3 if pad is None else pad,
+        **overrides,
+    )
+
+
 def load_tokenizer(directory):
     from transformers import AutoTokenizer
 
@@ -107,23 +126,12 @@ def _run(args) -> int:
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
-    from megatron_rlhf.generation.engine import SamplingConfig, generate
+    from megatron_rlhf.generation.engine import generate
 
     arch = checkpoint_architecture(args.load)
     tokenizer = resolve_tokenizer(args.tokenizer, args.load)
     records = read_prompts(args.prompts, tokenizer)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    pad = getattr(tokenizer, "pad_token_id", None)
-    sampling = SamplingConfig(
-        max_new_tokens=args.max_new_tokens,
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_id=2 if eos is None else eos,
-        pad_id=3 if pad is None else pad,
-        use_kv_cache=not args.no_kv_cache,
-    )
+    sampling = sampling_from_args(args, tokenizer, use_kv_cache=not args.no_kv_cache)
     initialize(
         ParallelConfig(tp=args.tp, pp=args.pp), num_heads=arch.num_heads, num_layers=arch.num_layers
     )

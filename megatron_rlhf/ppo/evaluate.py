@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlhf.generation.cli import add_generation_arguments
+from megatron_rlhf.generation.cli import add_generation_arguments, sampling_from_args
 from megatron_rlhf.utils import InputError, atomic_output, is_rank0, print_summary, write_json
 
 SET_NAMES = ("main", "forget")
@@ -307,20 +307,10 @@ def run(args, plan: dict) -> int:
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
-    from megatron_rlhf.generation import SamplingConfig
 
     start = time.time()
     tokenizer, prompt_sets = plan["tokenizer"], plan["prompt_sets"]
-    eos, pad = getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)
-    sampling = SamplingConfig(
-        max_new_tokens=args.max_new_tokens,
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_id=2 if eos is None else eos,
-        pad_id=3 if pad is None else pad,
-    )
+    sampling = sampling_from_args(args, tokenizer)
     arch = checkpoint_architecture(args.sft)
     initialize(ParallelConfig(tp=args.tp, pp=args.pp), num_heads=arch.num_heads,
                num_layers=arch.num_layers)  # fmt: skip
