@@ -154,10 +154,7 @@ def validate_inputs(args) -> dict:
         _check_judge(args.judge, args.judge_kind)
     reward_fn = None
     if args.score_fn is not None:
-        try:
-            reward_fn = import_reward_fn(args.score_fn)
-        except InputError as err:
-            raise InputError(f"--score-fn {args.score_fn}: {err}") from None
+        reward_fn = import_reward_fn(args.score_fn, key="--score-fn")
     tokenizer = resolve_tokenizer(args.tokenizer, args.sft)
     prompt_sets = {}
     for name in SET_NAMES:

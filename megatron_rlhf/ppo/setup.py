@@ -151,17 +151,17 @@ def build_roles(config: TrainPPOConfig) -> Roles:
     return Roles(actor=actor, reference=reference, critic=critic, reward=reward)
 
 
-def import_reward_fn(spec: str):
-    """``package.module:function`` -> the function (errors name the config key)."""
+def import_reward_fn(spec: str, key: str = "models.reward_fn"):
+    """``package.module:function`` -> the function; errors name ``key`` (config key or flag)."""
     module_name, _, function_name = spec.partition(":")
     if not function_name:
-        raise InputError(f"models.reward_fn={spec!r}: expected 'package.module:function'")
+        raise InputError(f"{key}={spec!r}: expected 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise InputError(f"models.reward_fn: cannot import {module_name} ({err})") from None
+        raise InputError(f"{key}: cannot import {module_name} ({err})") from None
     if not hasattr(module, function_name):
-        raise InputError(f"models.reward_fn: {module_name} has no {function_name}")
+        raise InputError(f"{key}: {module_name} has no {function_name}")
     return getattr(module, function_name)
 
 
