@@ -9,6 +9,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_rlhf.config import to_dict
+from megatron_rlhf.generation.cli import resolve_tokenizer
 from megatron_rlhf.utils import is_rank0
 
 
@@ -54,8 +55,7 @@ class RunData:
             from megatron_rlhf.rehearsal import load_cluster_assignment
 
             self.clusters = load_cluster_assignment(config.data.prompt_clusters)
-        tokenizer_dir = config.models.tokenizer or config.models.actor
-        self.tokenizer = _try_tokenizer(tokenizer_dir)
+        self.tokenizer = resolve_tokenizer(config.models.tokenizer, config.models.actor)
 
     def next_prompts(self) -> dict:
         """This rank's prompts of the next step, left-padded, truncated to max_prompt_length."""
@@ -164,13 +164,3 @@ class RunLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-def _try_tokenizer(directory):
-    from pathlib import Path
-
-    if not (Path(directory) / "tokenizer.json").exists():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(directory))

@@ -105,12 +105,8 @@ def _dataset_tokenizer(prefix: str, key: str, vocab: int) -> dict:
 
 
 def _tokenizer_identity(tokenizer: dict) -> tuple:
-    return (
-        tokenizer["vocab_size"],
-        tokenizer["eos_id"],
-        tokenizer["pad_id"],
-        tokenizer.get("fingerprint"),
-    )
+    """What the data sidecars record about a tokenizer that must agree between data sets."""
+    return (tokenizer["vocab_size"], tokenizer["eos_id"], tokenizer["pad_id"])
 
 
 @dataclass
