@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_rlhf.distributed.layouts import ParallelSection
 from megatron_rlhf.training.engine import OptimConfig
 
 
@@ -31,15 +32,6 @@ class ModelsConfig:
 
 
 @dataclass(kw_only=True)
-class ParallelSection:
-    """One TP/PP layout shared by all four roles in this version (see validate_config)."""
-
-    tp: int = 1
-    pp: int = 1
-    sequence_parallel: bool = False
-
-
-@dataclass(kw_only=True)
 class DataConfig:
     prompts: str
     """Indexed prompt dataset prefix (tools/preprocess_data.py --kind prompt)."""
@@ -53,7 +45,8 @@ class DataConfig:
 @dataclass(kw_only=True)
 class RolloutConfig:
     prompts_per_step: int = 8
-    """Prompts each data-parallel rank rolls out per PPO step (paper: global batch 256)."""
+    """Prompts rolled out per PPO step over the whole world: the global batch (paper: 256),
+    split evenly over the data-parallel ranks of the rollout and of every role."""
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0

@@ -31,7 +31,7 @@ class RunData:
             dp_size,
             seed=config.train.seed,
             consumed_samples=consumed_prompts,
-            micro_batch_size=config.rollout.prompts_per_step,
+            micro_batch_size=config.rollout.prompts_per_step // dp_size,
         )
         self._prompt_indices = iter(self.prompt_sampler)
         self.consumed_prompts = consumed_prompts
@@ -61,7 +61,7 @@ class RunData:
         """This rank's prompts of the next step, left-padded, truncated to max_prompt_length."""
         from megatron_rlhf.data import collate_prompts
 
-        count = self.config.rollout.prompts_per_step
+        count = self.config.rollout.prompts_per_step // self.dp_size
         samples = []
         for _ in range(count):
             sample = self.prompts[next(self._prompt_indices)]

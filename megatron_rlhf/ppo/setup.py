@@ -11,7 +11,7 @@ import torch
 
 from megatron_rlhf.checkpoint import checkpoint_architecture, is_hf_checkpoint, load_bloom
 from megatron_rlhf.checkpoint.dist import read_metadata
-from megatron_rlhf.distributed import ParallelConfig, validate
+from megatron_rlhf.distributed.layouts import check_global_batch, resolve_layouts
 from megatron_rlhf.ppo.config import TrainPPOConfig
 from megatron_rlhf.utils import InputError
 
@@ -39,13 +39,7 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
         if not Path(path).is_dir():
             raise InputError(f"models.{role}: checkpoint directory {path} does not exist")
         archs[role] = checkpoint_architecture(path)
-        validate(
-            ParallelConfig(tp=config.parallel.tp, pp=config.parallel.pp),
-            world_size,
-            archs[role].num_heads,
-            archs[role].num_layers,
-            key=f"parallel (shared by every role in this version; models.{role})",
-        )
+    layouts = resolve_layouts(config.parallel, world_size, archs, roles=layout_roles(config))
     vocabs = {role: arch.vocab_size for role, arch in archs.items()}
     if len(set(vocabs.values())) > 1:
         raise InputError(
@@ -79,13 +73,29 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
                 f" but data.prompts with {_tokenizer_identity(prompts_tokenizer)}; rebuild D_R with "
                 "the policy's tokenizer"
             )
-    if config.rollout.prompts_per_step % (config.ppo.num_minibatches * config.ppo.micro_batch_size):
-        raise InputError(
-            f"rollout.prompts_per_step={config.rollout.prompts_per_step} must be divisible by "
-            f"ppo.num_minibatches * ppo.micro_batch_size = "
-            f"{config.ppo.num_minibatches} * {config.ppo.micro_batch_size}"
-        )
+    check_batches(config, layouts)
     return archs
+
+
+def layout_roles(config: TrainPPOConfig) -> tuple[str, ...]:
+    """The roles that hold a model in this run (``rollout`` is the actor's generation copy)."""
+    roles = ("actor", "reference", "critic", "rollout")
+    return roles + ("reward",) if config.models.reward is not None else roles
+
+
+def check_batches(config: TrainPPOConfig, layouts: dict) -> None:
+    """The global batch splits over every role's DP ranks, then into the PPO minibatches."""
+    global_batch, ppo = config.rollout.prompts_per_step, config.ppo
+    check_global_batch(global_batch, "rollout.prompts_per_step", layouts)
+    for role in ("actor", "critic"):
+        rows = global_batch // layouts[role].dp
+        if rows % (ppo.num_minibatches * ppo.micro_batch_size):
+            raise InputError(
+                f"rollout.prompts_per_step={global_batch} gives {rows} rows per {role} "
+                f"data-parallel rank (dp={layouts[role].dp}), not divisible by "
+                f"ppo.num_minibatches * ppo.micro_batch_size = "
+                f"{ppo.num_minibatches} * {ppo.micro_batch_size}"
+            )
 
 
 def _dataset_tokenizer(prefix: str, key: str, vocab: int) -> dict:

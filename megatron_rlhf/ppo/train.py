@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(TrainPPOConfig, args.config, args.overrides)
         validate_config(config, world_size())
+        parallel_config(config)
         return PPOTrainer(config).fit()
     except InputError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -259,10 +260,16 @@ def metrics_kl(experience) -> float:
 
 def parallel_config(config: TrainPPOConfig):
     from megatron_rlhf.distributed import ParallelConfig
+    from megatron_rlhf.distributed.layouts import resolve_tp_pp
+    from megatron_rlhf.ppo.setup import layout_roles
 
+    shapes = {role: resolve_tp_pp(config.parallel, role) for role in layout_roles(config)}
+    if len(set(shapes.values())) > 1:
+        raise InputError(
+            f"per-role layouts {shapes}: this build runs every role in one layout; set only "
+            "parallel.tp/pp"
+        )
+    tp, pp = shapes["actor"]
     return ParallelConfig(
-        tp=config.parallel.tp,
-        pp=config.parallel.pp,
-        sequence_parallel=config.parallel.sequence_parallel,
-        seed=config.train.seed,
+        tp=tp, pp=pp, sequence_parallel=config.parallel.sequence_parallel, seed=config.train.seed
     )

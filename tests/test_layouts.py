@@ -1,0 +1,76 @@
+"""Per-role layouts: inheritance, validation messages, the emitted section (pure, no launch)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from megatron_rlhf.config import load_config
+from megatron_rlhf.distributed.layouts import (
+    ParallelSection,
+    check_global_batch,
+    layouts_to_dict,
+    resolve_layout,
+    resolve_layouts,
+)
+from megatron_rlhf.utils import InputError
+
+ISSUE_SECTION = [
+    "actor.tp=2", "actor.pp=2", "critic.tp=2", "critic.pp=1", "reward.tp=1", "rollout.tp=2",
+    "rollout.pp=1",
+]  # fmt: skip
+
+
+def _section(*overrides: str) -> ParallelSection:
+    return load_config(ParallelSection, None, list(overrides))
+
+
+def test_old_config_gives_every_role_the_shared_layout():
+    layouts = resolve_layouts(_section("tp=2", "pp=2"), world_size=8)
+    assert {role: (lay.tp, lay.pp, lay.dp) for role, lay in layouts.items()} == {
+        role: (2, 2, 2) for role in ("actor", "reference", "critic", "reward", "rollout")
+    }
+
+
+def test_issue_layout_and_inheritance():
+    layouts = resolve_layouts(_section(*ISSUE_SECTION), world_size=4)
+    assert layouts["actor"].as_dict() == {"tp": 2, "pp": 2, "dp": 1}
+    assert layouts["reference"].as_dict() == {"tp": 2, "pp": 2, "dp": 1}  # the actor's
+    assert layouts["critic"].as_dict() == {"tp": 2, "pp": 1, "dp": 2}
+    assert layouts["reward"].as_dict() == {"tp": 1, "pp": 1, "dp": 4}
+    assert layouts["rollout"].as_dict() == {"tp": 2, "pp": 1, "dp": 2}
+    # rollout.pp unset -> the actor's pp, not parallel.pp
+    assert resolve_layout(_section("actor.pp=2", "rollout.tp=1"), "rollout", 4).pp == 2
+
+
+def test_emitted_section_round_trips(tmp_path):
+    layouts = resolve_layouts(_section(*ISSUE_SECTION), world_size=4)
+    path = tmp_path / "parallel.yaml"
+    path.write_text(yaml.safe_dump(layouts_to_dict(layouts)))
+    again = load_config(ParallelSection, path)
+    assert resolve_layouts(again, world_size=4) == layouts
+
+
+def test_every_bad_role_is_named_with_the_fix():
+    arch = SimpleNamespace(num_heads=4, num_layers=4)
+    small = SimpleNamespace(num_heads=6, num_layers=3)
+    with pytest.raises(InputError) as err:
+        resolve_layouts(
+            _section("actor.tp=2", "critic.tp=3", "reward.pp=2"),
+            world_size=4,
+            archs={"actor": arch, "critic": arch, "reward": small},
+        )
+    message = str(err.value)
+    assert "parallel.critic: world size 4 is not divisible by tp*pp = 3*1" in message
+    assert "parallel.critic: num_heads 4 is not divisible by tp=3" in message
+    assert "parallel.reward: num_layers 3 is not divisible by pp=2" in message
+    assert "parallel.actor" not in message and "parallel.rollout" not in message
+
+
+def test_global_batch_must_split_over_every_role():
+    layouts = resolve_layouts(_section(*ISSUE_SECTION), world_size=4)
+    check_global_batch(8, "rollout.prompts_per_step", layouts)
+    with pytest.raises(InputError, match="reward dp=4.*multiple of 4"):
+        check_global_batch(6, "rollout.prompts_per_step", layouts)
