@@ -1,18 +1,124 @@
-"""Small helpers every command shares: atomic outputs, JSONL with file:line errors, summaries."""
+"""Small helpers every command shares: atomic outputs, JSONL with file:line errors, summaries,
+and the one-line error (exit code 2) that a bad input or an unusable output path ends in."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 
 class InputError(ValueError):
     """Bad user input: the message names the file/line or config key and says how to fix it."""
+
+
+# OS errors a user can fix (a full disk, a path they may not write, a directory deleted while the
+# command ran) end in one line and exit code 2, like an InputError; any other is a bug: traceback.
+USER_OS_ERRORS = {
+    errno.ENOSPC: "the disk is full; free space or write somewhere else",
+    errno.EDQUOT: "the disk quota is exhausted; free space or write somewhere else",
+    errno.EACCES: "permission denied; choose a path you may write (or read)",
+    errno.EPERM: "operation not permitted; choose another path",
+    errno.EROFS: "read-only file system; write somewhere else",
+    errno.EISDIR: "is a directory; give a file path",
+    errno.ENOTDIR: "a parent of this path is not a directory; fix the path",
+    errno.ENOENT: "no such file or directory (was it moved or deleted while the command ran?)",
+}
+
+
+def run_command(command: str, body: Callable[[], int], distributed: bool = False) -> int:
+    """Run a command's body; an :class:`InputError` or a user-fixable OS error anywhere in it
+    (also one wrapped by torch's ``CheckpointException``) becomes one line on stderr,
+    ``<command>: error: ...``, and exit code 2. Nothing else is caught. ``distributed``: tear
+    down torch.distributed and Megatron's groups afterwards, however the body ended."""
+    try:
+        return body()
+    except InputError as err:
+        message = str(err)
+    except BaseException as err:  # CheckpointException derives from BaseException
+        os_error = find_user_os_error(err)
+        if os_error is None:
+            raise
+        message = os_error_message(os_error)
+    finally:
+        if distributed:
+            from megatron_rlhf.distributed import destroy
+
+            destroy()
+    print(f"{command}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return 2
+
+
+def find_user_os_error(err: BaseException) -> OSError | None:
+    """The first user-fixable ``OSError`` in ``err``, its causes and (for torch's
+    ``CheckpointException``) the per-rank failures it wraps; None if there is none."""
+    seen, pending = set(), [err]
+    while pending:
+        current = pending.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in USER_OS_ERRORS:
+            return current
+        if isinstance(current, (KeyboardInterrupt, SystemExit)):
+            return None
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        pending += [current.__cause__, current.__context__]
+    return None
+
+
+def os_error_message(err: OSError) -> str:
+    """``PATH: what happened; how to fix it`` for a user-fixable OS error."""
+    where = err.filename if err.filename is not None else "an output path"
+    return f"{where}: {USER_OS_ERRORS[err.errno]} ({err.strerror or os.strerror(err.errno)})"
+
+
+def check_output_path(path: str | os.PathLike, overwrite: bool, flag: str = "--output") -> Path:
+    """Refuse an output file before any heavy work: an existing one (unless ``overwrite``), a
+    directory, or a place this process cannot write. Returns ``path`` as a Path."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{flag} {path}: is a directory; give a file path")
+    if path.exists() and not overwrite:
+        raise InputError(f"{flag} {path}: already exists; pass --overwrite to replace it")
+    check_writable_parent(path, flag)
+    return path
+
+
+def check_output_prefix(
+    prefix: str | os.PathLike, suffixes: Iterable[str], overwrite: bool, flag: str
+) -> Path:
+    """:func:`check_output_path` for the files ``PREFIX<suffix>`` a multi-file writer creates."""
+    prefix = Path(prefix)
+    if prefix.is_dir():
+        raise InputError(
+            f"{flag} {prefix}: is a directory; give a path prefix such as {prefix}/out"
+        )
+    existing = [str(prefix) + s for s in suffixes if Path(str(prefix) + s).exists()]
+    if existing and not overwrite:
+        raise InputError(
+            f"{flag} {prefix}: {existing[0]} already exists; pass --overwrite to replace it"
+        )
+    check_writable_parent(prefix, flag)
+    return prefix
+
+
+def check_writable_parent(path: Path, flag: str) -> None:
+    """The nearest existing ancestor of ``path`` must be a directory this process may write."""
+    parent = path.parent.resolve()
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: {parent} is not a directory; fix the path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: cannot write in {parent}; choose a writable place")
 
 
 @contextlib.contextmanager

@@ -9,18 +9,45 @@ never leaves a directory that looks complete.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rlhf.models.bloom.config import BloomArchitecture
 from megatron_rlhf.utils import InputError
 
 METADATA_FILE = "megatron_rlhf.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+# What dist_checkpointing raises on a checkpoint with a missing, truncated or corrupt file
+# (torch's CheckpointException wraps each rank's error; it derives from BaseException).
+DAMAGED_CHECKPOINT_ERRORS = (
+    CheckpointException,
+    CheckpointingException,
+    OSError,
+    EOFError,
+    RuntimeError,
+    pickle.UnpicklingError,
+)
+
+
+def _first_failure(err: BaseException) -> str:
+    """``Type: first line`` of the innermost error a checkpoint load failed with."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    while err.__cause__ is not None:
+        err = err.__cause__
+    lines = str(err).strip().splitlines() or [""]
+    return f"{type(err).__name__}: {lines[0][:200]}"
 
 
 def _rank() -> int:
@@ -76,9 +103,21 @@ def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False)
     """
     directory = Path(directory)
     read_metadata(directory)  # a clear error for a directory that is not our checkpoint
-    loaded = dist_checkpointing.load(
-        sharded_state_dict, str(directory), validate_access_integrity=not partial
-    )
+    for name in ("metadata.json", "common.pt", ".metadata"):  # what every torch_dist save writes
+        if not (directory / name).is_file():
+            raise InputError(
+                f"{directory / name}: missing, the checkpoint is incomplete; re-save or "
+                "re-convert it"
+            )
+    try:
+        loaded = dist_checkpointing.load(
+            sharded_state_dict, str(directory), validate_access_integrity=not partial
+        )
+    except DAMAGED_CHECKPOINT_ERRORS as err:
+        raise InputError(
+            f"{directory}: cannot be loaded, a file is missing, truncated or corrupt "
+            f"({_first_failure(err)}); re-save or re-convert the checkpoint"
+        ) from None
     # The checkpoint's common (non-tensor) state comes back too, e.g. a training checkpoint's
     # optimizer param groups under its role name: return only the keys that were asked for.
     return {key: value for key, value in loaded.items() if key in sharded_state_dict}
@@ -97,7 +136,15 @@ def read_metadata(directory: str | Path) -> dict:
             f"{directory}: not a megatron-rlhf checkpoint (no {METADATA_FILE}); convert a "
             "Hugging Face model with `tools/convert_checkpoint.py hf-to-megatron`"
         )
-    return json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(
+            f"{path}: not valid JSON ({err}); the checkpoint is damaged: re-save or re-convert it"
+        ) from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("architecture"), dict):
+        raise InputError(f"{path}: has no 'architecture' section; re-save or re-convert it")
+    return meta
 
 
 def architecture_of(directory: str | Path) -> BloomArchitecture:

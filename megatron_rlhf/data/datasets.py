@@ -8,6 +8,7 @@ and return dicts of 1-D int64 tensors (float32 for log-probs); the collators in
 from __future__ import annotations
 
 import os
+import struct
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ class _IndexedData(torch.utils.data.Dataset):
         self.eos_id: int | None = tokenizer["eos_id"]
         self.vocab_size: int = tokenizer["vocab_size"]
         self.streams = {
-            name: IndexedDataset(self.prefix + stream["suffix"])
+            name: _open_stream(IndexedDataset, self.prefix + stream["suffix"])
             for name, stream in self.sidecar["streams"].items()
         }
         for name, stream in self.streams.items():
@@ -111,3 +112,20 @@ class PreferenceDataset(_IndexedData):
 
 
 _CLASS_OF_KIND = {"prompt": "PromptDataset", "sft": "SFTDataset", "preference": "PreferenceDataset"}
+
+
+def _open_stream(indexed_dataset, path_prefix: str):
+    """Megatron-Core's ``IndexedDataset`` of ``path_prefix``; a missing or damaged ``.bin`` /
+    ``.idx`` is an error naming the file."""
+    for suffix in (".idx", ".bin"):
+        if not os.path.isfile(path_prefix + suffix):
+            raise InputError(
+                f"{path_prefix}{suffix}: missing; the dataset is incomplete, preprocess it again"
+            )
+    try:
+        return indexed_dataset(path_prefix)
+    except (AssertionError, ValueError, OSError, struct.error) as err:
+        raise InputError(
+            f"{path_prefix}.idx: unreadable ({type(err).__name__}: {err}); the index is "
+            "truncated or damaged, preprocess the dataset again"
+        ) from None

@@ -7,19 +7,32 @@
 Input lines hold ``{"prompt": str}`` or ``{"prompt_token_ids": [int]}`` (other fields are
 carried through). Output lines add ``response``, ``response_token_ids`` and, with
 ``--output-logprobs``, ``response_logprobs``. Prompts are split over data-parallel replicas
-(world size / (tp*pp)); rank 0 writes the output in input order.
+(world size / (tp*pp)); rank 0 writes the output in input order, to a temporary name renamed
+at the end; an existing output is replaced only with ``--overwrite``.
+
+Lengths: prompt + response must fit the model's sequence length (``seq_length`` of an HF
+config.json, else 2048). A prompt longer than ``--max-prompt-length`` (default: that length
+minus ``--max-new-tokens``) is an error naming its line, or with ``--truncate-prompts`` keeps
+its last tokens (cut from the left; its output line gets ``prompt_tokens_dropped`` and the
+summary counts them). ``--temperature 0`` is
+refused: use ``--greedy`` for argmax decoding.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import math
 import time
 
-import torch
-import torch.distributed as dist
-
-from megatron_rlhf.utils import InputError, is_rank0, print_summary, read_jsonl, write_jsonl
+from megatron_rlhf.utils import (
+    InputError,
+    check_output_path,
+    is_rank0,
+    print_summary,
+    read_jsonl,
+    run_command,
+    write_jsonl,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", help="HF tokenizer dir (default: --load)")
     parser.add_argument("--prompts", required=True, help="input JSONL")
     parser.add_argument("--output", required=True, help="output JSONL (written atomically)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     add_generation_arguments(parser)
     parser.add_argument("--output-logprobs", action="store_true")
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the prefix")
@@ -35,15 +49,53 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
-    """Layout, batching and sampling flags shared by ``generate`` and ``eval-policy``."""
+    """Layout, batching, length and sampling flags shared by ``generate`` and ``eval-policy``."""
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--max-prompt-length",
+        type=int,
+        help="longest prompt in tokens (default: the model's sequence length - max-new-tokens)",
+    )
+    parser.add_argument(
+        "--truncate-prompts",
+        action="store_true",
+        help="keep the last --max-prompt-length tokens of a longer prompt instead of an error",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per forward batch")
     parser.add_argument("--greedy", action="store_true", help="argmax decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="> 0 (0: use --greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def check_generation_arguments(args, max_sequence_length: int) -> int:
+    """Refuse bad ``add_generation_arguments`` values before any model is built; return the
+    prompt-length limit."""
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_new_tokens >= max_sequence_length:
+        raise InputError(
+            f"--max-new-tokens {args.max_new_tokens}: prompt + response must fit the model's "
+            f"sequence length {max_sequence_length}; use at most {max_sequence_length - 1}"
+        )
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not args.greedy and args.temperature == 0:
+        raise InputError("--temperature 0: use --greedy for argmax decoding (or a value > 0)")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise InputError(f"--temperature must be a finite number > 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
+    room = max_sequence_length - args.max_new_tokens
+    limit = room if args.max_prompt_length is None else args.max_prompt_length
+    if not 1 <= limit <= room:
+        raise InputError(
+            f"--max-prompt-length {limit}: must be in [1, {room}] (the model's sequence length "
+            f"{max_sequence_length} minus --max-new-tokens {args.max_new_tokens})"
+        )
+    return limit
 
 
 def sampling_from_args(args, tokenizer, **overrides):
@@ -82,26 +134,54 @@ def resolve_tokenizer(tokenizer_dir, model_dir):
     return None
 
 
-def read_prompts(path, tokenizer) -> list[tuple[dict, list[int]]]:
+def read_prompts(
+    path, tokenizer, vocab_size: int | None = None, max_length: int | None = None,
+    truncate: bool = False,
+) -> list[tuple[dict, list[int]]]:  # fmt: skip
+    """``(record, prompt ids)`` per line; an empty file, a prompt that is not a string or a list
+    of ids in ``[0, vocab_size)``, and one over ``max_length`` tokens (unless ``truncate``: its
+    last ``max_length`` tokens are kept) are errors naming the file and line."""
     records = []
     for line, record in read_jsonl(path):
+        where = f"{path}:{line}"
         if "prompt_token_ids" in record:
             ids = record["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise InputError(f"{path}:{line}: prompt_token_ids must be a list of ints")
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise InputError(f"{where}: prompt_token_ids must be a list of ints")
         elif "prompt" in record:
+            if not isinstance(record["prompt"], str):
+                raise InputError(
+                    f"{where}: prompt must be a string, got {type(record['prompt']).__name__}"
+                )
             if tokenizer is None:
-                raise InputError(f"{path}:{line}: a text prompt needs --tokenizer")
+                raise InputError(f"{where}: a text prompt needs --tokenizer")
             ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
         else:
-            raise InputError(f"{path}:{line}: needs a 'prompt' or 'prompt_token_ids' field")
+            raise InputError(f"{where}: needs a 'prompt' or 'prompt_token_ids' field")
         if not ids:
-            raise InputError(f"{path}:{line}: empty prompt")
+            raise InputError(f"{where}: empty prompt")
+        if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):
+            raise InputError(f"{where}: token id out of range [0, {vocab_size}) for this model")
+        if max_length is not None and len(ids) > max_length:
+            if not truncate:
+                raise InputError(
+                    f"{where}: prompt has {len(ids)} tokens, more than --max-prompt-length "
+                    f"{max_length}; shorten it or pass --truncate-prompts (keeps the last tokens)"
+                )
+            record = {**record, "prompt_tokens_dropped": len(ids) - max_length}
+            ids = ids[-max_length:]
         records.append((record, ids))
+    if not records:
+        raise InputError(f"{path}: no prompts (the file is empty); give at least one line")
     return records
 
 
-def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(batch: list[list[int]], pad_id: int):
+    """(B, P) left-padded ids and their (B, P) mask."""
+    import torch
+
     width = max(len(ids) for ids in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -113,24 +193,25 @@ def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except InputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command("generate", lambda: _generate(args), distributed=True)
 
 
-def _run(args) -> int:
+def _generate(args) -> int:
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from tqdm import tqdm
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import ParallelConfig, initialize
     from megatron_rlhf.generation.engine import generate
 
+    check_output_path(args.output, args.overwrite)
     arch = checkpoint_architecture(args.load)
+    max_prompt_length = check_generation_arguments(args, arch.max_sequence_length)
     tokenizer = resolve_tokenizer(args.tokenizer, args.load)
-    records = read_prompts(args.prompts, tokenizer)
+    records = read_prompts(
+        args.prompts, tokenizer, arch.vocab_size, max_prompt_length, args.truncate_prompts
+    )
     sampling = sampling_from_args(args, tokenizer, use_kv_cache=not args.no_kv_cache)
     initialize(
         ParallelConfig(tp=args.tp, pp=args.pp), num_heads=arch.num_heads, num_layers=arch.num_layers
@@ -165,10 +246,10 @@ def _run(args) -> int:
         write_jsonl(args.output, (merged[i] for i in range(len(records))))
     seconds = time.time() - start
     tokens = sum(totals) // (args.tp * args.pp)  # each model-parallel rank counted its replica's
-    destroy()
     print_summary(
         "generate",
         prompts=len(records),
+        truncated_prompts=sum("prompt_tokens_dropped" in record for record, _ in records),
         tokens=tokens,
         tokens_per_s=round(tokens / max(seconds, 1e-9), 1),
         output=args.output,

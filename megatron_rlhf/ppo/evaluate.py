@@ -28,15 +28,26 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from megatron_rlhf.generation.cli import add_generation_arguments, sampling_from_args
-from megatron_rlhf.utils import InputError, atomic_output, is_rank0, print_summary, write_json
+from megatron_rlhf.generation.cli import (
+    add_generation_arguments,
+    check_generation_arguments,
+    sampling_from_args,
+)
+from megatron_rlhf.utils import (
+    InputError,
+    atomic_output,
+    check_output_path,
+    is_rank0,
+    print_summary,
+    run_command,
+    write_json,
+)
 
 SET_NAMES = ("main", "forget")
 VERDICT_NAMES = {1: "win", 0: "tie", -1: "lose"}
@@ -63,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tie-margin", type=float, default=0.0, help="|d| <= margin is a tie")
     parser.add_argument("--tokenizer", help="HF tokenizer dir (default: --sft if it has one)")
     parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier report")
     parser.add_argument("--label", help="model name in the Markdown table (default: --policy)")
     add_generation_arguments(parser)
     parser.add_argument("--bf16", action="store_true", help="bf16 weights (GPU only)")
@@ -71,12 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        plan = validate_inputs(args)
-        return run(args, plan)
-    except InputError as err:
-        print(f"eval-policy: error: {err}", file=sys.stderr)
-        return 2
+    return run_command("eval-policy", lambda: run(args, validate_inputs(args)))
 
 
 # ---------------------------------------------------------------- pure math
@@ -130,6 +137,8 @@ def validate_inputs(args) -> dict:
     if (args.judge is None) == (args.score_fn is None):
         raise InputError("give exactly one judge: --judge CHECKPOINT or --score-fn pkg.mod:fn")
     _check_numbers(args)
+    for name in OUTPUT_FILES:
+        check_output_path(Path(args.output_dir) / name, args.overwrite, "--output-dir")
     policy_dir = resolve_policy_dir(args.policy)
     model_dirs = {"--policy": policy_dir, "--sft": args.sft}
     if args.judge is not None:
@@ -147,6 +156,8 @@ def validate_inputs(args) -> dict:
                 f"{flag} {directory} with --tp {args.tp} --pp {args.pp}: {err}"
             ) from None
         vocab_sizes[flag] = arch.vocab_size
+        if flag != "--judge":
+            max_prompt_length = check_generation_arguments(args, arch.max_sequence_length)
     if len(set(vocab_sizes.values())) > 1:
         raise InputError(f"the models' vocabularies differ: {vocab_sizes}; they must share one")
     _check_policy_head(policy_dir)
@@ -161,9 +172,9 @@ def validate_inputs(args) -> dict:
         path = getattr(args, name)
         if path is None:
             continue
-        prompt_sets[name] = read_prompts(path, tokenizer)
-        if not prompt_sets[name]:
-            raise InputError(f"--{name} {path}: no prompts (the file is empty)")
+        prompt_sets[name] = read_prompts(
+            path, tokenizer, vocab_sizes["--sft"], max_prompt_length, args.truncate_prompts
+        )
     return {
         "policy_dir": policy_dir,
         "reward_fn": reward_fn,
@@ -176,14 +187,6 @@ def _check_numbers(args) -> None:
     problems = []
     if not args.tie_margin >= 0:
         problems.append(f"--tie-margin must be >= 0, got {args.tie_margin}")
-    if args.max_new_tokens < 1:
-        problems.append(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.batch_size < 1:
-        problems.append(f"--batch-size must be >= 1, got {args.batch_size}")
-    if not args.temperature > 0:
-        problems.append(f"--temperature must be > 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        problems.append(f"--top-p must be in (0, 1], got {args.top_p}")
     if Path(args.output_dir).is_file():
         problems.append(f"--output-dir {args.output_dir} is a file; give a directory")
     if problems:
@@ -468,10 +471,13 @@ def markdown_report(report: dict, label: str) -> str:
     return "\n".join(lines)
 
 
+OUTPUT_FILES = ("eval_policy_samples.jsonl", "eval_policy.md", "eval_policy.json")
+
+
 def write_outputs(out: Path, report: dict, samples: list[dict], label: str) -> None:
     from megatron_rlhf.utils import write_jsonl
 
-    write_jsonl(out / "eval_policy_samples.jsonl", samples)
-    with atomic_output(out / "eval_policy.md") as tmp:
+    write_jsonl(out / OUTPUT_FILES[0], samples)
+    with atomic_output(out / OUTPUT_FILES[1]) as tmp:
         tmp.write_text(markdown_report(report, label), encoding="utf-8")
-    write_json(out / "eval_policy.json", report)
+    write_json(out / OUTPUT_FILES[2], report)

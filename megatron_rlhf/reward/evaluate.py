@@ -5,23 +5,30 @@ FILE holds one pair per line: ``{"chosen_score": float, "rejected_score": float,
 (task optional; pairs without one, or with null, are grouped as "untagged"). Equal chosen and rejected scores
 are legitimate ties: they are counted and reported, never an error (conventions in
 calibration.py). DIR receives fig2_calibration.png, fig3_score_hist.png, fig4_task_scores.png,
-summary.md and, last, summary.json (its presence means the run finished).
+summary.md and summary.json, all or none (written to temporaries, renamed at the end); earlier
+results there are replaced only with ``--overwrite``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from megatron_rlhf.reward import calibration, plots
 from megatron_rlhf.utils import (
     InputError,
-    atomic_output,
+    check_output_path,
     print_summary,
     read_jsonl,
     require_finite,
-    write_json,
+    run_command,
+)
+
+OUTPUT_FILES = (
+    "fig2_calibration.png",
+    "fig3_score_hist.png",
+    "fig4_task_scores.png",
+    "summary.md",
+    "summary.json",
 )
 
 UNTAGGED = "untagged"
@@ -51,6 +58,8 @@ def read_score_pairs(path: str | Path) -> tuple[list[float], list[float], list[s
 
 def evaluate(chosen: list[float], rejected: list[float], tasks: list[str], bins: int) -> dict:
     """The summary.json content for one set of scored pairs."""
+    from megatron_rlhf.reward import calibration
+
     return {
         "num_pairs": len(chosen),
         "accuracy": calibration.ranking_accuracy(chosen, rejected),
@@ -114,23 +123,34 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output-dir", required=True, help="where summary.json etc. go")
     parser.add_argument("--bins", type=int, default=10, help="confidence bins for the ECE")
     parser.add_argument("--label", default=None, help="model name in the plots (default: FILE)")
+    parser.add_argument("--overwrite", action="store_true", help="replace earlier results in DIR")
     args = parser.parse_args(argv)
-    try:
-        if args.bins < 1:
-            raise InputError(f"--bins must be >= 1, got {args.bins}")
-        chosen, rejected, tasks = read_score_pairs(args.scores)
-    except InputError as err:
-        print(f"eval-reward: error: {err}", file=sys.stderr)
-        return 2
+    return run_command("eval-reward", lambda: run(args))
+
+
+def run(args) -> int:
+    import json
+
+    from megatron_rlhf.rehearsal.staging import staged_outputs
+    from megatron_rlhf.reward import plots
+
+    out = Path(args.output_dir)
+    if out.is_file():
+        raise InputError(f"--output-dir {out}: is a file; give a directory")
+    for name in OUTPUT_FILES:
+        check_output_path(out / name, args.overwrite, "--output-dir")
+    if args.bins < 1:
+        raise InputError(f"--bins must be >= 1, got {args.bins}")
+    chosen, rejected, tasks = read_score_pairs(args.scores)
     summary = evaluate(chosen, rejected, tasks, args.bins)
     label = args.label or Path(args.scores).stem
-    out = Path(args.output_dir)
-    plots.plot_calibration(out / "fig2_calibration.png", {label: summary["reliability_curve"]})
-    plots.plot_score_histograms(out / "fig3_score_hist.png", {label: (chosen, rejected)})
-    plots.plot_task_stats(out / "fig4_task_scores.png", {label: summary["per_task"]})
-    with atomic_output(out / "summary.md") as tmp:
-        tmp.write_text(markdown_summary(summary, args.scores), encoding="utf-8")
-    write_json(out / "summary.json", summary)
+    with staged_outputs() as staging:
+        fig2, fig3, fig4, markdown, summary_json = (staging.file(out / n) for n in OUTPUT_FILES)
+        plots.plot_calibration(fig2, {label: summary["reliability_curve"]})
+        plots.plot_score_histograms(fig3, {label: (chosen, rejected)})
+        plots.plot_task_stats(fig4, {label: summary["per_task"]})
+        markdown.write_text(markdown_summary(summary, args.scores), encoding="utf-8")
+        summary_json.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", "utf-8")
     print_summary(
         "eval-reward",
         pairs=summary["num_pairs"],

@@ -19,21 +19,28 @@ Inputs, by form:
 The AM's score of a response is a = r - e_τ(x) (Eqs. 5, 7): Eq. 8's importance-weighted terms
 belong to the training comparisons' collecting policies, not to a response scored later.
 Sequences are split over data-parallel replicas (world size / (tp·pp)); rank 0 writes the
-output, in input order, atomically.
+output, in input order, to a temporary name renamed at the end; an existing output is replaced
+only with ``--overwrite``. Prompt + response must fit the model's sequence length: a longer
+pair is an error naming its line, or with ``--truncate-prompts`` the prompt keeps its last
+tokens (``--max-prompt-length`` caps prompts further; counts in the summary).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from megatron_rlhf.utils import InputError, is_rank0, print_summary, read_jsonl, write_jsonl
+from megatron_rlhf.utils import (
+    InputError,
+    check_output_path,
+    is_rank0,
+    print_summary,
+    read_jsonl,
+    run_command,
+    write_jsonl,
+)
 
 
 @dataclass
@@ -48,6 +55,10 @@ class ScoringInput:
     """Single responses: the input record of each sequence, carried into its output line."""
     tasks: list[str | None] | None
     """Pairs: the task of each pair (None where it has none)."""
+    where: list[str]
+    """Where each sequence came from (``file:line``, or ``prefix pair i``), for errors."""
+    truncated: list[str] = field(default_factory=list)
+    """``file:line`` of every record whose prompt was cut to fit (``--truncate-prompts``)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,30 +66,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--load", required=True, help="train-reward checkpoint (RM or AM)")
     parser.add_argument("--input", required=True, help="JSONL file or indexed preference prefix")
     parser.add_argument("--output", required=True, help="output JSONL (written atomically)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     parser.add_argument("--tokenizer", help="HF tokenizer dir for text (default: --load)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
     parser.add_argument("--no-eos", action="store_true", help="do not append EOS to text")
+    parser.add_argument(
+        "--max-prompt-length",
+        type=int,
+        help="longest prompt in tokens (default: what the sequence length leaves the response)",
+    )
+    parser.add_argument(
+        "--truncate-prompts",
+        action="store_true",
+        help="cut a too-long prompt from the left instead of an error (counted in the summary)",
+    )
     return parser
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except InputError as err:
-        print(f"score: error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized():
-            from megatron_rlhf.distributed import destroy
-
-            destroy()
+    return run_command("score", lambda: run(args), distributed=True)
 
 
 def run(args) -> int:
     """Score ``args.input`` (parsed by :func:`build_parser`); collective over every rank."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from tqdm import tqdm
 
@@ -86,8 +100,11 @@ def run(args) -> int:
     from megatron_rlhf.checkpoint.dist import TOKENIZER_FILES, read_metadata
     from megatron_rlhf.distributed import ParallelConfig, initialize
 
+    check_output_path(args.output, args.overwrite)
     if args.batch_size < 1:
         raise InputError(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.max_prompt_length is not None and args.max_prompt_length < 1:
+        raise InputError(f"--max-prompt-length must be >= 1, got {args.max_prompt_length}")
     if is_hf_checkpoint(args.load):
         raise InputError(
             f"{args.load}: a Hugging Face model has no trained reward head; score with a "
@@ -105,6 +122,7 @@ def run(args) -> int:
         args.load if any((Path(args.load) / n).exists() for n in TOKENIZER_FILES) else None
     )
     scoring = read_input(args.input, tokenizer_dir, not args.no_eos, arch.vocab_size)
+    fit_lengths(scoring, arch.max_sequence_length, args.max_prompt_length, args.truncate_prompts)
 
     initialize(
         ParallelConfig(tp=args.tp, pp=args.pp), num_heads=arch.num_heads, num_layers=arch.num_layers
@@ -134,15 +152,51 @@ def run(args) -> int:
         model="am" if num_outputs == 2 else "rm",
         sequences=len(scoring.prompts),
         pairs=len(scoring.tasks) if scoring.tasks is not None else "-",
+        truncated_prompts=len(scoring.truncated),
         seconds=round(time.time() - start, 1),
         output=args.output,
     )
     return 0
 
 
-@torch.no_grad()
+def fit_lengths(
+    scoring: ScoringInput, max_sequence_length: int, max_prompt_length: int | None, truncate: bool
+) -> None:
+    """Make every prompt + response fit the model (and every prompt ``max_prompt_length``):
+    with ``truncate`` cut prompts from the left, else raise naming the record."""
+    for index, (prompt, response) in enumerate(zip(scoring.prompts, scoring.responses)):
+        where = scoring.where[index]
+        room = max_sequence_length - len(response)
+        if room < 1:
+            raise InputError(
+                f"{where}: the response has {len(response)} tokens; with the prompt it must fit "
+                f"the model's sequence length {max_sequence_length}; shorten it"
+            )
+        limit = room if max_prompt_length is None else min(room, max_prompt_length)
+        if len(prompt) <= limit:
+            continue
+        if not truncate:
+            raise InputError(
+                f"{where}: prompt has {len(prompt)} tokens, more than {limit} (the model's "
+                f"sequence length {max_sequence_length} minus the response, or "
+                "--max-prompt-length); shorten it or pass --truncate-prompts"
+            )
+        scoring.prompts[index] = prompt[-limit:]
+        if where not in scoring.truncated:
+            scoring.truncated.append(where)
+
+
 def score_batch(model, scoring: ScoringInput, batch: list[int]) -> dict:
     """{sequence index: (r, e_τ or None, score)} on the last pipeline stage, {} elsewhere."""
+    import torch
+
+    with torch.no_grad():
+        return _score_batch(model, scoring, batch)
+
+
+def _score_batch(model, scoring: ScoringInput, batch: list[int]) -> dict:
+    import torch
+
     from megatron_rlhf.distributed.pipeline import pipeline_forward
     from megatron_rlhf.reward.model import advantage_scores, read_scalars
 
@@ -207,7 +261,7 @@ def read_input(path: str, tokenizer_dir, append_eos: bool, vocab_size: int) -> S
 def _read_jsonl_responses(path, tokenizer, append_eos, vocab_size) -> ScoringInput:
     from megatron_rlhf.generation.cli import read_prompts
 
-    prompts, responses, records = [], [], []
+    prompts, responses, records, places = [], [], [], []
     prompt_rows = read_prompts(path, tokenizer)
     for (line, record), (_, prompt_ids) in zip(read_jsonl(path), prompt_rows):
         where = f"{path}:{line}"
@@ -228,13 +282,14 @@ def _read_jsonl_responses(path, tokenizer, append_eos, vocab_size) -> ScoringInp
         prompts.append(prompt_ids)
         responses.append(response)
         records.append(record)
-    return ScoringInput(prompts, responses, records, None)
+        places.append(where)
+    return ScoringInput(prompts, responses, records, None, places)
 
 
 def _read_jsonl_pairs(path, tokenizer, append_eos, vocab_size) -> ScoringInput:
     from megatron_rlhf.data.records import DEFAULT_KEYS, BadRecord, extract_fields
 
-    prompts, responses, tasks = [], [], []
+    prompts, responses, tasks, places = [], [], [], []
     for line, record in read_jsonl(path):
         where = f"{path}:{line}"
         try:
@@ -252,7 +307,8 @@ def _read_jsonl_pairs(path, tokenizer, append_eos, vocab_size) -> ScoringInput:
             prompts.append(prompt)
             responses.append(response)
         tasks.append(fields.task)
-    return ScoringInput(prompts, responses, None, tasks)
+        places += [where, where]
+    return ScoringInput(prompts, responses, None, tasks, places)
 
 
 def _read_indexed_pairs(prefix: str) -> ScoringInput:
@@ -267,7 +323,8 @@ def _read_indexed_pairs(prefix: str) -> ScoringInput:
             responses.append(item[side].tolist())
         task_id = item.get("task_id")
         tasks.append(None if task_id is None else dataset.task_names[task_id])
-    return ScoringInput(prompts, responses, None, tasks)
+    where = [f"{prefix} pair {index // 2}" for index in range(len(prompts))]
+    return ScoringInput(prompts, responses, None, tasks, where)
 
 
 def _tokenizer(directory):
