@@ -1,0 +1,12 @@
+"""Plan a PPO run before renting the GPUs: parameters, memory per GPU, step time, layouts.
+
+- ``shapes``: BLOOM presets (560m ... 176b) or an HF ``config.json``; exact parameter counts, per
+  model and per (TP, PP) rank, as our Megatron-Core ``BloomModel`` holds them.
+- ``hardware``: dense bf16 peak and memory bandwidth of known GPUs; FLOPs per token; MFU.
+- ``memory``: per-role, per-GPU bytes (weights, gradients, Adam state with or without the
+  distributed optimizer, activations with or without recompute, KV cache, logits working set).
+- ``plan``: candidate layouts per role and for the rollout, the ones that fit, ranked by an
+  estimated step time; JSON and a runnable ``train-ppo`` config.
+
+Pure Python (no torch import): ``tools/plan_parallelism.py`` answers in well under a second.
+"""
