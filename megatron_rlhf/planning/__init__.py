@@ -8,5 +8,5 @@
 - ``plan``: candidate layouts per role and for the rollout, the ones that fit, ranked by an
   estimated step time; JSON and a runnable ``train-ppo`` config.
 
-Pure Python (no torch import): ``tools/plan_parallelism.py`` answers in well under a second.
+Pure arithmetic (torch is imported only by the measuring study): ``tools/plan_parallelism.py`` answers in well under a second.
 """

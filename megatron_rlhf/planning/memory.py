@@ -32,22 +32,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from megatron_rlhf.distributed.layouts import Layout
 from megatron_rlhf.planning.shapes import ModelShape, padded_vocab, rank_params
 
 CHUNK_ELEMENTS = 1 << 22  # kernels/logprobs.py: values one step of the PyTorch path holds
 GB = 1e9
-
-
-@dataclass(kw_only=True)
-class Layout:
-    """How one role is split: tensor, pipeline and data parallel sizes."""
-
-    tp: int = 1
-    """Tensor-parallel size."""
-    pp: int = 1
-    """Pipeline-parallel size."""
-    dp: int = 1
-    """Data-parallel replicas (world / (tp * pp))."""
 
 
 @dataclass(kw_only=True)
@@ -70,6 +59,9 @@ class Workload:
     """Megatron sequence parallelism (LayerNorm activations split over TP)."""
     distributed_optimizer: bool = True
     """Shard Adam state (and the fp32 master weights) over the data-parallel replicas."""
+    fused_attention: bool = False
+    """TransformerEngine's fused ALiBi attention (GPUs): the (s x s) scores are never stored,
+    only the fp32 log-sum-exp per query; False: our PyTorch core attention (the CPU path)."""
 
 
 @dataclass(kw_only=True)
@@ -129,18 +121,25 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, work: Workload, se
     )
     sbh = seq * b * h
     replicated = 4 * sbh / (t if work.sequence_parallel else 1)
-    scores = a * seq * seq * b / t * (4 + (e if e < 4 else 0))
+    if work.fused_attention:
+        scores = a * seq * b / t * 4  # the softmax statistics flash attention keeps
+    else:
+        scores = a * seq * seq * b / t * (4 + (e if e < 4 else 0))
     layer_norm_stats = 4 * seq * b * 4
     return (replicated + 12 * sbh / t) * e + scores + layer_norm_stats
 
 
-def layer_forward_bytes(shape: ModelShape, layout: Layout, rows: int, seq: int, e: int) -> float:
+def layer_forward_bytes(
+    shape: ModelShape, layout: Layout, rows: int, seq: int, e: int, fused_attention: bool = False
+) -> float:
     """Peak temporaries of one layer's forward without autograd: the residual stream and
     LayerNorm output, QKV and its permuted copies, and two fp32 score tensors at once (matmul,
     scale, ALiBi add and mask each write a new one), or the MLP's fc1 and GELU outputs."""
     h, a, t = shape.hidden_size, shape.num_heads, layout.tp
     sbh = rows * seq * h
-    attention = (2 * sbh + 5 * sbh / t) * e + 2 * a * seq * seq * rows / t * 4
+    attention = (2 * sbh + 5 * sbh / t) * e
+    if not fused_attention:
+        attention += 2 * a * seq * seq * rows / t * 4
     mlp = (2 * sbh + 8 * sbh / t) * e
     return max(attention, mlp)
 
@@ -223,14 +222,22 @@ def kv_cache_bytes(shape: ModelShape, layout: Layout, rows: int, length: int, e:
 
 
 def generate_memory(
-    shape: ModelShape, layout: Layout, rows: int, prompt_len: int, new_tokens: int, e: int
+    shape: ModelShape,
+    layout: Layout,
+    rows: int,
+    prompt_len: int,
+    new_tokens: int,
+    e: int,
+    fused_attention: bool = False,
 ) -> Memory:
     """KV-cached generation of ``rows`` sequences on one rollout replica (weights included)."""
     stages = []
     for stage in range(layout.pp):
         memory = Memory(weights=rank_params(shape, layout.tp, layout.pp, stage, "lm") * e)
         memory.kv_cache = kv_cache_bytes(shape, layout, rows, prompt_len + new_tokens, e)
-        memory.activations = layer_forward_bytes(shape, layout, rows, prompt_len, e)
+        memory.activations = layer_forward_bytes(
+            shape, layout, rows, prompt_len, e, fused_attention
+        )
         if stage == layout.pp - 1:  # only the last position's logits are computed, gathered
             vocab = padded_vocab(shape.vocab_size, layout.tp)
             memory.logits = rows * vocab * e * (2 + 1 / layout.tp)

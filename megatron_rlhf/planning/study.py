@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rlhf.distributed.layouts import Layout
 from megatron_rlhf.planning import hardware, memory
 from megatron_rlhf.planning.shapes import ModelShape, model_params
 
@@ -53,7 +54,7 @@ class StudyWork:
 def planned_bytes(shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work: StudyWork):
     """The planner's peak bytes per rank for a study row (fp32 on the CPU, bf16 on GPUs)."""
     e = 4 if not torch.cuda.is_available() else 2
-    layout = memory.Layout(tp=tp, pp=pp, dp=dp)
+    layout = Layout(tp=tp, pp=pp, dp=dp)
     load = memory.Workload(
         micro_batch=work.micro_batch,
         seq_len=work.seq_len,

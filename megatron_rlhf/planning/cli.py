@@ -1,0 +1,213 @@
+"""``tools/plan_parallelism.py``: which layouts fit a PPO run, and how fast each would step.
+
+    python tools/plan_parallelism.py --actor bloomz-176b --critic bloomz-7b1 --reward bloomz-7b1 \\
+        --gpus 80 --gpu-memory-gb 80 --rollout-sequences 256 --max-length 2048 [--json]
+
+Models are BLOOM presets (bloom-560m, -1b1, -1b7, -3b, -7b1, -176b; ``bloomz-*`` alike) or an HF
+``config.json`` (or its directory). ``--json`` prints ``{"request": ..., "roles": {role:
+{"params": ..., ...}}, "plans": [...]}``, plans ranked (fitting ones first, by estimated step
+time), each with its per-role layouts and per-GPU memory breakdown (GB). ``--write-config``
+writes the best plan as a ``train-ppo`` config (``parallel:`` per role, rollout batch and
+lengths) on top of ``--base-config`` (default: placeholders for the model and data paths).
+How memory and time are estimated: ``megatron_rlhf/planning/{memory,plan}.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from megatron_rlhf.utils import InputError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python tools/plan_parallelism.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--actor", required=True, help="policy model: preset or config.json")
+    parser.add_argument("--critic", required=True, help="value model: preset or config.json")
+    parser.add_argument("--reward", required=True, help="reward/advantage model")
+    parser.add_argument("--reference", help="reference policy (default: the actor's model)")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    parser.add_argument("--gpu-memory-gb", type=float, required=True, help="memory per GPU, GB")
+    parser.add_argument("--rollout-sequences", type=int, default=256, help="sequences per step")
+    parser.add_argument("--max-length", type=int, default=2048, help="prompt + response tokens")
+    parser.add_argument("--prompt-length", type=int, help="prompt tokens (default: half)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument(
+        "--gpu", default="H100", help="hardware for the time estimate (H200, H100, A100, ...)"
+    )
+    parser.add_argument("--reserve-gb", type=float, default=2.0, help="held back per GPU")
+    parser.add_argument("--top", type=int, default=10, help="plans to print")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--write-config", help="write the best plan as a train-ppo YAML here")
+    parser.add_argument("--base-config", help="train-ppo YAML the plan is written on top of")
+    parser.add_argument("--overwrite", action="store_true", help="replace --write-config's file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        request = request_from_args(args)
+        from megatron_rlhf.planning.plan import make_plans, roles_summary
+
+        ranking = make_plans(request, top=args.top)
+        plans = ranking.plans
+        if args.write_config:
+            write_config(plans[0], request, args)
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    shown = plans
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "request": request_dict(request),
+                    "roles": roles_summary(request),
+                    "plans": [p.to_dict() for p in shown],
+                },
+                indent=1,
+            )
+        )
+    else:
+        print(table(request, roles_summary(request), shown))
+    print(
+        f"[plan_parallelism] done: candidates={ranking.candidates} fitting={ranking.fitting} "
+        f"best_step_s={plans[0].step_seconds:.1f} best_gb_per_gpu={plans[0].total_bytes / 1e9:.1f}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def request_from_args(args):
+    from megatron_rlhf.planning import hardware
+    from megatron_rlhf.planning.plan import PlanRequest
+    from megatron_rlhf.planning.shapes import model_shape
+
+    for name in ("gpus", "rollout_sequences", "max_length", "micro_batch", "top"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.gpu_memory_gb > 0:
+        raise InputError(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb}")
+    if args.prompt_length is not None and not 0 < args.prompt_length < args.max_length:
+        raise InputError(f"--prompt-length must be in [1, --max-length), got {args.prompt_length}")
+    gpu = hardware.gpu_by_name(args.gpu)
+    if gpu is None:
+        raise InputError(
+            f"--gpu {args.gpu!r}: unknown; known: {', '.join(g.name for g in hardware.GPUS)}"
+        )
+    models = {
+        "actor": model_shape(args.actor),
+        "reference": model_shape(args.reference or args.actor),
+        "critic": model_shape(args.critic),
+        "reward": model_shape(args.reward),
+    }
+    return PlanRequest(
+        models=models,
+        gpus=args.gpus,
+        gpu_memory_gb=args.gpu_memory_gb,
+        rollout_sequences=args.rollout_sequences,
+        max_length=args.max_length,
+        prompt_length=args.prompt_length,
+        micro_batch=args.micro_batch,
+        reserve_gb=args.reserve_gb,
+        gpu=gpu,
+    )
+
+
+def request_dict(request) -> dict:
+    return {
+        "gpus": request.gpus,
+        "gpu_memory_gb": request.gpu_memory_gb,
+        "gpu": request.gpu.name,
+        "rollout_sequences": request.rollout_sequences,
+        "max_length": request.max_length,
+        "prompt_length": request.prompt,
+        "micro_batch": request.micro_batch,
+        "reserve_gb": request.reserve_gb,
+    }
+
+
+def _layout(layout) -> str:
+    return f"{layout.tp}x{layout.pp}x{layout.dp}"
+
+
+def table(request, roles: dict, plans: list) -> str:
+    lines = [
+        f"{request.gpus} x {request.gpu_memory_gb:g} GB ({request.gpu.name} timing), "
+        f"{request.rollout_sequences} sequences x {request.max_length} tokens "
+        f"(prompt {request.prompt}), micro-batch {request.micro_batch}",
+        "roles: "
+        + ", ".join(
+            f"{role} {info['model']} ({info['params']:,} params)" for role, info in roles.items()
+        ),
+        "layouts are TPxPPxDP; memory in GB per GPU (the fullest stage of each role, plus the step's largest transient)",
+        "",
+        f"{'#':>2} {'fits':<4} {'actor':<9} {'ref':<9} {'critic':<9} {'reward':<9} {'rollout':<9} {'recomp':<6} "
+        f"{'actor':>6} {'ref':>5} {'critic':>6} {'reward':>6} {'roll':>5} {'trans':>5} {'total':>6} {'step s':>7}",
+    ]
+    for rank, plan in enumerate(plans, 1):
+        mem = {role: m.total / 1e9 for role, m in plan.memory.items()}
+        lines.append(
+            f"{rank:>2} {'yes' if plan.fits else 'NO':<4} "
+            + " ".join(
+                f"{_layout(plan.layouts[r]):<9}"
+                for r in ("actor", "reference", "critic", "reward", "rollout")
+            )
+            + f" {'yes' if plan.recompute else 'no':<6} {mem['actor']:>6.1f} {mem['reference']:>5.1f} "
+            f"{mem['critic']:>6.1f} {mem['reward']:>6.1f} {mem['rollout']:>5.1f} {mem['transient']:>5.1f} "
+            f"{plan.total_bytes / 1e9:>6.1f} {plan.step_seconds:>7.1f}"
+        )
+    if plans and not plans[0].fits:
+        lines.append(
+            f"no layout fits: the smallest needs {plans[0].total_bytes / 1e9:.1f} GB + {request.reserve_gb:g} GB reserve per GPU"
+        )
+    return "\n".join(lines)
+
+
+def write_config(plan, request, args) -> None:
+    """The plan as a train-ppo YAML, validated by loading it as ``train-ppo`` would."""
+    import warnings
+
+    import yaml
+
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.distributed.layouts import layouts_to_dict
+    from megatron_rlhf.utils import atomic_output
+
+    with warnings.catch_warnings():  # megatron-core's "TE/Apex not installed" on import
+        warnings.simplefilter("ignore")
+        from megatron_rlhf.ppo.config import TrainPPOConfig
+
+    out = Path(args.write_config)
+    if out.exists() and not args.overwrite:
+        raise InputError(f"--write-config {out}: exists; pass --overwrite to replace it")
+    if args.base_config:
+        load_config(TrainPPOConfig, args.base_config)  # names a bad key before we build on it
+        config = yaml.safe_load(Path(args.base_config).read_text())
+    else:
+        config = {
+            "models": {
+                role: f"/path/to/{getattr(args, role) or args.actor}"
+                for role in ("actor", "critic", "reward")
+            },
+            "data": {"prompts": "/path/to/prompts"},
+        }
+    config["parallel"] = layouts_to_dict(plan.layouts) | {"sequence_parallel": True}
+    config.setdefault("rollout", {}).update(
+        prompts_per_step=request.rollout_sequences, max_new_tokens=request.response
+    )
+    config.setdefault("data", {})["max_prompt_length"] = request.prompt
+    config.setdefault("ppo", {})["micro_batch_size"] = request.micro_batch
+    config.setdefault("train", {})["bf16"] = True
+    with atomic_output(out) as tmp:
+        header = f"# written by tools/plan_parallelism.py: {request.gpus} x {request.gpu_memory_gb:g} GB, est. {plan.total_bytes / 1e9:.1f} GB/GPU, {plan.step_seconds:.1f} s/step{'' if plan.fits else ' (DOES NOT FIT)'}\n"
+        tmp.write_text(header + yaml.safe_dump(config, sort_keys=False))
+        load_config(TrainPPOConfig, tmp)
+    print(f"wrote {out}", file=sys.stderr)

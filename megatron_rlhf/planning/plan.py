@@ -1,0 +1,386 @@
+"""Candidate layouts for the four PPO roles and the rollout, the ones that fit, ranked by time.
+
+Every role spans the whole world (``dp = gpus / (tp * pp)``, as ``train-ppo`` places them), so
+one GPU holds a shard of each: the actor's and critic's training state, the frozen reference
+and reward weights, the rollout copy of the actor when its layout differs, plus the largest
+transient of the step's phases (rollout: KV cache; scoring: one forward pass; actor or critic
+update: saved activations and logits). A plan fits when that total, plus ``reserve_gb`` for
+the CUDA context and NCCL buffers, is within the GPU's memory.
+
+Step time (seconds) is an estimate for ranking, from the GPU table in ``hardware``:
+- compute phases: model FLOPs / (GPUs x peak x ``MATMUL_EFFICIENCY``), stretched by the 1F1B
+  bubble ``(pp - 1) / microbatches`` and by 4/3 under full recompute;
+- TP: 4 all-reduces of ``b s h`` bf16 values per layer and micro-batch in training (2 in a
+  forward pass), ring volume ``2 (tp-1)/tp``, over NVLink; DP: the fp32 gradient reduce-scatter
+  and bf16 all-gather of the distributed optimizer, inter-node when a replica group leaves the
+  node;
+- decoding: each new token reads this rank's weights and KV cache from HBM once per stage, the
+  stages one after another (pp x per-stage time), plus the prefill's FLOPs;
+- resharding the actor into a different rollout layout: its bf16 weights over NVLink.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from megatron_rlhf.distributed.layouts import Layout
+from megatron_rlhf.planning import hardware, memory
+from megatron_rlhf.planning.memory import GB, Memory, Workload
+from megatron_rlhf.planning.shapes import ModelShape, max_rank_params, model_params
+
+MATMUL_EFFICIENCY = (
+    0.5  # share of dense bf16 peak a large Megatron matmul sustains (~BigScience's 48 %)
+)
+TP_CANDIDATES = (1, 2, 4, 8)  # TP stays inside a node of 8 GPUs
+ROLE_HEADS = {"actor": "lm", "reference": "lm", "critic": "scalar", "reward": "scalar"}
+
+
+@dataclass(kw_only=True)
+class PlanRequest:
+    """What to plan for."""
+
+    models: dict[str, ModelShape]
+    """actor, reference, critic, reward -> shape."""
+    gpus: int
+    """GPUs in the job."""
+    gpu_memory_gb: float
+    """Memory per GPU, GB."""
+    rollout_sequences: int = 256
+    """Sequences generated per PPO step over all replicas (paper: global batch 256)."""
+    max_length: int = 2048
+    """Prompt + response tokens per sequence."""
+    prompt_length: int | None = None
+    """Prompt tokens (default: half of max_length)."""
+    micro_batch: int = 1
+    """Sequences per training/scoring micro-batch."""
+    reserve_gb: float = 2.0
+    """Held back per GPU for the CUDA context, NCCL buffers and fragmentation."""
+    gpu: hardware.GPU = field(default_factory=lambda: hardware.DEFAULT_GPU)
+    """Hardware for the time estimate."""
+
+    @property
+    def prompt(self) -> int:
+        return self.prompt_length if self.prompt_length is not None else self.max_length // 2
+
+    @property
+    def response(self) -> int:
+        return self.max_length - self.prompt
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """One assignment of layouts, its memory per GPU and estimated step time."""
+
+    layouts: dict[str, Layout]
+    recompute: bool
+    memory: dict[str, Memory]
+    """Per role (and ``rollout``, ``transient``) bytes per GPU."""
+    transient_phase: str
+    seconds: dict[str, float]
+    total_bytes: float
+    fits: bool
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "fits": self.fits,
+            "step_time_s": round(self.step_seconds, 3),
+            "time_s": {k: round(v, 3) for k, v in self.seconds.items()},
+            "layouts": {role: layout.as_dict() for role, layout in self.layouts.items()},
+            "recompute": self.recompute,
+            "memory_per_gpu_gb": {
+                role: {k: round(v / GB, 3) for k, v in mem.to_dict().items()}
+                for role, mem in self.memory.items()
+            },
+            "transient_phase": self.transient_phase,
+            "total_per_gpu_gb": round(self.total_bytes / GB, 3),
+        }
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(shape: ModelShape, gpus: int) -> list[Layout]:
+    """Every (tp, pp) our code accepts: tp divides the heads, pp the layers, tp*pp the GPUs."""
+    return [
+        Layout(tp=tp, pp=pp, dp=gpus // (tp * pp))
+        for tp in TP_CANDIDATES
+        for pp in divisors(shape.num_layers)
+        if shape.num_heads % tp == 0 and gpus % (tp * pp) == 0
+    ]
+
+
+def role_workload(request: PlanRequest, layout: Layout, recompute: bool) -> Workload:
+    per_replica = max(1, request.rollout_sequences // layout.dp)
+    return Workload(
+        micro_batch=request.micro_batch,
+        seq_len=request.max_length,
+        response_len=request.response,
+        num_microbatches=max(1, per_replica // request.micro_batch),
+        element_bytes=2,
+        recompute=recompute,
+        sequence_parallel=layout.tp > 1,
+        distributed_optimizer=True,
+        fused_attention=True,
+    )
+
+
+def _train_seconds(
+    request: PlanRequest, shape: ModelShape, layout: Layout, work: Workload
+) -> float:
+    gpu, tokens = request.gpu, request.rollout_sequences * request.max_length
+    flops = (
+        hardware.train_flops_per_token(
+            model_params(shape), shape.num_layers, shape.hidden_size, request.max_length
+        )
+        * tokens
+    )
+    compute = flops / (request.gpus * gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
+    compute *= 1 + (layout.pp - 1) / work.num_microbatches
+    compute *= 4 / 3 if work.recompute else 1
+    return compute + _tp_seconds(request, shape, layout, 4) + _dp_seconds(request, shape, layout)
+
+
+def _forward_seconds(request: PlanRequest, shape: ModelShape, layout: Layout) -> float:
+    gpu, tokens = request.gpu, request.rollout_sequences * request.max_length
+    flops = (
+        hardware.forward_flops_per_token(
+            model_params(shape), shape.num_layers, shape.hidden_size, request.max_length
+        )
+        * tokens
+    )
+    microbatches = max(1, request.rollout_sequences // layout.dp // request.micro_batch)
+    compute = flops / (request.gpus * gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
+    return compute * (1 + (layout.pp - 1) / microbatches) + _tp_seconds(request, shape, layout, 2)
+
+
+def _tp_seconds(request: PlanRequest, shape: ModelShape, layout: Layout, per_layer: int) -> float:
+    """All-reduces of the (b, s, h) bf16 activations inside each TP group, per GPU."""
+    if layout.tp == 1:
+        return 0.0
+    sequences = request.rollout_sequences / layout.dp
+    volume = (
+        per_layer
+        * shape.num_layers
+        / layout.pp
+        * sequences
+        * request.max_length
+        * shape.hidden_size
+        * 2
+    )
+    return volume * 2 * (layout.tp - 1) / layout.tp / (request.gpu.nvlink_gb_per_s * 1e9)
+
+
+def _dp_seconds(request: PlanRequest, shape: ModelShape, layout: Layout) -> float:
+    """Distributed optimizer: reduce-scatter fp32 grads, all-gather bf16 params."""
+    if layout.dp == 1:
+        return 0.0
+    volume = max_rank_params(shape, layout.tp, layout.pp) * (4 + 2) * (layout.dp - 1) / layout.dp
+    crosses_nodes = layout.tp * layout.pp * layout.dp > hardware.GPUS_PER_NODE
+    bandwidth = hardware.INTER_NODE_GB_PER_S if crosses_nodes else request.gpu.nvlink_gb_per_s
+    return volume / (bandwidth * 1e9)
+
+
+def _generate_seconds(
+    request: PlanRequest, shape: ModelShape, layout: Layout, kv_bytes: float
+) -> float:
+    """Prefill FLOPs, then per token: every stage reads its weights and KV cache once."""
+    gpu = request.gpu
+    rows = request.rollout_sequences / layout.dp
+    prefill_flops = (
+        hardware.forward_flops_per_token(
+            model_params(shape), shape.num_layers, shape.hidden_size, request.prompt
+        )
+        * rows
+        * request.prompt
+    )
+    prefill = prefill_flops / (layout.tp * layout.pp * gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
+    weights = max_rank_params(shape, layout.tp, layout.pp) * 2
+    per_stage = (weights + kv_bytes / 2) / (
+        gpu.hbm_tb_per_s * 1e12
+    )  # the cache is half full on average
+    latency = 2 * shape.num_layers * 10e-6 if layout.tp > 1 else 0.0  # two all-reduces per layer
+    return prefill + request.response * (layout.pp * per_stage + latency)
+
+
+@dataclass(kw_only=True)
+class _RoleOption:
+    layout: Layout
+    static: Memory
+    transient: dict[str, Memory]
+    seconds: dict[str, float]
+
+    def __post_init__(self):
+        self.static_total = self.static.total
+        self.transient_totals = {phase: m.total for phase, m in self.transient.items()}
+        self.seconds_total = sum(self.seconds.values())
+
+
+def _role_options(request: PlanRequest, role: str, recompute: bool) -> list[_RoleOption]:
+    shape, head = request.models[role], ROLE_HEADS[role]
+    options = []
+    for layout in candidate_layouts(shape, request.gpus):
+        work = role_workload(request, layout, recompute)
+        if role in ("actor", "critic"):
+            full = memory.train_memory(shape, layout, head, work)
+            static = Memory(weights=full.weights, grads=full.grads, optimizer=full.optimizer)
+            transient = {f"train_{role}": Memory(activations=full.activations, logits=full.logits)}
+            seconds = {f"train_{role}": _train_seconds(request, shape, layout, work)}
+        else:
+            seconds = {}
+        forward = memory.forward_memory(shape, layout, head, work)
+        if role not in ("actor", "critic"):
+            static = Memory(weights=forward.weights)
+        transient = (transient if role in ("actor", "critic") else {}) | {
+            "score": Memory(activations=forward.activations, logits=forward.logits)
+        }
+        seconds[f"score_{role}"] = _forward_seconds(request, shape, layout)
+        options.append(
+            _RoleOption(layout=layout, static=static, transient=transient, seconds=seconds)
+        )
+    return options
+
+
+def _rollout_options(request: PlanRequest) -> list[_RoleOption]:
+    shape = request.models["actor"]
+    options = []
+    for layout in candidate_layouts(shape, request.gpus):
+        rows = max(1, request.rollout_sequences // layout.dp)
+        gen = memory.generate_memory(
+            shape, layout, rows, request.prompt, request.response, 2, fused_attention=True
+        )
+        seconds = {"rollout": _generate_seconds(request, shape, layout, gen.kv_cache)}
+        transient = {
+            "rollout": Memory(activations=gen.activations, logits=gen.logits, kv_cache=gen.kv_cache)
+        }
+        options.append(
+            _RoleOption(
+                layout=layout,
+                static=Memory(weights=gen.weights),
+                transient=transient,
+                seconds=seconds,
+            )
+        )
+    return options
+
+
+@dataclass(kw_only=True)
+class Ranking:
+    """The best plans and how many candidates were weighed."""
+
+    plans: list[Plan]
+    """The ``top`` best: fitting ones by step time, then the rest by memory."""
+    candidates: int
+    fitting: int
+
+
+def make_plans(request: PlanRequest, top: int = 10) -> Ranking:
+    """Every combination of role layouts and recompute, scored cheaply; the best built in full."""
+    rollouts = pareto(_rollout_options(request))
+    scored = []
+    for recompute in (False, True):
+        options = {role: pareto(_role_options(request, role, recompute)) for role in ROLE_HEADS}
+        for combo in itertools.product(*options.values(), rollouts):
+            total, seconds = _score(request, combo)
+            fits = total + request.reserve_gb * GB <= request.gpu_memory_gb * GB
+            key = (not fits, seconds, total) if fits else (not fits, total, seconds)
+            scored.append((*key, recompute, combo))
+    scored.sort(key=lambda item: item[:3])
+    plans = [_combine(request, recompute, *combo) for *_, recompute, combo in scored[:top]]
+    return Ranking(plans=plans, candidates=len(scored), fitting=sum(not s[0] for s in scored))
+
+
+def _score(request: PlanRequest, combo) -> tuple[float, float]:
+    """(bytes per GPU, step seconds) of a combination, without building the breakdown."""
+    *roles, rollout = combo
+    actor = roles[0]
+    resharded = rollout.layout != actor.layout
+    total = sum(option.static_total for option in roles)
+    total += rollout.static_total if resharded else 0.0
+    transient = {}
+    for option in combo:
+        for phase, value in option.transient_totals.items():
+            transient[phase] = max(transient.get(phase, 0.0), value)
+    seconds = sum(option.seconds_total for option in combo)
+    if resharded:
+        seconds += _reshard_seconds(request)
+    return total + max(transient.values()), seconds
+
+
+def _reshard_seconds(request: PlanRequest) -> float:
+    weights = model_params(request.models["actor"]) * 2
+    return weights / request.gpus / (request.gpu.nvlink_gb_per_s * 1e9)
+
+
+def pareto(options: list[_RoleOption]) -> list[_RoleOption]:
+    """Drop options another beats on static bytes, every transient and time at once (a
+    dominated option can never make a plan faster or let one fit)."""
+
+    def key(option):
+        transients = option.transient_totals
+        return (
+            option.static_total,
+            *(transients[p] for p in sorted(transients)),
+            option.seconds_total,
+        )
+
+    keys = [key(option) for option in options]
+    return [
+        option
+        for i, option in enumerate(options)
+        if not any(
+            j != i and all(a <= b for a, b in zip(keys[j], keys[i])) and keys[j] != keys[i]
+            for j in range(len(options))
+        )
+    ]
+
+
+def _combine(request, recompute, actor, reference, critic, reward, rollout) -> Plan:
+    roles = {"actor": actor, "reference": reference, "critic": critic, "reward": reward}
+    resharded = rollout.layout != actor.layout
+    mem = {role: option.static for role, option in roles.items()}
+    mem["rollout"] = rollout.static if resharded else Memory()  # the actor's own weights otherwise
+    phases: dict[str, Memory] = {}
+    for option in (*roles.values(), rollout):
+        for phase, transient in option.transient.items():
+            if phase not in phases or transient.total > phases[phase].total:
+                phases[phase] = transient
+    phase, transient = max(phases.items(), key=lambda item: item[1].total)
+    mem["transient"] = transient
+    total = sum(m.total for m in mem.values())
+    seconds = {}
+    for option in (*roles.values(), rollout):
+        seconds |= option.seconds
+    if resharded:
+        seconds["reshard"] = _reshard_seconds(request)
+    layouts = {role: option.layout for role, option in roles.items()} | {"rollout": rollout.layout}
+    fits = total + request.reserve_gb * GB <= request.gpu_memory_gb * GB
+    return Plan(
+        layouts=layouts,
+        recompute=recompute,
+        memory=mem,
+        transient_phase=phase,
+        seconds=seconds,
+        total_bytes=total,
+        fits=fits,
+    )
+
+
+def roles_summary(request: PlanRequest) -> dict:
+    """The ``roles`` block of the JSON: each model's shape and exact parameter count."""
+    return {
+        role: {
+            "model": shape.name,
+            "params": model_params(shape, ROLE_HEADS[role]),
+            "layers": shape.num_layers,
+            "hidden": shape.hidden_size,
+            "heads": shape.num_heads,
+            "vocab": shape.vocab_size,
+        }
+        for role, shape in request.models.items()
+    }
