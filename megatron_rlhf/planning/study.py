@@ -62,6 +62,7 @@ def planned_bytes(shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work
         num_microbatches=work.microbatches,
         element_bytes=e,
         distributed_optimizer=torch.cuda.is_available(),
+        fused_attention=_uses_te_attention(),
     )
     if stage == "actor_train":
         return memory.train_memory(shape, layout, "lm", load).total
@@ -70,8 +71,15 @@ def planned_bytes(shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work
     if stage == "score":
         return memory.forward_memory(shape, layout, "lm", load).total
     return memory.generate_memory(
-        shape, layout, work.micro_batch, work.prompt_len, work.response_len, e
+        shape, layout, work.micro_batch, work.prompt_len, work.response_len, e, load.fused_attention
     ).total
+
+
+def _uses_te_attention() -> bool:
+    """Whether BloomModel picks TransformerEngine's fused attention here (spec.py's rule)."""
+    from megatron_rlhf.models.bloom.attention import _te_attention_class
+
+    return torch.cuda.is_available() and _te_attention_class() is not None
 
 
 def run_row(shape: ModelShape, stage: str, work: StudyWork, seed: int = 0) -> dict:

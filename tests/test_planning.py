@@ -1,0 +1,156 @@
+"""The planner: exact BLOOM parameter counts (transformers on the meta device), memory against
+the profiler's measurement on a tiny model, the CLI's JSON and config output, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_rlhf.planning import hardware
+from megatron_rlhf.planning.cli import main as plan_main
+from megatron_rlhf.planning.shapes import (
+    BLOOM_PRESETS,
+    ModelShape,
+    model_params,
+    model_shape,
+    rank_params,
+)
+
+ROLES = ("actor", "reference", "critic", "reward")
+
+
+@pytest.mark.parametrize("name", list(BLOOM_PRESETS))
+def test_param_counts_equal_transformers(name):
+    from transformers import BloomConfig, BloomForCausalLM
+
+    layers, hidden, heads = BLOOM_PRESETS[name]
+    config = BloomConfig(vocab_size=250_880, hidden_size=hidden, n_layer=layers, n_head=heads)
+    with torch.device("meta"):
+        model = BloomForCausalLM(config)
+    assert model_params(model_shape(name)) == sum(p.numel() for p in model.parameters())
+
+
+def test_config_json_with_legacy_keys(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"n_layer": 3, "n_embed": 96, "num_attention_heads": 6, "vocab_size": 500})
+    )
+    shape = model_shape(str(tmp_path))
+    assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.vocab_size) == (
+        3,
+        96,
+        6,
+        500,
+    )
+    assert model_params(shape) == 500 * 96 + 4 * 96 + 3 * (12 * 96 * 96 + 13 * 96)
+
+
+def test_rank_params_sum_to_the_model():
+    """TP/PP shards: split weights sum back, replicated pieces counted once per rank."""
+    shape = model_shape("bloom-7b1")
+    h, tp, pp = shape.hidden_size, 4, 5
+    total = sum(rank_params(shape, tp, pp, stage) for stage in range(pp)) * tp
+    replicated_per_rank = shape.num_layers // pp * 6 * h * pp + 2 * h + 2 * h  # norms, row biases
+    tied_copy = shape.vocab_size * h  # the last stage's embedding copy, over its tp ranks
+    assert total - (tp - 1) * replicated_per_rank - tied_copy == model_params(shape)
+
+
+def test_planned_memory_within_15_percent_of_measured_tiny():
+    """One tiny model, every stage, one process: the profiler's peak vs the planner."""
+    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.planning.study import SHAPES, STAGES, StudyWork, run_row
+
+    initialize(ParallelConfig())
+    try:
+        rows = [run_row(SHAPES["tiny"], stage, StudyWork()) for stage in STAGES]
+    finally:
+        destroy()
+    for row in rows:
+        ratio = row["peak_mem_planned_mb"] / row["peak_mem_measured_mb"]
+        assert 0.85 <= ratio <= 1.15, row
+        assert row["tokens_per_s"] > 0
+
+
+def test_megatron_model_holds_the_planned_parameters():
+    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.models.bloom.config import BloomArchitecture
+    from megatron_rlhf.models.bloom.model import BloomModel
+
+    shape = ModelShape(name="t", num_layers=2, hidden_size=64, num_heads=4, vocab_size=1000)
+    initialize(ParallelConfig())
+    try:
+        arch = BloomArchitecture(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4)
+        for head in ("lm", "scalar"):
+            model = BloomModel(arch, head=head)
+            built = sum(p.numel() for p in model.parameters())
+            assert built == rank_params(shape, 1, 1, 0, head)
+    finally:
+        destroy()
+
+
+def _plan(capsys, *extra):
+    argv = ["--actor", "bloom-1b7", "--critic", "bloom-560m", "--reward", "bloom-560m"]
+    argv += ["--gpus", "8", "--gpu-memory-gb", "80", "--max-length", "1024", *extra]
+    rc = plan_main(argv)
+    return rc, capsys.readouterr()
+
+
+def test_cli_json_shape(capsys):
+    rc, out = _plan(capsys, "--json", "--top", "3")
+    assert rc == 0
+    result = json.loads(out.out)
+    assert set(result["roles"]) == set(ROLES)
+    assert result["roles"]["actor"]["params"] == model_params(model_shape("bloom-1b7"))
+    assert 1 <= len(result["plans"]) <= 3
+    for plan in result["plans"]:
+        assert set(plan["layouts"]) == {*ROLES, "rollout"}
+        for layout in plan["layouts"].values():
+            assert layout["tp"] * layout["pp"] * layout["dp"] == 8
+        memory = plan["memory_per_gpu_gb"]
+        assert {"weights", "grads", "optimizer", "activations", "kv_cache", "total"} <= set(
+            memory["actor"]
+        )
+        assert abs(sum(m["total"] for m in memory.values()) - plan["total_per_gpu_gb"]) < 0.01
+    times = [plan["step_time_s"] for plan in result["plans"] if plan["fits"]]
+    assert times == sorted(times)
+
+
+def test_cli_table_and_runnable_config(capsys, tmp_path):
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.distributed.layouts import resolve_layouts
+    from megatron_rlhf.ppo.config import TrainPPOConfig
+
+    out = tmp_path / "plan.yaml"
+    rc, printed = _plan(capsys, "--write-config", str(out))
+    assert rc == 0 and "actor" in printed.out and "step s" in printed.out
+    config = load_config(TrainPPOConfig, out)
+    archs = {role: model_shape(n) for role, n in [("actor", "bloom-1b7"), ("critic", "bloom-560m")]}
+    layouts = resolve_layouts(config.parallel, 8, archs)
+    assert layouts["actor"].tp * layouts["actor"].pp * layouts["actor"].dp == 8
+    assert _plan(capsys, "--write-config", str(out))[0] == 2  # no silent replacement
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--actor", "bloom-9b"], "neither a BLOOM preset"),
+        (["--gpus", "0"], "--gpus must be >= 1"),
+        (["--gpu", "TPU"], "--gpu 'TPU': unknown"),
+        (["--prompt-length", "5000"], "--prompt-length"),
+    ],
+)
+def test_cli_bad_input(capsys, extra, message):
+    rc, out = _plan(capsys, *extra)
+    assert rc == 2 and message in out.err and "Traceback" not in out.err
+
+
+def test_mfu_counts_the_standard_flops():
+    h100 = hardware.gpu_by_name("NVIDIA H100 80GB HBM3")
+    assert h100.bf16_tflops == 989.0
+    assert hardware.gpu_by_name("NVIDIA H100 PCIe").name == "H100 PCIe"
+    assert hardware.gpu_by_name("NVIDIA H200").name == "H200"
+    n, layers, hidden, seq = 7_069_016_064, 30, 4096, 2048
+    flops = hardware.train_flops_per_token(n, layers, hidden, seq) * 1e6
+    assert flops == pytest.approx(1e6 * (6 * n + 12 * layers * hidden * seq))
+    assert hardware.mfu(flops, 10.0, 8, h100) == pytest.approx(flops / 10 / (8 * 989e12))
