@@ -70,6 +70,10 @@ PATCHED_MODULES: dict[str, list[str]] = {
     "megatron.core.dist_checkpointing.strategies.async_utils": [
         "async_utils.py:165,604 device=torch.cuda.current_device(); :212 torch.cuda.synchronize()",
     ],
+    "megatron.core.resharding.copy_services.gloo_copy_service": [
+        "gloo_copy_service.py:46 self._copy_stream = torch.cuda.Stream() (None on CPU; :145 skips"
+        " the wait on None)",
+    ],
 }
 
 # Source snippets that must still be present for the patches above to be meaningful.
@@ -100,6 +104,10 @@ EXPECTED_CALL_SITES: dict[str, list[str]] = {
         "device=torch.cuda.current_device()"
     ],
     "megatron.core.dist_checkpointing.strategies.async_utils": ["torch.cuda.current_device()"],
+    "megatron.core.resharding.copy_services.gloo_copy_service": [
+        "self._copy_stream = torch.cuda.Stream()",
+        "if self._copy_stream is not None:",
+    ],
     "megatron.core.models.common.language_module.language_module": [
         "weight.data = weight.data.cuda()"
     ],
@@ -141,6 +149,7 @@ class _CpuCuda(types.SimpleNamespace):
             get_rng_state=lambda *args, **kwargs: torch.get_rng_state(),
             set_rng_state=lambda state, *args, **kwargs: torch.set_rng_state(state),
             manual_seed=lambda seed: torch.random.default_generator.manual_seed(seed),
+            Stream=lambda *args, **kwargs: None,
         )
 
     def __getattr__(self, name):  # everything else (nvtx, Stream types, ...) is the real one

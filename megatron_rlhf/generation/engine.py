@@ -34,6 +34,9 @@ class SamplingConfig:
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
     seed: int = 0
     """Seed of the sampling generator (offset by the data-parallel rank)."""
+    row_seeds: tuple[int, ...] | None = None
+    """One seed per prompt row instead of ``seed``: each row samples from its own generator,
+    so a row draws the same tokens whatever batch, rank or layout it is generated in."""
     eos_id: int = 2
     """End-of-sequence token (BLOOM: 2)."""
     pad_id: int = 3
@@ -61,7 +64,20 @@ def _choose(logits: torch.Tensor, sampling: SamplingConfig, generator) -> torch.
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
+    if isinstance(generator, list):  # one generator per row (SamplingConfig.row_seeds)
+        rows = [torch.multinomial(p[None], 1, generator=g) for p, g in zip(probs, generator)]
+        return torch.cat(rows).squeeze(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _generators(sampling: SamplingConfig, batch: int, device):
+    """The sampling generator of this rank, or one per row (``row_seeds``)."""
+    if sampling.row_seeds is None:
+        seed = sampling.seed + parallel_state.get_data_parallel_rank()
+        return torch.Generator(device=device).manual_seed(seed)
+    if len(sampling.row_seeds) != batch:
+        raise ValueError(f"{len(sampling.row_seeds)} row_seeds for a batch of {batch} prompts")
+    return [torch.Generator(device=device).manual_seed(seed) for seed in sampling.row_seeds]
 
 
 @torch.no_grad()
@@ -77,9 +93,7 @@ def generate(
     max_length = prompt_length + sampling.max_new_tokens
     context = StaticInferenceContext(batch, max_length) if sampling.use_kv_cache else None
     device = compute_device()
-    generator = torch.Generator(device=device).manual_seed(
-        sampling.seed + parallel_state.get_data_parallel_rank()
-    )
+    generator = _generators(sampling, batch, device)
     tokens, mask = prompt_ids.to(device), prompt_mask.to(device).long()
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     new_tokens, new_logprobs, new_mask = [], [], []

@@ -2,22 +2,54 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from megatron_rlhf.generation import SamplingConfig, generate
+from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
+from megatron_rlhf.distributed.role_groups import active
+from megatron_rlhf.generation import GenerationOutput, SamplingConfig, generate
 from megatron_rlhf.ppo.experience import Experience
 
 
 def rollout(actor, prompts: dict, sampling: SamplingConfig) -> Experience:
-    """Generate one response per prompt; ``prompts`` is ``collate_prompts`` output."""
-    prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]  # (B, P)
-    out = generate(actor, prompt_ids, prompt_mask, sampling)
-    device = out.response_ids.device  # the compute device: the experience stays there
-    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    """Generate one response per prompt in the active layout; ``prompts`` is
+    ``collate_prompts`` output."""
+    out = generate(actor, prompts["input_ids"], prompts["attention_mask"], sampling)
+    return _experience(prompts, out.response_ids, out.response_mask)
+
+
+def rollout_global(engine, prompts: dict, sampling: SamplingConfig, row_seeds) -> Experience:
+    """The global batch's responses on every rank: each DP rank of ``engine.groups`` generates
+    its rows (row ``i`` sampled from ``row_seeds[i]``), then the rows are gathered back."""
+    groups = engine.groups
+    batch = prompts["input_ids"].shape[0]
+    with active(groups):
+        rows = dp_rows(batch, groups.layout.dp, groups.dp_rank)
+        out: GenerationOutput = engine.generate(
+            prompts["input_ids"][rows],
+            prompts["attention_mask"][rows],
+            replace(sampling, row_seeds=tuple(int(seed) for seed in row_seeds[rows])),
+        )
+        response_ids = gather_rows(out.response_ids, groups.dp_group, sampling.pad_id)
+        response_mask = gather_rows(out.response_mask, groups.dp_group, 0)
+    return _experience(prompts, response_ids, response_mask)
+
+
+def step_row_seeds(seed: int, step: int, rows: int) -> list[int]:
+    """The sampling seed of each row of a step's global batch: a function of (seed, step,
+    global row) only, so every layout draws the same samples."""
+    return [(seed * 1_000_003 + step) * 100_003 + row for row in range(rows)]
+
+
+def _experience(prompts: dict, response_ids: torch.Tensor, response_mask: torch.Tensor):
+    device = response_ids.device  # the compute device: the experience stays there
+    prompt_ids = prompts["input_ids"].to(device)  # (B, P)
+    prompt_mask = prompts["attention_mask"].to(device)
     return Experience(
-        sequences=torch.cat([prompt_ids, out.response_ids], dim=1),
-        attention_mask=torch.cat([prompt_mask, out.response_mask], dim=1),
-        response_mask=out.response_mask,
+        sequences=torch.cat([prompt_ids, response_ids], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
+        response_mask=response_mask,
         prompt_index=prompts["index"],
         prompt_length=prompt_ids.shape[1],
     )

@@ -1,0 +1,87 @@
+"""The rollout seam: which model, in which layout, generates a PPO step's responses.
+
+The PPO loop only sees :class:`RolloutEngine`: before each rollout it calls ``refresh()`` (bring
+the generation weights up to date with the actor's last update), then ``ppo.rollout.rollout``
+calls ``generate(...)`` inside ``active(engine.groups)`` on every rank of the world with this
+rank's data-parallel share of the global prompts, and hands the responses back to every rank
+(``distributed/handoff.py``). Two engines today:
+
+- :class:`TrainingLayoutEngine`: the actor generates in its own training layout (no copy).
+- :class:`ReshardedEngine`: a second copy of the actor in the rollout layout
+  (``parallel.rollout``), refreshed in memory by Megatron-Core's refit,
+  ``megatron.core.resharding.swap_model_weights(actor, copy, "gloo" | "nccl")`` (a reshard plan
+  between the two models' ``pg_collection``s, built once and cached on the copy).
+
+Plugging in another engine (pipelined micro-batches, vLLM, Megatron-Core's inference engine):
+write a class with ``groups`` (the :class:`~megatron_rlhf.distributed.role_groups.LayoutGroups`
+it generates in), ``refresh()`` and ``generate(prompt_ids, prompt_mask, sampling) ->
+GenerationOutput`` with the contract of :func:`megatron_rlhf.generation.generate` (left-padded
+prompts of this rank's rows; every rank of a replica gets the same outputs; honour
+``sampling.row_seeds`` so that tokens do not depend on the layout), and return it from
+:func:`build_rollout_engine`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from megatron_rlhf.distributed.role_groups import LayoutGroups, active
+from megatron_rlhf.generation import GenerationOutput, SamplingConfig, generate
+
+
+class RolloutEngine(Protocol):
+    groups: LayoutGroups
+    """The layout the engine generates in (its DP ranks split the global prompts)."""
+
+    def refresh(self) -> None:
+        """Make the generation weights equal the actor's current weights (collective)."""
+
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig
+    ) -> GenerationOutput:
+        """Responses of this rank's rows; called inside ``active(self.groups)``."""
+
+
+class TrainingLayoutEngine:
+    """The actor generates in its training layout."""
+
+    def __init__(self, actor, groups: LayoutGroups):
+        self.actor, self.groups = actor, groups
+
+    def refresh(self) -> None:
+        pass
+
+    def generate(self, prompt_ids, prompt_mask, sampling) -> GenerationOutput:
+        return generate(self.actor, prompt_ids, prompt_mask, sampling)
+
+
+class ReshardedEngine:
+    """A copy of the actor in the rollout layout, refit from the actor before each rollout."""
+
+    def __init__(self, actor, model, groups: LayoutGroups):
+        self.actor, self.model, self.groups = actor, model, groups
+        self.model.requires_grad_(False)
+
+    def refresh(self) -> None:
+        from megatron.core.resharding import swap_model_weights
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        with torch.no_grad():
+            swap_model_weights(self.actor, self.model, backend)
+
+    def generate(self, prompt_ids, prompt_mask, sampling) -> GenerationOutput:
+        return generate(self.model, prompt_ids, prompt_mask, sampling)
+
+
+def build_rollout_engine(
+    actor, actor_groups: LayoutGroups, rollout_groups: LayoutGroups, build_copy
+) -> RolloutEngine:
+    """The training-layout engine when the layouts agree, else a resharded copy of the actor;
+    ``build_copy()`` builds an (unloaded) actor model under the active rollout groups."""
+    if rollout_groups is actor_groups:
+        return TrainingLayoutEngine(actor, actor_groups)
+    with active(rollout_groups):
+        copy = build_copy()
+    return ReshardedEngine(actor, copy, rollout_groups)

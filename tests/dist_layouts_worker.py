@@ -1,0 +1,134 @@
+"""torchrun worker (4 ranks) for per-role layouts: several checks in one launch; rank 0 writes
+``{check: {"ok": bool, "detail": str}}`` as JSON for ``test_layouts_parallel.py``.
+
+Layouts: actor TP2xPP2 (DP1), rollout TP2 (DP2), single TP1 (DP4): the reference for
+"parallel equals serial" is each replica of the TP1 layout, which holds the whole model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.distributed.layouts import Layout
+
+LAYOUTS = {
+    "actor": Layout(tp=2, pp=2, dp=1),
+    "rollout": Layout(tp=2, pp=1, dp=2),
+    "single": Layout(tp=1, pp=1, dp=4),
+}
+
+
+def check_handoff(groups) -> str:
+    """gather_rows: ragged widths padded on the right side, rows in DP-rank order."""
+    from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
+    from megatron_rlhf.distributed.role_groups import active
+
+    batch = torch.arange(8 * 5).reshape(8, 5)
+    for role in ("rollout", "single"):
+        with active(groups[role]):
+            g = groups[role]
+            rows = dp_rows(8, g.layout.dp, g.dp_rank)
+            width = 2 + g.dp_rank  # every replica a different width
+            got = gather_rows(batch[rows, :width], g.dp_group, pad_value=-1)
+            expected = torch.full((8, 1 + g.layout.dp), -1)
+            for d in range(g.layout.dp):
+                part = dp_rows(8, g.layout.dp, d)
+                expected[part, : 2 + d] = batch[part, : 2 + d]
+            assert torch.equal(got, expected), (role, got, expected)
+    return "ragged rows gathered over DP=2 and DP=4 in rank order"
+
+
+def rollouts(groups, hf_dir, sampling):
+    """Global responses from the training layout, the resharded layout and TP1 (DP4)."""
+    from dist_bloom_common import ARCH_A, left_padded_batch
+
+    from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
+    from megatron_rlhf.distributed.role_groups import active
+    from megatron_rlhf.models.bloom import BloomModel
+    from megatron_rlhf.ppo.rollout import rollout_global, step_row_seeds
+    from megatron_rlhf.ppo.rollout_engine import build_rollout_engine
+
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, [5, 3, 7, 2, 6, 1, 4, 5], seed=3)
+    prompts = {"input_ids": ids, "attention_mask": mask, "index": torch.arange(8)}
+    seeds = step_row_seeds(7, 2, 8)
+    with active(groups["actor"]):
+        actor = load_bloom(hf_dir)
+    arch = checkpoint_architecture(hf_dir)
+    engines = {
+        "training": build_rollout_engine(actor, groups["actor"], groups["actor"], None),
+        "resharded": build_rollout_engine(
+            actor, groups["actor"], groups["rollout"], lambda: BloomModel(arch, init_weights=False)
+        ),
+    }
+    with active(groups["single"]):
+        engines["single"] = build_rollout_engine(
+            load_bloom(hf_dir), groups["single"], groups["single"], None
+        )
+    out = {}
+    for name, engine in engines.items():
+        engine.refresh()
+        out[name] = rollout_global(engine, prompts, sampling, seeds)
+    return out
+
+
+def check_rollouts(groups, hf_dir, greedy: bool) -> str:
+    from megatron_rlhf.generation import SamplingConfig
+
+    sampling = SamplingConfig(max_new_tokens=6, greedy=greedy, eos_id=2, pad_id=3)
+    out = rollouts(groups, hf_dir, sampling)
+    reference = out["single"]
+    for name in ("training", "resharded"):
+        assert torch.equal(out[name].sequences, reference.sequences), name
+        assert torch.equal(out[name].response_mask, reference.response_mask), name
+    kind = "greedy" if greedy else "sampled (row seeds)"
+    return f"{kind} tokens of TP2xPP2, resharded TP2/DP2 and TP1/DP4 identical: {tuple(reference.sequences.shape)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--hf", required=True)
+    args = parser.parse_args()
+    from megatron.core import tensor_parallel
+
+    from megatron_rlhf.distributed import cpu_compat, init_process_group
+    from megatron_rlhf.distributed.role_groups import build_layout_groups
+
+    cpu_compat.install()
+    init_process_group()
+    groups = build_layout_groups(LAYOUTS)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    checks = {
+        "handoff_gather_rows": lambda: check_handoff(groups),
+        "rollout_greedy_layouts": lambda: check_rollouts(groups, args.hf, greedy=True),
+        "rollout_sampled_layouts": lambda: check_rollouts(groups, args.hf, greedy=False),
+    }
+    results = {}
+    for name, check in checks.items():
+        try:
+            results[name] = {"ok": True, "detail": check()}
+        except Exception:  # every rank runs every check; report, then keep the ranks in step
+            results[name] = {"ok": False, "detail": traceback.format_exc()[-3000:]}
+    everything = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, results)
+    merged = {
+        name: {
+            "ok": all(r[name]["ok"] for r in everything),
+            "detail": next((r[name]["detail"] for r in everything if not r[name]["ok"]),
+                           results[name]["detail"]),
+        }
+        for name in results
+    }  # fmt: skip
+    if dist.get_rank() == 0:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            json.dump(merged, handle, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
