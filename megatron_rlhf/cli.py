@@ -14,6 +14,7 @@ import warnings
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("megatron_rlhf.demo", "the whole pipeline on a tiny random BLOOM on the CPU"),
     "generate": ("megatron_rlhf.generation.cli", "batched KV-cached generation at any TP/PP"),
+    "train-sft": ("megatron_rlhf.training.sft", "supervised fine-tuning of the SFT policy"),
     "train-reward": ("megatron_rlhf.reward.train", "train a Reward Model or Advantage Model"),
     "score": ("megatron_rlhf.reward.score", "score (prompt, response) pairs with an RM/AM"),
     "eval-reward": ("megatron_rlhf.reward.evaluate", "accuracy, ECE and per-task score stats"),

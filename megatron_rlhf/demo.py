@@ -4,7 +4,7 @@ Every stage runs the real command (in this process, world size 1) on small built
 
   1 tokenizer     a byte-level BPE trained on the built-in English corpus
   2 data          synthetic prompt / SFT / preference JSONL -> tools/preprocess_data.py
-  3 SFT policy    a random tiny BLOOM, fine-tuned on the SFT set (Megatron-Core engine)
+  3 SFT policy    train-sft: a random tiny BLOOM fine-tuned on the SFT set
   4 AM            train-reward (loss: am) from the SFT trunk; eval-reward on held-out pairs
   5 curation      generate (SFT) -> score (AM) -> tools/build_rehearsal_clusters.py (D_R)
   6 AM-PPO-SR     train-ppo: AM reward, Selective Rehearsal (gamma = 0.01), per-cluster logs
@@ -134,29 +134,31 @@ def stage_data(demo: Demo, tokenizer: Path) -> dict:
 
 def stage_sft(demo: Demo, tokenizer: Path, data: dict) -> Path:
     from megatron_rlhf.checkpoint.convert import main as convert
-    from megatron_rlhf.checkpoint.dist import model_metadata, save
-    from megatron_rlhf.data import SFTDataset
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
-    from megatron_rlhf.models.bloom import BloomModel
-    from megatron_rlhf.models.bloom.tiny import tiny_architecture
-    from megatron_rlhf.training import OptimConfig, TrainEngine
-    from megatron_rlhf.training.sft import SFTRun, train_sft
+    from megatron_rlhf.data import read_sidecar
+    from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
+    from megatron_rlhf.training.checkpointing import latest_checkpoint
+    from megatron_rlhf.training.sft import main as train_sft
 
-    started = demo.begin("SFT policy: a random tiny BLOOM fine-tuned on the SFT set")
-    dataset = SFTDataset(data["indexed"] / "sft")
-    arch = tiny_architecture(
-        vocab_size=dataset.vocab_size, hidden_size=96, num_layers=2, num_heads=6
-    )
-    initialize(ParallelConfig(seed=0))
-    model = BloomModel(arch)
-    run = SFTRun(steps=200, micro_batch_size=16, max_length=160)
-    engine = TrainEngine(model, OptimConfig(lr=3e-3, warmup_fraction=0.05), run.steps)
-    losses = train_sft(model, dataset, engine, run, dataset.pad_id)
-    megatron_dir, hf_dir = demo.out / "sft" / "megatron", demo.out / "sft" / "hf"
-    save(megatron_dir, model.sharded_state_dict(), model_metadata(model), tokenizer_dir=tokenizer)
-    destroy()
-    demo.run(convert, ["megatron-to-hf", "--load", megatron_dir, "--save", hf_dir])
-    demo.done(started, f"NLL {losses[0]:.2f} -> {losses[-1]:.2f}; {megatron_dir} and {hf_dir}")
+    started = demo.begin("SFT policy: train-sft on a random tiny BLOOM")
+    vocab_size = read_sidecar(data["indexed"] / "sft")["tokenizer"]["vocab_size"]
+    arch = tiny_architecture(vocab_size=vocab_size, hidden_size=96, num_layers=2, num_heads=6)
+    initial, run_dir = demo.out / "sft" / "init", demo.out / "sft" / "megatron"
+    save_random_hf_bloom(initial, arch, seed=0)
+    demo.run(train_sft, [
+        f"model.load={initial}", f"data.train={data['indexed'] / 'sft'}",
+        "data.eval_fraction=0.0625", "data.max_length=160", "optim.lr=3e-3",
+        "optim.warmup_fraction=0.05", f"train.output_dir={run_dir}", "train.steps=200",
+        "train.global_batch_size=16", "train.micro_batch_size=16", "train.eval_interval=100",
+        "train.save_interval=0", "train.log_interval=10",
+    ])  # fmt: skip
+    losses = [
+        record["train/loss"]
+        for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "train/loss" in record
+    ]
+    hf_dir = demo.out / "sft" / "hf"
+    demo.run(convert, ["megatron-to-hf", "--load", latest_checkpoint(run_dir), "--save", hf_dir])
+    demo.done(started, f"NLL {losses[0]:.2f} -> {losses[-1]:.2f}; {run_dir} and {hf_dir}")
     return hf_dir
 
 

@@ -1,6 +1,13 @@
-"""torchrun worker: one LM optimizer step (SFT NLL through the fused log-prob kernel) at
-TP=1, TP=2 and PP=2 gives the same loss and the same updated weights (within 0.5 % of the step
-Adam takes); rank 0 writes JSON."""
+"""torchrun worker (2 ranks): LM training at TP=1, TP=2 and PP=2 gives the same numbers.
+
+- One optimizer step (SFT NLL through the fused log-prob kernel) gives the same loss and the
+  same updated weights (within 0.5 % of the step Adam takes).
+- The ``train-sft`` command (``megatron_rlhf.training.sft.run``) at TP1×DP2, TP2 and PP2 gives
+  the same per-step losses and held-out NLL, and its first loss equals a float64 transformers
+  computation of the global batch's response-token mean NLL (sequences truncated to
+  ``data.max_length``).
+
+Rank 0 writes ``{check: {"ok", "detail"}}`` to --out."""
 
 from __future__ import annotations
 
@@ -39,6 +46,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--hf", required=True)
+    parser.add_argument(
+        "--sft-data", required=True, help="train and eval prefixes: DIR/{train,eval}"
+    )
+    parser.add_argument("--work", required=True)
     args = parser.parse_args()
     from megatron.core import parallel_state
 
@@ -58,6 +69,8 @@ def main() -> None:
          "loss_mask": loss_mask[i : i + 2]}
         for i in (0, 2)
     ]  # fmt: skip
+    for microbatch in microbatches:  # every rank holds both: the loss is their token mean
+        microbatch["nll_scale"] = torch.tensor(2.0 / float(loss_mask[:, 1:].sum()))
     results, reference = {}, None
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
         if parallel_state.model_parallel_is_initialized():
@@ -86,9 +99,84 @@ def main() -> None:
             "detail": f"loss {loss:.8f} vs {reference[0]:.8f}; weights max diff {worst:.2e} "
             f"(step moved them {moved:.2e})",
         }
+    results.update(sft_command_checks(args))
     if dist.get_rank() == 0:
         with open(args.out, "w") as handle:
             json.dump(results, handle)
+
+
+SFT_STEPS, SFT_BATCH, SFT_MAX_LENGTH, SFT_SEED = 3, 8, 12, 5
+
+
+def sft_command_checks(args) -> dict:
+    from megatron_rlhf.training.command import ModelConfig
+    from megatron_rlhf.training.engine import OptimConfig
+    from megatron_rlhf.training.sft import DataConfig, SFTConfig, TrainConfig, run
+
+    runs = {}
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        config = SFTConfig(
+            model=ModelConfig(load=args.hf, tp=tp, pp=pp),
+            data=DataConfig(
+                train=f"{args.sft_data}/train",
+                eval=f"{args.sft_data}/eval",
+                max_length=SFT_MAX_LENGTH,
+            ),
+            optim=OptimConfig(lr=1e-2, warmup_fraction=0.0),
+            train=TrainConfig(
+                output_dir=f"{args.work}/sft_tp{tp}_pp{pp}",
+                global_batch_size=SFT_BATCH,
+                micro_batch_size=2,
+                steps=SFT_STEPS,
+                eval_interval=0,
+                save_interval=0,
+                seed=SFT_SEED,
+            ),
+        )
+        result = run(config)
+        runs[(tp, pp)] = ([m["loss"] for m in result["history"]], result["eval"]["loss"])
+    results = {}
+    reference_losses, reference_eval = runs[(1, 1)]
+    for tp, pp in ((2, 1), (1, 2)):
+        losses, eval_loss = runs[(tp, pp)]
+        worst = max(abs(a - b) for a, b in zip(losses, reference_losses))
+        results[f"sft_tp{tp}_pp{pp}_losses_equal_tp1_dp2"] = {
+            "ok": len(losses) == SFT_STEPS
+            and worst < 1e-5
+            and abs(eval_loss - reference_eval) < 1e-5,
+            "detail": f"losses {losses} vs {reference_losses}; eval {eval_loss} vs {reference_eval}",
+        }
+    expected = float64_first_batch_nll(args)
+    results["sft_first_loss_equals_hf_float64"] = {
+        "ok": abs(reference_losses[0] - expected) < 1e-5
+        and reference_losses[-1] < reference_losses[0],
+        "detail": f"train-sft {reference_losses[0]:.8f} vs transformers float64 {expected:.8f}",
+    }
+    return results
+
+
+def float64_first_batch_nll(args) -> float:
+    """Σ response-token NLL / response tokens over the first global batch, one unpadded
+    truncated sequence at a time through transformers' BloomForCausalLM in float64."""
+    import torch.nn.functional as F
+    from transformers import BloomForCausalLM
+
+    from megatron_rlhf.data import SFTDataset, ShardedSampler
+
+    model = BloomForCausalLM.from_pretrained(args.hf).double().eval()
+    dataset = SFTDataset(f"{args.sft_data}/train")
+    sampler = iter(ShardedSampler(len(dataset), 0, 1, SFT_SEED, micro_batch_size=2))
+    nll, tokens = 0.0, 0.0
+    for _ in range(SFT_BATCH):
+        sample = dataset[next(sampler)]
+        ids = sample["input_ids"][:SFT_MAX_LENGTH]
+        mask = sample["loss_mask"][:SFT_MAX_LENGTH][1:].double()
+        with torch.no_grad():
+            logprobs = F.log_softmax(model(ids[None]).logits[0, :-1], dim=-1)
+        picked = logprobs.gather(1, ids[1:, None])[:, 0]
+        nll -= float((picked * mask).sum())
+        tokens += float(mask.sum())
+    return nll / tokens
 
 
 if __name__ == "__main__":

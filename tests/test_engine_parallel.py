@@ -1,14 +1,39 @@
-"""One optimizer step of an LM-head BLOOM at TP=2 and at PP=2 equals TP=1 (issue: TP/PP parity)."""
+"""LM training at TP=2 and PP=2 equals TP=1: one engine step, and the ``train-sft`` command
+(per-step losses, held-out NLL, first loss against transformers in float64). One torchrun
+launch (tests/dist_engine_worker.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from torchrun_util import run_torchrun
 
 WORKER = Path(__file__).resolve().parent / "dist_engine_worker.py"
-CHECKS = ["tp2_pp1_step_equals_tp1", "tp1_pp2_step_equals_tp1"]
+CHECKS = [
+    "tp2_pp1_step_equals_tp1",
+    "tp1_pp2_step_equals_tp1",
+    "sft_tp2_pp1_losses_equal_tp1_dp2",
+    "sft_tp1_pp2_losses_equal_tp1_dp2",
+    "sft_first_loss_equals_hf_float64",
+]
+
+
+def write_sft_data(prefix: Path, count: int, seed: int, vocab_size: int = 250) -> Path:
+    """Prompts of 2-9 tokens and responses of 1-8 (some sequences pass max_length = 12)."""
+    from megatron_rlhf.data import write_sft_dataset
+
+    rng = np.random.default_rng(seed)
+    examples = [
+        (
+            rng.integers(4, vocab_size, size=rng.integers(2, 10)).tolist(),
+            rng.integers(4, vocab_size, size=rng.integers(1, 9)).tolist(),
+        )
+        for _ in range(count)
+    ]
+    write_sft_dataset(prefix, examples, vocab_size=vocab_size, eos_id=2, pad_id=0)
+    return prefix
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +42,16 @@ def results(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("engine")
     save_random_hf_bloom(root / "hf", tiny_architecture(vocab_size=250, num_layers=2), seed=3)
-    return run_torchrun(WORKER, 2, root / "out.json", "--hf", str(root / "hf"))
+    write_sft_data(root / "sft" / "train", 40, seed=0)
+    write_sft_data(root / "sft" / "eval", 9, seed=1)
+    return run_torchrun(
+        WORKER, 2, root / "out.json", "--hf", str(root / "hf"),
+        "--sft-data", str(root / "sft"), "--work", str(root / "work"),
+    )  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("check", CHECKS)
-def test_optimizer_step_matches_tp1(results, check):
+def test_lm_training_matches_tp1(results, check):
     assert check in results, sorted(results)
     assert results[check]["ok"], results[check]["detail"]

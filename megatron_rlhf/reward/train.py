@@ -24,39 +24,26 @@ Without it (the default) the log-probs are ignored and a = r - e_τ(x) (K = 0).
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import torch
 
 from megatron_rlhf.reward.losses import DEFAULT_MARGIN
+from megatron_rlhf.training import command
+from megatron_rlhf.training.command import (
+    ModelConfig,
+    RunLog,
+    every,
+    log,
+    reduce_metrics,
+    to_device,
+    tokenizer_dir,
+)
 from megatron_rlhf.training.engine import OptimConfig
-from megatron_rlhf.utils import InputError, is_rank0, print_summary, write_json
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    """Where the trunk comes from and how it is split."""
-
-    load: str
-    """Hugging Face BLOOM directory or megatron-rlhf checkpoint with the same head."""
-    tp: int = 1
-    """Tensor-parallel size."""
-    pp: int = 1
-    """Pipeline-parallel size."""
-    sequence_parallel: bool = False
-    """Sequence parallelism over the TP group (tp > 1)."""
-    bf16: bool | Literal["auto"] = "auto"
-    """bf16 parameters; "auto" = bf16 on GPU, fp32 on CPU (bf16 needs a GPU)."""
-    recompute_activations: bool = False
-    """Recompute each layer's activations in the backward pass (saves memory)."""
-    seed: int = 1234
-    """Model-parallel RNG seed."""
+from megatron_rlhf.utils import InputError, is_rank0, write_json
 
 
 @dataclass(kw_only=True)
@@ -86,29 +73,11 @@ class AMConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
-    """Batching, length, evaluation, checkpointing and logging."""
+class TrainConfig(command.TrainConfig):
+    """Batching, evaluation, checkpointing and logging (an example is a preference pair)."""
 
-    output_dir: str
-    """Checkpoints, TensorBoard logs and the resolved config go here."""
     global_batch_size: int = 180
     """Pairs per optimizer step (paper: 180 English, 480 Chinese)."""
-    micro_batch_size: int = 1
-    """Pairs per forward pass (2 sequences each); global = micro × microbatches × dp."""
-    epochs: float = 1.0
-    """Passes over the training pairs (paper: 1); ignored when ``steps`` is set."""
-    steps: int | None = None
-    """Optimizer steps (None: from ``epochs``)."""
-    eval_interval: int = 100
-    """Evaluate every this many steps and at the end (0: only at the end)."""
-    save_interval: int = 500
-    """Checkpoint every this many steps and at the end (0: only at the end)."""
-    log_interval: int = 10
-    """Print and write TensorBoard scalars every this many steps."""
-    seed: int = 1234
-    """Data order and held-out split."""
-    resume: bool = True
-    """Continue from ``output_dir``'s latest checkpoint when there is one."""
 
 
 @dataclass(kw_only=True)
@@ -125,28 +94,12 @@ class RewardTrainConfig:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_rlhf.config import load_config
+    return command.command_main("train-reward", RewardTrainConfig, train, argv, _summary)
 
-    parser = argparse.ArgumentParser(
-        prog="python -m megatron_rlhf train-reward", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--config", help="YAML/JSON config (see examples/reward/)")
-    parser.add_argument("overrides", nargs="*", help="key=value, e.g. optim.lr=1e-5")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(RewardTrainConfig, args.config, args.overrides)
-        result = train(config)
-    except InputError as err:
-        print(f"train-reward: error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        if torch.distributed.is_initialized():
-            from megatron_rlhf.distributed import destroy
 
-            destroy()
+def _summary(config: RewardTrainConfig, result: dict) -> dict:
     final_eval = result["eval"] or {}
-    print_summary(
-        "train-reward",
+    return dict(
         loss=config.loss,
         steps=result["step"],
         train_loss=result["history"][-1]["loss"] if result["history"] else float("nan"),
@@ -155,7 +108,6 @@ def main(argv: list[str]) -> int:
         seconds=round(result["seconds"], 1),
         checkpoint=result["checkpoint"],
     )
-    return 0
 
 
 def train(config: RewardTrainConfig) -> dict:
@@ -193,15 +145,25 @@ def train(config: RewardTrainConfig) -> dict:
             f"{config.train.epochs}; lower the batch size or set train.steps"
         )
     output_dir = Path(config.train.output_dir)
-    engine, step, consumed, checkpoint = _build_engine(config, arch, total_steps, output_dir)
+    from megatron_rlhf.reward.model import NUM_OUTPUTS
+
+    engine, step, consumed, checkpoint = command.build_engine(
+        "train-reward",
+        config,
+        arch,
+        total_steps,
+        check_saved=_check_saved_loss(config),
+        head="scalar",
+        num_scalar_outputs=NUM_OUTPUTS[config.loss],
+    )
     if is_rank0():
         write_json(output_dir / "config.json", to_dict(config))
 
     loss_fn = make_loss_fn(config)
     steps = batches.train_steps(train_set, config.train.seed, consumed)
     metadata = {"loss": config.loss, "config": to_dict(config)}
-    tokenizer_dir = _tokenizer_dir(dataset, config.model.load)
-    logger = _Logger(output_dir, step, total_steps)
+    tokenizer_source = tokenizer_dir(dataset, config.model.load)
+    logger = RunLog("train-reward", output_dir, step, total_steps)
     history, last_eval = [], None
     try:
         while step < total_steps:
@@ -209,12 +171,14 @@ def train(config: RewardTrainConfig) -> dict:
             step += 1
             consumed += config.train.global_batch_size
             history.append(metrics)
-            logger.train(step, metrics, config.train.log_interval)
+            logger.advance(loss=metrics["loss"], acc=metrics["accuracy"])
+            if every(step, config.train.log_interval):
+                logger.write("train", step, metrics)
             last = step == total_steps
-            if eval_set is not None and (last or _every(step, config.train.eval_interval)):
+            if eval_set is not None and (last or every(step, config.train.eval_interval)):
                 last_eval = evaluate(engine, eval_set, config, batches)
-                logger.eval(step, last_eval)
-            if last or _every(step, config.train.save_interval):
+                logger.write("eval", step, eval_scalars(last_eval))
+            if last or every(step, config.train.save_interval):
                 meta = model_metadata(engine.module, **metadata, step=step, eval=last_eval)
                 checkpoint = save_training_checkpoint(
                     output_dir,
@@ -222,7 +186,7 @@ def train(config: RewardTrainConfig) -> dict:
                     {"model": engine},
                     meta,
                     {"step": step, "consumed_samples": consumed},
-                    tokenizer_dir=tokenizer_dir,
+                    tokenizer_dir=tokenizer_source,
                 )
     finally:
         logger.close()
@@ -370,9 +334,7 @@ class PairBatches:
     def collate(self, chunks: list[list[dict]]) -> list[dict]:
         from megatron_rlhf.reward.model import collate_pairs
 
-        return [
-            _to_device(rows) for rows in collate_pairs(chunks, self.pad_id, self.width_multiple)
-        ]
+        return [to_device(rows) for rows in collate_pairs(chunks, self.pad_id, self.width_multiple)]
 
 
 def evaluate(engine, eval_set, config: RewardTrainConfig, batches: PairBatches) -> dict:
@@ -416,81 +378,29 @@ def evaluate(engine, eval_set, config: RewardTrainConfig, batches: PairBatches) 
     }
 
 
-def reduce_metrics(metrics: dict) -> dict:
-    """Average the step metrics of the last-stage ranks of every data-parallel replica."""
-    import torch.distributed as dist
-
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, metrics)
-    reporting = [m for m in gathered if "loss" in m]
-    return {key: float(np.mean([m[key] for m in reporting])) for key in reporting[0]}
+def eval_scalars(result: dict) -> dict:
+    """The scalars of an :func:`evaluate` result (per-task means flattened) for the run log."""
+    scalars = {k: v for k, v in result.items() if k not in ("pairs", "per_task")}
+    scalars.update({f"task_mean/{t}": row["mean"] for t, row in result["per_task"].items()})
+    return scalars
 
 
-def _build_engine(config: RewardTrainConfig, arch, total_steps: int, output_dir: Path):
-    """(engine, step, consumed samples, checkpoint resumed from or None): the model from
-    ``model.load``, or everything from ``output_dir``'s latest checkpoint."""
-    from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.checkpoint.dist import read_metadata
-    from megatron_rlhf.models.bloom import BloomModel
+def _check_saved_loss(config: RewardTrainConfig):
+    """Refuse to resume a run of the other loss (its head has another number of outputs)."""
     from megatron_rlhf.reward.model import NUM_OUTPUTS
-    from megatron_rlhf.training import TrainEngine
-    from megatron_rlhf.training.checkpointing import latest_checkpoint, load_training_checkpoint
 
-    resume_from = latest_checkpoint(output_dir)
-    if resume_from is not None and not config.train.resume:
-        raise InputError(
-            f"{output_dir}: already holds checkpoints ({resume_from.name}); set "
-            "train.resume=true to continue that run or choose another train.output_dir"
-        )
-    kwargs = dict(
-        head="scalar",
-        num_scalar_outputs=NUM_OUTPUTS[config.loss],
-        params_dtype=torch.bfloat16 if _use_bf16(config.model.bf16) else torch.float32,
-        sequence_parallel=config.model.sequence_parallel,
-        recompute_activations=config.model.recompute_activations,
-    )
-    if resume_from is None:
-        engine = TrainEngine(load_bloom(config.model.load, **kwargs), config.optim, total_steps)
-        return engine, 0, 0, None
-    saved = read_metadata(resume_from)
-    if saved.get("num_scalar_outputs") != kwargs["num_scalar_outputs"]:
-        raise InputError(
-            f"{resume_from}: was trained with loss={saved.get('loss')!r}, but loss="
-            f"{config.loss!r} was asked for; choose another train.output_dir"
-        )
-    model = BloomModel(arch, init_weights=False, **kwargs)  # every weight comes from the checkpoint
-    engine = TrainEngine(model, config.optim, total_steps)
-    state = load_training_checkpoint(resume_from, {"model": engine})
-    _log(f"[train-reward] resumed from {resume_from} at step {state.get('step', 0)}")
-    return engine, state.get("step", 0), state.get("consumed_samples", 0), resume_from
+    def check(saved: dict, directory: Path) -> None:
+        if saved.get("num_scalar_outputs") != NUM_OUTPUTS[config.loss]:
+            raise InputError(
+                f"{directory}: was trained with loss={saved.get('loss')!r}, but loss="
+                f"{config.loss!r} was asked for; choose another train.output_dir"
+            )
 
-
-def _use_bf16(setting) -> bool:
-    if setting == "auto":
-        return torch.cuda.is_available()
-    if setting and not torch.cuda.is_available():
-        raise InputError("model.bf16=true needs a GPU; use model.bf16=auto (fp32 on CPU)")
-    return bool(setting)
+    return check
 
 
 def _check_config(config: RewardTrainConfig) -> None:
-    train, data = config.train, config.data
-    problems = [
-        f"train.{key}={getattr(train, key)} must be >= {least}"
-        for key, least in (
-            ("global_batch_size", 1),
-            ("micro_batch_size", 1),
-            ("log_interval", 1),
-            ("eval_interval", 0),
-            ("save_interval", 0),
-            ("steps", 1),
-        )
-        if getattr(train, key) is not None and getattr(train, key) < least
-    ]
-    if not 0.0 <= data.eval_fraction < 1.0:
-        problems.append(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
-    if data.eval is not None and data.eval_fraction > 0:
-        problems.append("give data.eval or data.eval_fraction, not both")
+    problems = command.config_problems(config.train, config.data)
     if config.am.margin <= 0:
         problems.append(f"am.margin={config.am.margin} must be > 0")
     if problems:
@@ -501,9 +411,10 @@ def _check_policy_column(config: RewardTrainConfig, dataset) -> None:
     column, count = config.am.policy_column, dataset.num_behaviour_policies
     if config.loss != "am" or column is None:
         if count and config.loss == "am":
-            _log(
-                f"[train-reward] note: {dataset.prefix} has {count} behaviour log-probs per "
-                "response, unused without am.policy_column (a = r - e_τ)"
+            log(
+                "train-reward",
+                f"note: {dataset.prefix} has {count} behaviour log-probs per "
+                "response, unused without am.policy_column (a = r - e_τ)",
             )
         return
     if not 0 <= column < count:
@@ -525,73 +436,6 @@ def _open_data(config: RewardTrainConfig, model_max_length: int):
         eval_set = PreferenceDataset(config.data.eval)
         check_pairs(eval_set, max_length)
         return dataset, dataset, eval_set
-    fraction = config.data.eval_fraction
-    if fraction == 0:
+    if config.data.eval_fraction == 0:
         return dataset, dataset, None
-    order = np.random.default_rng([config.train.seed, 1]).permutation(len(dataset))
-    held_out = max(1, int(round(fraction * len(dataset))))
-    eval_indices, train_indices = np.sort(order[:held_out]), np.sort(order[held_out:])
-    if len(train_indices) == 0:
-        raise InputError(f"data.eval_fraction={fraction} leaves no training pairs")
-    subset = torch.utils.data.Subset
-    return dataset, subset(dataset, train_indices.tolist()), subset(dataset, eval_indices.tolist())
-
-
-def _tokenizer_dir(dataset, load: str) -> str | None:
-    path = dataset.sidecar.get("tokenizer", {}).get("path")
-    if path and Path(path).is_dir():
-        return path
-    return load if (Path(load) / "tokenizer.json").exists() else None
-
-
-def _to_device(rows: dict) -> dict:
-    if not torch.cuda.is_available():
-        return rows
-    return {k: v.cuda(non_blocking=True) if torch.is_tensor(v) else v for k, v in rows.items()}
-
-
-def _every(step: int, interval: int) -> bool:
-    return interval > 0 and step % interval == 0
-
-
-def _log(message: str) -> None:
-    if is_rank0():
-        print(message, file=sys.stderr, flush=True)
-
-
-class _Logger:
-    """Rank 0's progress bar, log lines and TensorBoard scalars (other ranks: nothing)."""
-
-    def __init__(self, output_dir: Path, step: int, total_steps: int):
-        self.enabled = is_rank0()
-        if self.enabled:
-            from torch.utils.tensorboard import SummaryWriter
-            from tqdm import tqdm
-
-            self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=step + 1)
-            self.bar = tqdm(total=total_steps, initial=step, desc="train-reward")
-
-    def train(self, step: int, metrics: dict, interval: int) -> None:
-        if self.enabled:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc=f"{metrics['accuracy']:.3f}")
-            if step % interval == 0:
-                self._write("train", metrics, step)
-
-    def eval(self, step: int, result: dict) -> None:
-        if self.enabled:
-            scalars = {k: v for k, v in result.items() if k not in ("pairs", "per_task")}
-            scalars.update({f"task_mean/{t}": row["mean"] for t, row in result["per_task"].items()})
-            self._write("eval", scalars, step)
-
-    def _write(self, prefix: str, scalars: dict, step: int) -> None:
-        for key, value in scalars.items():
-            self.writer.add_scalar(f"{prefix}/{key}", value, step)
-        self.bar.write(
-            f"{prefix} @ step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in scalars.items())
-        )
-
-    def close(self) -> None:
-        if self.enabled:
-            self.bar.close()
-            self.writer.close()
+    return dataset, *command.held_out_split(dataset, config.data.eval_fraction, config.train.seed)
