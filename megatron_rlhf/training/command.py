@@ -70,10 +70,11 @@ class TrainConfig:
 
 
 def command_main(command: str, config_cls, run, argv: list[str], summary) -> int:
-    """``--config FILE [key=value ...]`` → ``run(config)`` → ``summary(config, result)`` (a dict
-    for the one-line summary); bad input exits 2 with the message. Tears down the process group."""
+    """``--config FILE [key=value ...]`` → ``run(config)`` → ``summary(config, result)`` (the
+    fields of the one-line summary). Bad input exits 2 with one line (``utils.run_command``);
+    the process group is torn down however it ends."""
     from megatron_rlhf.config import load_config
-    from megatron_rlhf.utils import print_summary
+    from megatron_rlhf.utils import print_summary, run_command
 
     parser = argparse.ArgumentParser(
         prog=f"python -m megatron_rlhf {command}",
@@ -82,19 +83,14 @@ def command_main(command: str, config_cls, run, argv: list[str], summary) -> int
     parser.add_argument("--config", help="YAML/JSON config (see examples/)")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. optim.lr=1e-5")
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> int:
         config = load_config(config_cls, args.config, args.overrides)
         result = run(config)
-    except InputError as err:
-        print(f"{command}: error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        if torch.distributed.is_initialized():
-            from megatron_rlhf.distributed import destroy
+        print_summary(command, **summary(config, result))
+        return 0
 
-            destroy()
-    print_summary(command, **summary(config, result))
-    return 0
+    return run_command(command, body, distributed=True)
 
 
 def config_problems(train: TrainConfig, data) -> list[str]:
