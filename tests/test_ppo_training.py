@@ -81,8 +81,10 @@ def test_ppo_raises_a_known_reward(tp1_run, setup):
     assert first < 0.15 and last > 0.5, (first, last)
     for key in ("kl/mean", "actor/entropy", "actor/clip_fraction", "actor/approx_kl",
                 "critic/explained_variance", "response/length", "time/rollout_s",
-                "throughput/tokens_per_s"):  # fmt: skip
+                "time/step_s", "throughput/tokens_per_s"):  # fmt: skip
         assert key in tp1_run[12], key
+    # end to end: prompt and response tokens, so more than the response tokens alone
+    assert tp1_run[12]["throughput/tokens_per_s"] > tp1_run[12]["throughput/response_tokens_per_s"]
     samples = (setup["root"] / "tp1" / "samples.jsonl").read_text().splitlines()
     assert {json.loads(line)["step"] for line in samples} == {4, 8, 12}
     assert list((setup["root"] / "tp1" / "tensorboard").iterdir())

@@ -126,3 +126,14 @@ def rank_params(
 def max_rank_params(shape: ModelShape, tp: int, pp: int, head: str = "lm") -> int:
     """The most parameters any rank holds (the stage that decides the memory)."""
     return max(rank_params(shape, tp, pp, stage, head) for stage in range(pp))
+
+
+def shape_of(arch) -> ModelShape:
+    """The planner's shape of a ``BloomArchitecture`` (or anything with the same fields)."""
+    return ModelShape(
+        name=getattr(arch, "name", "model"),
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_heads=arch.num_heads,
+        vocab_size=arch.vocab_size,
+    )

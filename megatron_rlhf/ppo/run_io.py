@@ -137,9 +137,13 @@ class RunLogger:
             self.writer.add_scalar(key, value, step)
         with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
             handle.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.bar.set_postfix(
-            reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.3f}"
-        )
+        shown = {
+            "reward": f"{metrics['reward/mean']:.3f}",
+            "kl": f"{metrics.get('kl/mean', 0):.3f}",
+        }
+        if "throughput/mfu" in metrics:  # GPUs only
+            shown["mfu"] = f"{metrics['throughput/mfu']:.1%}"
+        self.bar.set_postfix(shown)
 
     def dump_samples(self, step: int, experience, tokenizer) -> None:
         if not self.enabled:

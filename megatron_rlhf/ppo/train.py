@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_rlhf.config import load_config, to_dict
 from megatron_rlhf.distributed import destroy
@@ -207,10 +206,25 @@ class PPOTrainer:
                 experience.values, experience.returns, mask
             )
         metrics |= {f"time/{stage}_s": seconds for stage, seconds in timings.items()}
-        tokens = float(mask.sum()) * parallel_state.get_data_parallel_world_size()
-        metrics["throughput/tokens_per_s"] = tokens / max(sum(timings.values()), 1e-9)
+        metrics |= self.throughput(experience, sum(timings.values()))
         metrics |= self.data.per_cluster_rewards(experience)
         return metrics
+
+    def throughput(self, experience, seconds: float) -> dict:
+        """Step time, end-to-end (prompt + response) tokens/s and, on GPUs, MFU."""
+        from megatron_rlhf.training.throughput import (
+            global_token_count,
+            ppo_step_flops,
+            step_throughput,
+        )
+
+        tokens = global_token_count(experience.attention_mask, dp_group_or_none())
+        responses = global_token_count(experience.response_mask, dp_group_or_none())
+        width, epochs = experience.sequences.shape[1], self.config.ppo.epochs
+        metrics = step_throughput(
+            seconds, tokens, ppo_step_flops(self.roles, tokens, width, epochs)
+        )
+        return metrics | {"throughput/response_tokens_per_s": responses / max(seconds, 1e-9)}
 
     def save(self, step: int) -> None:
         from megatron_rlhf.checkpoint.dist import model_metadata
