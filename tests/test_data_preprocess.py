@@ -314,7 +314,7 @@ def test_bad_input_stops_with_file_line_and_leaves_nothing(
     rc, prefix = run(
         tmp_path, lines, "sft", tokenizer_dir, "--workers", workers, "--chunk-size", "16"
     )
-    assert rc == 1
+    assert rc == 2
     error = capsys.readouterr().err
     assert f"{tmp_path / 'out.jsonl'}:602: " in error and reason in error
     assert "--skip-bad" in error
@@ -326,12 +326,14 @@ def test_failed_run_keeps_previous_output_and_rerun_replaces_it(tmp_path, tokeni
     rc, prefix = run(tmp_path, records, "preference", tokenizer_dir)
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     assert rc == 0 and "out_task.bin" in before
-    rc, _ = run(tmp_path, [GOOD], "preference", tokenizer_dir)  # GOOD lacks 'chosen'
-    assert rc == 1
+    rc, _ = run(tmp_path, records, "preference", tokenizer_dir)  # no --overwrite: refused
+    assert rc == 2
+    rc, _ = run(tmp_path, [GOOD], "preference", tokenizer_dir, "--overwrite")  # lacks 'chosen'
+    assert rc == 2
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
     for record in records:
         del record["task"]
-    rc, _ = run(tmp_path, records, "preference", tokenizer_dir)
+    rc, _ = run(tmp_path, records, "preference", tokenizer_dir, "--overwrite")
     after = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert rc == 0 and "out_task.bin" not in after and len(after) == 7
 
@@ -378,15 +380,17 @@ def test_skip_bad_counts_and_lists_every_skipped_line(
 
 
 def reference_fit(prompt: list[int], responses: list[list[int]], limit: int, keep: int):
-    """The truncate policy, stated directly: the prompt keeps min(len, keep) tokens for sure,
-    the longest response then gets all the room it can, the prompt takes what is left."""
+    """The truncate policy for preference pairs, stated directly: the prompt keeps
+    min(len, keep) tokens for sure, the longest response then gets all the room it can, the
+    prompt takes what is left; a cut response ends with its EOS (its last token)."""
     longest = max(map(len, responses))
     if len(prompt) + longest <= limit:
         return prompt, responses
     response_room = min(longest, limit - min(len(prompt), keep))
     prompt_kept = min(len(prompt), limit - response_room)
     kept = prompt[len(prompt) - prompt_kept :]
-    return kept, [r[: limit - prompt_kept] for r in responses]
+    room = limit - prompt_kept
+    return kept, [r if len(r) <= room else r[: room - 1] + r[-1:] for r in responses]
 
 
 @pytest.mark.parametrize("policy", ["truncate", "drop", "error"])
@@ -426,6 +430,40 @@ def test_truncation_policies_match_reference(tmp_path, tokenizer_dir, hf_tokeniz
     assert sidecar["lines"]["skipped_bad"] == (too_long if policy == "error" else 0)
 
 
+def test_preference_truncation_cuts_the_prompt_first_and_keeps_eos(
+    tmp_path, tokenizer_dir, hf_tokenizer, capsys
+):
+    tok, eos = hf_tokenizer, hf_tokenizer.eos_token_id
+    records = random_records("preference", 120, seed=21)
+    for record in records:
+        del record["task"]
+    limit = 60
+    rc, prefix = run(tmp_path, records, "preference", tokenizer_dir, "--max-length", str(limit))
+    assert rc == 0
+    expected = [
+        reference_fit(
+            ids(tok, r["prompt"]),
+            [ids(tok, r["chosen"]) + [eos], ids(tok, r["rejected"]) + [eos]],
+            limit,
+            keep=1,  # the default for preference data: the prompt gives way first
+        )
+        for r in records
+    ]
+    prompts, chosen = read_stream(prefix + "_prompt"), read_stream(prefix + "_chosen")
+    assert prompts == [p for p, _ in expected]
+    assert chosen == [rs[0] for _, rs in expected]
+    assert read_stream(prefix + "_rejected") == [rs[1] for _, rs in expected]
+    assert all(response[-1] == eos for response in chosen)
+    full_prompts = [ids(tok, r["prompt"]) for r in records]
+    removed = sum(len(a) - len(b) for a, b in zip(full_prompts, prompts))
+    truncation = json.loads(Path(prefix + ".json").read_text())["truncation"]
+    assert removed > 0 and truncation["prompt_tokens_removed"] == removed
+    assert truncation["max_prompt_length"] == 1
+    summary = capsys.readouterr().out
+    assert f"prompt_tokens_removed={removed}" in summary
+    assert f"responses_cut={truncation['responses_cut']}" in summary
+
+
 def test_prompt_truncation_keeps_the_end(tmp_path, tokenizer_dir, hf_tokenizer):
     records = random_records("prompt", 60, seed=12)
     rc, prefix = run(tmp_path, records, "prompt", tokenizer_dir, "--max-length", "9")
@@ -460,7 +498,7 @@ def test_preference_logprobs_round_trip_and_validation(tmp_path, tokenizer_dir, 
             broken[17]["rejected_logprobs"] = values
         rc, _ = run(tmp_path, broken, "preference", tokenizer_dir, name="broken")
         error = capsys.readouterr().err
-        assert rc == 1 and ":18: " in error and needle in error, error
+        assert rc == 2 and ":18: " in error and needle in error, error
 
 
 def test_parquet_and_datasets_directories_match_jsonl(tmp_path, tokenizer_dir):
@@ -515,7 +553,7 @@ def test_parquet_and_datasets_directories_match_jsonl(tmp_path, tokenizer_dir):
         str(tmp_path / "x"),
         "--no-progress",
     ]
-    assert preprocess_main(argv) == 1  # two splits and no --split
+    assert preprocess_main(argv) == 2  # two splits and no --split
 
 
 def test_command_line(tmp_path, tokenizer_dir):
@@ -556,7 +594,7 @@ def test_prompt_special_tokens_for_a_tokenizer_that_adds_bos(tmp_path, tokenizer
     tok = AutoTokenizer.from_pretrained(str(bos_dir))
     records = random_records("sft", 20, seed=13)
     for flag, prompt_specials in (([], False), (["--prompt-special-tokens"], True)):
-        rc, prefix = run(tmp_path, records, "sft", bos_dir, *flag)
+        rc, prefix = run(tmp_path, records, "sft", bos_dir, *flag, "--overwrite")
         assert rc == 0
         expected = [
             tok(r["prompt"], add_special_tokens=prompt_specials)["input_ids"]

@@ -7,5 +7,5 @@ python tools/convert_checkpoint.py megatron-to-hf --load DIR --save HF_DIR
 
 from megatron_rlhf.checkpoint.convert import main
 
-if __name__ == "__main__":  # the guard matters: dist_checkpointing spawns a helper process
+if __name__ == "__main__":
     raise SystemExit(main())

@@ -28,7 +28,9 @@ def main(root: Path) -> None:
     lines = (json.dumps(r) for r in synthetic_records("preference", 4000, seed=0))
     source.write_text("\n".join(lines) + "\n")
     argv = ["--input", str(source), "--kind", "preference", "--tokenizer", str(tokenizer)]
-    preprocess([*argv, "--output-prefix", str(root / "prefs"), "--max-length", "256"])
+    preprocess(
+        [*argv, "--output-prefix", str(root / "prefs"), "--max-length", "256", "--overwrite"]
+    )
 
 
 if __name__ == "__main__":

@@ -21,12 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
-from megatron_rlhf.checkpoint.hf_io import INDEX_FILE
-from megatron_rlhf.checkpoint.hf_names import full_hf_name, mapping_for
-from megatron_rlhf.utils import InputError, print_summary
+from megatron_rlhf.utils import InputError, check_writable_parent, print_summary, run_command
 
 
 def hf_to_megatron(args) -> int:
@@ -40,8 +35,7 @@ def hf_to_megatron(args) -> int:
     parallel = ParallelConfig(tp=args.tp, pp=args.pp)
     validate(parallel, args.tp * args.pp, arch.num_heads, arch.num_layers)
     _check_tokenizer_vocab(args.load, arch.vocab_size)
-    if Path(args.save).exists():
-        raise InputError(f"{args.save}: already exists; choose another --save directory")
+    _check_save(args)
     if "WORLD_SIZE" not in os.environ and args.tp * args.pp > 1:
         return _relaunch_under_torchrun(args.tp * args.pp)
     if int(os.environ.get("WORLD_SIZE", "1")) != args.tp * args.pp:
@@ -61,7 +55,10 @@ def hf_to_megatron(args) -> int:
         source=str(Path(args.load).resolve()),
         hf_dtype=str(hf_dtype).removeprefix("torch."),
     )
-    dist_ckpt.save(args.save, model.sharded_state_dict(), meta, tokenizer_dir=args.load)
+    dist_ckpt.save(
+        args.save, model.sharded_state_dict(), meta, tokenizer_dir=args.load,
+        overwrite=args.overwrite,
+    )  # fmt: skip
     destroy()
     print_summary(
         "hf-to-megatron",
@@ -88,6 +85,18 @@ def _check_tokenizer_vocab(directory, vocab_size: int) -> None:
         )
 
 
+def _check_save(args) -> None:
+    """Refuse an existing ``--save`` (unless ``--overwrite``) or one inside a file."""
+    save = Path(args.save)
+    if save.exists() and not args.overwrite:
+        raise InputError(
+            f"--save {save}: already exists; choose another directory or pass --overwrite"
+        )
+    if save.exists() and not save.is_dir():
+        raise InputError(f"--save {save}: is a file; give a directory")
+    check_writable_parent(save, "--save")
+
+
 def _relaunch_under_torchrun(nproc: int) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     cmd += ["--master-port", str(_free_port()), *sys.argv]
@@ -103,18 +112,20 @@ def _free_port() -> int:
 
 
 def megatron_to_hf(args) -> int:
+    import torch
     import torch.distributed as dist
+    from safetensors.torch import save_file
 
     from megatron_rlhf.checkpoint import dist as dist_ckpt
-    from megatron_rlhf.checkpoint.hf_io import stage_layer_offset
+    from megatron_rlhf.checkpoint.hf_io import INDEX_FILE, stage_layer_offset
+    from megatron_rlhf.checkpoint.hf_names import full_hf_name, mapping_for
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, validate
     from megatron_rlhf.models.bloom import BloomModel
 
     meta = dist_ckpt.read_metadata(args.load)
     arch, head = dist_ckpt.architecture_of(args.load), meta["head"]
     validate(ParallelConfig(pp=args.pp), args.pp, arch.num_heads, arch.num_layers)
-    if Path(args.save).exists():
-        raise InputError(f"{args.save}: already exists; choose another --save directory")
+    _check_save(args)
     if "WORLD_SIZE" not in os.environ and args.pp > 1:
         return _relaunch_under_torchrun(args.pp)
     if int(os.environ.get("WORLD_SIZE", "1")) != args.pp:  # each rank writes one stage's shard
@@ -164,6 +175,8 @@ def megatron_to_hf(args) -> int:
             hf_config["num_labels"] = meta["num_scalar_outputs"]
         (partial / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         dist_ckpt.copy_tokenizer_files(args.load, partial)
+        if final.exists():  # --overwrite: the old export goes only once the new one is complete
+            shutil.rmtree(final)
         partial.rename(final)
     dist.barrier()
     destroy()
@@ -192,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument(
         "--num-scalar-outputs", type=int, default=1, help="scalar head width (AM: 2)"
     )
+    to_mcore.add_argument("--overwrite", action="store_true", help="replace an existing --save")
     to_hf = sub.add_parser("megatron-to-hf", help="Megatron dist checkpoint -> HF safetensors")
     to_hf.add_argument("--load", required=True, help="megatron-rlhf checkpoint directory")
     to_hf.add_argument("--save", required=True, help="output Hugging Face directory (new)")
@@ -201,15 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="processes to split the layers over (each holds and writes 1/pp of the model)",
     )
+    to_hf.add_argument("--overwrite", action="store_true", help="replace an existing --save")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        if args.direction == "hf-to-megatron":
-            return hf_to_megatron(args)
-        return megatron_to_hf(args)
-    except InputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    convert = hf_to_megatron if args.direction == "hf-to-megatron" else megatron_to_hf
+    return run_command(args.direction, lambda: convert(args), distributed=True)

@@ -9,6 +9,7 @@ never leaves a directory that looks complete.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import pickle
 import shutil
 from pathlib import Path
@@ -80,6 +81,7 @@ def save(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
+    _results_queue_without_spawn()
     dist_checkpointing.save(sharded_state_dict, str(partial))
     if rank_state is not None:
         (partial / "rank_state").mkdir(exist_ok=True)
@@ -94,6 +96,18 @@ def save(
         partial.rename(final)
     _barrier()
     return final
+
+
+def _results_queue_without_spawn() -> None:
+    """Megatron's checkpoint writer takes its results queue from a *spawn* ``Manager``, whose
+    server process re-imports the caller's ``__main__``: a script that calls a command's
+    ``main()`` without an ``if __name__ == "__main__":`` guard would run itself again at the first
+    save. A *fork* ``Manager`` serves the same queue and re-imports nothing (the writer processes
+    are forked too)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
 def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False) -> dict:

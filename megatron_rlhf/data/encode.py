@@ -12,9 +12,12 @@ Truncation (``--max-length L``, counted in the sidecar and the summary), by poli
 
 - ``truncate``: prompt data keeps the last L tokens of the prompt. SFT and preference data apply
   :func:`megatron_rlhf.data.records.fit_to_length` (the prompt keeps its last tokens, at least
-  ``--max-prompt-length`` of them, default L // 2; responses keep their first tokens; a cut
-  response loses its EOS, so the model is never taught to stop mid-sentence). Behaviour
-  log-probs, if any, still describe the whole response; such cuts are counted separately.
+  ``--max-prompt-length`` of them; responses keep their first tokens). SFT: the floor defaults
+  to L // 2 and a cut response loses its EOS, so the model is never taught to stop
+  mid-sentence. Preference: the prompt is cut first (floor 1 token by default) and a response
+  that still does not fit keeps its EOS as its last token, since the reward is read there.
+  Behaviour log-probs, if any, still describe the whole response; such cuts are counted
+  separately.
 - ``drop``: an over-long example is not written (counted as dropped, listed in the sidecar).
 - ``error``: an over-long example is bad input (stops the run, or is skipped with --skip-bad).
 """
@@ -77,8 +80,7 @@ class Encoder:
         self.tokenizer = load_tokenizer(config.tokenizer_dir)
         self.eos_id = self.tokenizer.eos_token_id
         if config.max_length is not None:
-            default = config.max_length // 2 if config.kind != "prompt" else config.max_length
-            self.max_prompt_length = config.max_prompt_length or default
+            self.max_prompt_length = prompt_floor(config)
 
     def encode_chunk(self, items: list[tuple[int, int, bytes | dict]]) -> list[tuple]:
         """``(source, line, payload)`` items -> ``(source, line, status, value, Truncation)``.
@@ -147,13 +149,27 @@ class Encoder:
         lengths = [len(ids) for ids in response_ids]
         prompt_kept, kept = fit_to_length(len(prompt_ids), lengths, limit, self.max_prompt_length)
         example.prompt_ids = prompt_ids[len(prompt_ids) - prompt_kept :]
-        example.response_ids = tuple(ids[:n] for ids, n in zip(response_ids, kept))
+        keep_eos = self.config.kind == "preference" and self.config.append_eos
+        example.response_ids = tuple(
+            ids[: n - 1] + ids[-1:] if keep_eos and n < len(ids) else ids[:n]
+            for ids, n in zip(response_ids, kept)
+        )
         truncation = Truncation(
             prompt_tokens=len(prompt_ids) - prompt_kept,
             response_tokens=sum(lengths) - sum(kept),
             responses_cut=sum(n < length for n, length in zip(kept, lengths)),
         )
         return OK, example, truncation
+
+
+def prompt_floor(config: EncodeConfig) -> int | None:
+    """Prompt tokens a truncated example always keeps (``--max-prompt-length``, else: all of L for
+    prompt data, 1 for preference data, L // 2 for SFT); None without ``--max-length``."""
+    if config.max_length is None:
+        return None
+    if config.max_prompt_length is not None:
+        return config.max_prompt_length
+    return {"prompt": config.max_length, "preference": 1}.get(config.kind, config.max_length // 2)
 
 
 _WORKER_ENCODER: Encoder | None = None

@@ -31,11 +31,12 @@ from megatron_rlhf.data.encode import (
     Encoder,
     encode_in_worker,
     init_worker,
+    prompt_floor,
 )
 from megatron_rlhf.data.indexed import ExampleWriter
 from megatron_rlhf.data.records import KINDS, BadRecord, parse_json_keys
 from megatron_rlhf.data.sources import Source, count_items, expand_inputs, iter_items
-from megatron_rlhf.utils import InputError, print_summary
+from megatron_rlhf.utils import InputError, check_output_prefix, print_summary, run_command
 
 MAX_LISTED_SKIPS = 1000
 
@@ -129,6 +130,8 @@ def preprocess(config: PreprocessConfig) -> dict:
         or "-",
         blank=counts.blank,
         truncated=counts.truncated_examples,
+        prompt_tokens_removed=counts.prompt_tokens_removed,
+        responses_cut=counts.responses_cut,
         dropped=counts.dropped,
         seconds=round(seconds, 2),
         docs_per_s=round(writer.num_documents / max(seconds, 1e-9)),
@@ -229,11 +232,7 @@ def _sidecar_fields(config: PreprocessConfig, sources: list[Source], counts: Cou
         "truncation": {
             "policy": encode.truncation,
             "max_length": encode.max_length,
-            "max_prompt_length": (
-                (encode.max_prompt_length or encode.max_length // 2)
-                if encode.max_length and encode.kind != "prompt"
-                else None
-            ),
+            "max_prompt_length": prompt_floor(encode) if encode.kind != "prompt" else None,
             "examples_truncated": counts.truncated_examples,
             "prompt_tokens_removed": counts.prompt_tokens_removed,
             "response_tokens_removed": counts.response_tokens_removed,
@@ -270,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer dir")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing dataset at the prefix"
+    )
+    parser.add_argument(
         "--json-keys",
         nargs="+",
         metavar="ROLE=FIELD",
@@ -291,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prompt-length",
         type=int,
         default=None,
-        help="prompt tokens kept when truncating (default max-length // 2)",
+        help="prompt tokens always kept when truncating (default: max-length // 2 for sft, 1 for"
+        " preference: its prompt is cut first and its responses keep their EOS)",
     )
     parser.add_argument(
         "--truncation",
@@ -343,11 +346,10 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        preprocess(config_from_args(args))
-    except InputError as err:
-        import sys
+    return run_command("preprocess_data", lambda: _run(args))
 
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+
+def _run(args: argparse.Namespace) -> int:
+    check_output_prefix(args.output_prefix, [".json"], args.overwrite, "--output-prefix")
+    preprocess(config_from_args(args))
     return 0

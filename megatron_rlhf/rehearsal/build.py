@@ -40,7 +40,7 @@ from megatron_rlhf.rehearsal.records import ScoredRecords, load_scored_records
 from megatron_rlhf.rehearsal.report import cluster_table, pca_2d, plot_report
 from megatron_rlhf.rehearsal.selection import eligible_mask, select_top_k
 from megatron_rlhf.rehearsal.staging import StagedOutputs, staged_outputs
-from megatron_rlhf.utils import InputError, print_summary
+from megatron_rlhf.utils import InputError, check_output_prefix, print_summary, run_command
 
 COMMAND = "build_rehearsal_clusters"
 
@@ -83,6 +83,13 @@ class RehearsalConfig:
     """Record field holding the response's mean token entropy."""
     dedupe: bool = False
     """Keep the highest-scored record of duplicate prompts instead of failing."""
+    overwrite: bool = False
+    """Replace the outputs of an earlier run at ``output_prefix`` (else an existing one stops
+    the run before any work)."""
+
+
+# Files at every output prefix (OUT, or OUT_cN in a sweep) whose presence marks an earlier run.
+PREFIX_OUTPUTS = (".json", ".selected.jsonl", ".clusters.jsonl", ".report.json", ".report.png")
 
 
 def _parse_counts(text: str) -> list[int]:
@@ -136,6 +143,7 @@ def parse_args(argv: list[str]) -> RehearsalConfig:
     )
     parser.add_argument("--entropy-field", default="entropy", help="record field for entropy")
     parser.add_argument("--dedupe", action="store_true", help="keep best of duplicate prompts")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier run's outputs")
     args = parser.parse_args(argv)
     for flag, value in (
         ("--top-k", args.top_k),
@@ -167,6 +175,7 @@ def parse_args(argv: list[str]) -> RehearsalConfig:
         rank_by=args.rank_by,
         entropy_field=args.entropy_field,
         dedupe=args.dedupe,
+        overwrite=args.overwrite,
     )
 
 
@@ -359,6 +368,7 @@ def sweep_markdown(summaries: list[dict], top_k: int) -> str:
 
 def run(config: RehearsalConfig) -> list[dict]:
     """Validate, embed once, then cluster/select/write every count; return their summaries."""
+    check_outputs(config)
     check_model_dir(config.embedding_model)
     embed_device = resolve_device(config.device)
     needs_entropy = config.rank_by == "entropy" or config.max_entropy is not None
@@ -436,13 +446,24 @@ def run(config: RehearsalConfig) -> list[dict]:
     return summaries
 
 
+def check_outputs(config: RehearsalConfig) -> None:
+    """Refuse an earlier run's outputs (unless ``overwrite``) before any work."""
+    prefix = Path(config.output_prefix)
+    if len(config.clusters) == 1:
+        check_output_prefix(prefix, PREFIX_OUTPUTS, config.overwrite, "--output-prefix")
+        return
+    check_output_prefix(prefix, (".sweep.md", ".sweep.json"), config.overwrite, "--output-prefix")
+    for clusters in config.clusters:
+        swept = prefix.with_name(f"{prefix.name}_c{clusters}")
+        check_output_prefix(swept, PREFIX_OUTPUTS, config.overwrite, "--output-prefix")
+
+
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        summaries = run(config)
-    except InputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    summaries = []
+    rc = run_command(COMMAND, lambda: summaries.extend(run(config)) or 0)
+    if rc:
+        return rc
     last = summaries[-1]
     print_summary(
         COMMAND,

