@@ -13,4 +13,11 @@ Folders follow the pipeline (see README.md):
   kernels        (top-level kernels/) fused log-probs over vocab shards, KL and GAE
 """
 
+import warnings
+
 __version__ = "0.1.0"
+
+# Megatron-Core warns at import, on every machine without Transformer Engine or Apex, that it
+# falls back to its local PyTorch implementations: the intended path on CPU. Said once instead,
+# by ``python -m megatron_rlhf --version`` and in the README.
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")

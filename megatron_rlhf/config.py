@@ -5,13 +5,21 @@ overrides any leaf from the command line (values parsed as YAML scalars: ``lr=1e
 ``rehearsal.enabled=false``). An unknown key, a wrong type or a missing required value raises
 :class:`~megatron_rlhf.utils.InputError` naming the file and the dotted key, with the closest
 valid key. ``to_dict`` gives the resolved config that is saved beside every checkpoint.
+
+``config_parser`` gives a command ``--config``, the overrides and ``--print-config``,
+which lists every key with its default and the first line of the docstring under its field
+(``describe_config``; any ``@dataclass`` config tree gets it).
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
 import difflib
+import inspect
 import json
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -46,6 +54,81 @@ def load_config(cls, path: str | Path | None, overrides: list[str] = ()):
 
 def to_dict(config) -> dict:
     return dataclasses.asdict(config)
+
+
+def config_parser(prog: str, description: str, examples: str) -> argparse.ArgumentParser:
+    """The parser of a command configured by a dataclass tree: ``--config FILE``, ``key=value``
+    overrides and ``--print-config`` (``examples``: where example configs live)."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", help=f"YAML/JSON config (see {examples})")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-5")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print every config key with its default and what it means, then exit",
+    )
+    return parser
+
+
+def describe_config(cls) -> str:
+    """One line per leaf key of the dataclass tree ``cls``: ``key = default  # type: doc``
+    (``REQUIRED`` where there is no default). Defaults of a section built by a factory (e.g.
+    ``actor_optim``) are that factory's."""
+    lines: list[str] = []
+    _describe(cls, None, "", lines)
+    return "\n".join(lines)
+
+
+def _describe(cls, instance, prefix: str, lines: list[str]) -> None:
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    for field in dataclasses.fields(cls):
+        hint, key = hints[field.name], prefix + field.name
+        if instance is not None:
+            default = getattr(instance, field.name)
+        elif field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            default = dataclasses.MISSING
+        if dataclasses.is_dataclass(hint):
+            section = None if default is dataclasses.MISSING else default
+            _describe(hint, section, key + ".", lines)
+            continue
+        shown = "REQUIRED" if default is dataclasses.MISSING else json.dumps(default)
+        doc = docs.get(field.name, "")
+        lines.append(f"{key} = {shown}  # {_type_name(hint)}: {doc}".rstrip(": "))
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field: its docstring on one line} from the string literal under each field of ``cls``
+    (and its dataclass bases)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for node, after in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return " | ".join(map(str, typing.get_args(hint)))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(hint))
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
 def _set_dotted(tree: dict, dotted: str, value) -> None:

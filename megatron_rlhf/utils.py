@@ -13,6 +13,19 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 
+def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], object]:
+    """A package's module ``__getattr__`` (PEP 562) importing ``{name: submodule}`` on first
+    use, so importing the package (e.g. for a command's ``--help``) does not load torch."""
+    import importlib
+
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+
+    return __getattr__
+
+
 class InputError(ValueError):
     """Bad user input: the message names the file/line or config key and says how to fix it."""
 

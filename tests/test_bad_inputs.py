@@ -273,6 +273,21 @@ CASES = [
     Case("convert-not-a-checkpoint", "convert_checkpoint",
          lambda fx, t: ["megatron-to-hf", "--load", fx["hf"], "--save", str(t / "o")],
          ["not a megatron-rlhf checkpoint", "hf-to-megatron"]),
+    # ------------------------------------------------------------------ train-reward / train-ppo
+    Case("train-reward-negative-lr", "train-reward", lambda fx, t: _reward(fx, t, "optim.lr=-1e-5"),
+         ["optim.lr=-1e-05", "> 0"]),
+    Case("train-reward-unknown-key", "train-reward", lambda fx, t: _reward(fx, t, "optim.lrr=1"),
+         ["optim.lrr", "did you mean optim.lr"]),
+    Case("train-reward-missing-config", "train-reward",
+         lambda fx, t: ["--config", str(t / "none.yaml")], ["none.yaml", "does not exist"]),
+    Case("train-reward-bad-yaml", "train-reward", lambda fx, t: ["--config", str(t / "c.yaml")],
+         ["c.yaml", "cannot parse"], _write("c.yaml", "model: [unclosed\n")),
+    Case("train-ppo-negative-lr", "train-ppo", lambda fx, t: _ppo(fx, t, "actor_optim.lr=-1"),
+         ["actor_optim.lr=-1", "> 0"]),
+    Case("train-ppo-nan-clip", "train-ppo", lambda fx, t: _ppo(fx, t, "critic_optim.clip_grad=.nan"),
+         ["critic_optim.clip_grad=nan"]),
+    Case("train-ppo-lm-as-reward", "train-ppo", lambda fx, t: _ppo(fx, t, f"models.reward={fx['hf']}"),
+         ["models.reward", "BloomForCausalLM, not a reward model"]),
     # ------------------------------------------------------------------ build_rehearsal_clusters
     Case("rehearsal-bloom-as-embedder", "build_rehearsal_clusters",
          lambda fx, t: _rehearsal(fx, t, embedder=fx["hf"]), ["--embedding-model", "bloom",
@@ -288,6 +303,16 @@ CASES = [
     Case("rehearsal-too-many-clusters", "build_rehearsal_clusters",
          lambda fx, t: _rehearsal(fx, t, clusters="50"), ["scored.jsonl", "50 clusters"]),
 ]  # fmt: skip
+
+
+def _reward(fx, tmp, *extra):
+    return [f"model.load={fx['hf']}", f"data.train={fx['indexed']}",
+            f"train.output_dir={tmp / 'run'}", *extra]  # fmt: skip
+
+
+def _ppo(fx, tmp, *extra):
+    return [f"models.actor={fx['lm']}", f"models.critic={fx['am']}", f"models.reward={fx['am']}",
+            f"data.prompts={fx['indexed']}", f"train.output_dir={tmp / 'run'}", *extra]  # fmt: skip
 
 
 def _pre(fx, tmp, source=None, *extra):

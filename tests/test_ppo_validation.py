@@ -47,7 +47,7 @@ def test_layout_that_does_not_divide(setup, capsys):
 
 def test_untrained_reward_model(setup, capsys):
     err = _fails(setup, capsys, f"models.reward={setup['root'] / 'actor'}", "models.reward_fn=null")
-    assert "not a trained reward/advantage model" in err
+    assert "not a reward model (BloomForSequenceClassification)" in err
 
 
 def test_unknown_config_key(setup, capsys):

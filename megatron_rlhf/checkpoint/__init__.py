@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from megatron_rlhf.utils import InputError
 
 
@@ -35,7 +33,7 @@ def load_bloom(
     *,
     head: str = "lm",
     num_scalar_outputs: int = 1,
-    params_dtype: torch.dtype = torch.float32,
+    params_dtype=None,
     trunk_only: bool = False,
     **model_kwargs,
 ):
@@ -44,7 +42,10 @@ def load_bloom(
     Megatron-Core's parallel state must be initialised. A Megatron checkpoint's head type must
     match ``head``, unless ``trunk_only``: then only the trunk is loaded (a critic initialised
     from an SFT policy or from a 2-output Advantage Model keeps its fresh scalar head).
+    ``params_dtype`` defaults to float32.
     """
+    import torch
+
     from megatron_rlhf.checkpoint import dist as dist_ckpt
     from megatron_rlhf.checkpoint.hf_io import HFReader, load_hf_into_model
     from megatron_rlhf.models.bloom import BloomModel
@@ -54,7 +55,7 @@ def load_bloom(
         arch,
         head=head,
         num_scalar_outputs=num_scalar_outputs,
-        params_dtype=params_dtype,
+        params_dtype=torch.float32 if params_dtype is None else params_dtype,
         **model_kwargs,
     )
     if is_hf_checkpoint(directory):

@@ -9,43 +9,34 @@
 - ``collate_prompts`` (left padding) / ``collate_sft`` / ``collate_preference``.
 - ``train_tiny_tokenizer`` / ``load_tokenizer`` and the built-in corpus of :mod:`.synthetic`.
 
-Importing this package is cheap; megatron-core is imported when a dataset is opened or written.
+Importing this package is cheap: each name is imported from its submodule on first use.
 """
 
-from megatron_rlhf.data.collate import collate_preference, collate_prompts, collate_sft
-from megatron_rlhf.data.datasets import PreferenceDataset, PromptDataset, SFTDataset
-from megatron_rlhf.data.indexed import (
-    read_sidecar,
-    token_dtype,
-    write_preference_dataset,
-    write_prompt_dataset,
-    write_sft_dataset,
-)
-from megatron_rlhf.data.records import Example, split_hh_pair
-from megatron_rlhf.data.sampler import ShardedSampler, build_loader, default_collator
-from megatron_rlhf.data.synthetic import english_sentences, synthetic_records
-from megatron_rlhf.data.tokenizer import load_tokenizer, tokenizer_info, train_tiny_tokenizer
+from megatron_rlhf.utils import lazy_exports
 
-__all__ = [
-    "Example",
-    "PreferenceDataset",
-    "PromptDataset",
-    "SFTDataset",
-    "ShardedSampler",
-    "build_loader",
-    "collate_preference",
-    "collate_prompts",
-    "collate_sft",
-    "default_collator",
-    "english_sentences",
-    "load_tokenizer",
-    "read_sidecar",
-    "split_hh_pair",
-    "synthetic_records",
-    "token_dtype",
-    "tokenizer_info",
-    "train_tiny_tokenizer",
-    "write_preference_dataset",
-    "write_prompt_dataset",
-    "write_sft_dataset",
-]
+# name -> submodule; imported on first use (torch and megatron-core load only then).
+_EXPORTS = {
+    "collate_preference": "collate",
+    "collate_prompts": "collate",
+    "collate_sft": "collate",
+    "PreferenceDataset": "datasets",
+    "PromptDataset": "datasets",
+    "SFTDataset": "datasets",
+    "read_sidecar": "indexed",
+    "token_dtype": "indexed",
+    "write_preference_dataset": "indexed",
+    "write_prompt_dataset": "indexed",
+    "write_sft_dataset": "indexed",
+    "Example": "records",
+    "split_hh_pair": "records",
+    "ShardedSampler": "sampler",
+    "build_loader": "sampler",
+    "default_collator": "sampler",
+    "english_sentences": "synthetic",
+    "synthetic_records": "synthetic",
+    "load_tokenizer": "tokenizer",
+    "tokenizer_info": "tokenizer",
+    "train_tiny_tokenizer": "tokenizer",
+}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -1,5 +1,8 @@
 """The rollout engine: batched, left-padded, KV-cached generation at any TP/PP."""
 
-from megatron_rlhf.generation.engine import GenerationOutput, SamplingConfig, generate
+from megatron_rlhf.utils import lazy_exports
 
-__all__ = ["GenerationOutput", "SamplingConfig", "generate"]
+# Imported on first use, so the ``generate`` command parses its flags before torch loads.
+_EXPORTS = {"GenerationOutput": "engine", "SamplingConfig": "engine", "generate": "engine"}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

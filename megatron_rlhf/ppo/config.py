@@ -33,6 +33,8 @@ class ModelsConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
+    """The PPO prompts."""
+
     prompts: str
     """Indexed prompt dataset prefix (tools/preprocess_data.py --kind prompt)."""
     max_prompt_length: int = 256
@@ -44,40 +46,64 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class RolloutConfig:
+    """How the actor samples its responses each step."""
+
     prompts_per_step: int = 8
     """Prompts rolled out per PPO step over the whole world: the global batch (paper: 256),
     split evenly over the data-parallel ranks of the rollout and of every role."""
     max_new_tokens: int = 64
+    """Most response tokens per prompt (EOS included)."""
     temperature: float = 1.0
+    """Sampling temperature (> 0); log-probs of the update use the same one."""
     top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 samples from the whole vocabulary."""
 
 
 @dataclass(kw_only=True)
 class KLConfig:
+    """The KL penalty -beta * KL(pi || pi_ref) of the shaped reward (Eq. 2)."""
+
     coef: float = 0.05
     """beta of Eq. 2 (initial value when adaptive)."""
     estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
+    """Per-token KL estimate: k1 = log-ratio, k2 = half squared log-ratio, k3 = Schulman's
+    unbiased low-variance estimator, abs = |log-ratio|."""
     adaptive: bool = False
+    """Adapt beta towards ``target`` (Ziegler et al. 2019's proportional controller)."""
     target: float = 6.0
+    """Per-sequence KL the adaptive controller aims at."""
     horizon: int = 10000
+    """Sequences over which the adaptive controller moves beta (its time constant)."""
 
 
 @dataclass(kw_only=True)
 class PPOConfig:
+    """The policy/value update (and its rejection-sampling alternative)."""
+
     algorithm: Literal["ppo", "rejection_sampling"] = "ppo"
+    """ppo: clipped PPO with a critic; rejection_sampling: fine-tune on the best of several
+    responses per prompt (Eqs. 3-4)."""
     epochs: int = 1
     """PPO epochs over each rollout batch."""
     num_minibatches: int = 1
     """Optimizer steps per epoch (each over 1/num_minibatches of the rollout batch)."""
     micro_batch_size: int = 4
+    """Sequences per forward/backward pass of every role (per data-parallel rank)."""
     clip_ratio: float = 0.2
+    """epsilon of the clipped policy objective: ratios outside [1 - eps, 1 + eps] get no
+    gradient."""
     value_clip: float = 0.2
+    """Critic updates clip the new value to within this of the old value."""
     gamma: float = 1.0
+    """Discount of the per-token rewards in GAE."""
     lam: float = 0.95
+    """lambda of GAE (bias/variance trade-off of the advantage)."""
     whiten_advantages: bool = True
+    """Normalise advantages to mean 0, std 1 over the whole data-parallel batch."""
     reward_normalization: Literal["none", "moving_average"] = "none"
     """moving_average: the RM-PPO w/ MA baseline."""
     reward_ma_momentum: float = 0.9
+    """Momentum of the running reward mean/std of ``moving_average``."""
     kl: KLConfig = field(default_factory=KLConfig)
     rejection_samples_per_prompt: int = 4
     """Rejection sampling (Eqs. 3-4): responses drawn per prompt."""
@@ -87,24 +113,34 @@ class PPOConfig:
 
 @dataclass(kw_only=True)
 class RehearsalSection:
+    """Selective Rehearsal (paper §3.2)."""
+
     enabled: bool = False
     """Selective Rehearsal: add gamma * NLL(D_R batch) to the actor loss (Eq. 9)."""
     dataset: str | None = None
     """Indexed SFT dataset D_R (tools/build_rehearsal_clusters.py output prefix)."""
     gamma: float = 0.01
+    """gamma of Eq. 9: weight of the rehearsal NLL in the actor loss."""
     micro_batch_size: int = 2
     """Rehearsal rows added to each actor microbatch."""
     max_length: int = 512
+    """Longest rehearsal sequence (prompt + response) in tokens; longer ones are cut."""
 
 
 @dataclass(kw_only=True)
 class TrainSection:
+    """Steps, seeds, checkpoints and logs of the run."""
+
     steps: int = 100
     """PPO steps (the paper: 100 actor steps)."""
     seed: int = 1234
+    """Seeds sampling, minibatch order and the model-parallel RNG."""
     output_dir: str = "runs/ppo"
+    """Checkpoints (step_N), metrics.jsonl, samples.jsonl and TensorBoard logs go here."""
     save_interval: int = 50
+    """Checkpoint every this many steps and at the end."""
     log_interval: int = 1
+    """Print and write TensorBoard scalars every this many steps."""
     sample_interval: int = 10
     """Dump (prompt, response, score) samples to samples.jsonl every N steps."""
     resume: bool = True
@@ -115,6 +151,8 @@ class TrainSection:
 
 @dataclass(kw_only=True)
 class TrainPPOConfig:
+    """``train-ppo``: every section of one run (``--print-config`` lists each key)."""
+
     models: ModelsConfig
     parallel: ParallelSection = field(default_factory=ParallelSection)
     data: DataConfig

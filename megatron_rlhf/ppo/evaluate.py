@@ -31,8 +31,7 @@ import math
 import time
 from dataclasses import replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from megatron_rlhf.generation.cli import (
     add_generation_arguments,
@@ -48,6 +47,9 @@ from megatron_rlhf.utils import (
     run_command,
     write_json,
 )
+
+if TYPE_CHECKING:  # torch loads when a function needs it, so --help stays fast
+    import torch
 
 SET_NAMES = ("main", "forget")
 VERDICT_NAMES = {1: "win", 0: "tie", -1: "lose"}
@@ -97,6 +99,8 @@ def verdicts(
 ) -> torch.Tensor:
     """+1 win, 0 tie, -1 lose per prompt from ``d = s_policy - s_sft`` (in float64): win if
     ``d > tie_margin``, lose if ``d < -tie_margin``, and a tie for identical responses. (B,)"""
+    import torch
+
     diff = policy_scores.double() - sft_scores.double()
     verdict = (diff > tie_margin).long() - (diff < -tie_margin).long()
     return torch.where(identical, 0, verdict)
@@ -258,6 +262,7 @@ def load_policy(directory: str, params_dtype: torch.dtype):
 
 def rank_batches(records: list, batch_size: int, pad_id: int) -> list[dict]:
     """This data-parallel rank's share of the prompts (every dp_size-th), left-padded."""
+    import torch
     from megatron.core import parallel_state
 
     from megatron_rlhf.generation.cli import left_pad
@@ -303,6 +308,7 @@ def score_sets(experiences: dict, judge, judge_kind: str, reward_fn, batch_size:
 
 
 def run(args, plan: dict) -> int:
+    import torch
     import torch.distributed as dist
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
@@ -359,6 +365,8 @@ def run(args, plan: dict) -> int:
 
 def sample_records(prompt_sets: dict, policy_out: dict, sft_out: dict, tokenizer, margin) -> list:
     """One JSON-ready record per prompt of this rank: both responses, scores and the verdict."""
+    import torch
+
     records = []
     for name, policy_batches in policy_out.items():
         for policy_exp, sft_exp in zip(policy_batches, sft_out[name]):
@@ -400,6 +408,8 @@ def _check_finite(samples: list[dict]) -> None:
 
 
 def summarize_samples(samples: list[dict]) -> dict:
+    import torch
+
     verdict = torch.tensor(
         [{v: k for k, v in VERDICT_NAMES.items()}[s["verdict"]] for s in samples]
     )

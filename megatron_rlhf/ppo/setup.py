@@ -29,7 +29,13 @@ def role_paths(config: TrainPPOConfig) -> dict[str, str]:
 
 def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
     """Every check that needs no model memory; returns the architectures by role."""
+    from megatron_rlhf.training.engine import optim_problems
+
     models = config.models
+    problems = optim_problems(config.actor_optim, "actor_optim")
+    problems += optim_problems(config.critic_optim, "critic_optim")
+    if problems:
+        raise InputError("; ".join(problems))
     if (models.reward is None) == (models.reward_fn is None):
         raise InputError(
             "set exactly one of models.reward (a reward/advantage model) and models.reward_fn"
@@ -48,11 +54,10 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
     if models.reward is not None:
         expected = 2 if models.reward_kind == "am" else 1
         if is_hf_checkpoint(models.reward):
-            raise InputError(
-                f"models.reward: {models.reward} is a Hugging Face LM, not a trained "
-                "reward/advantage model; train one with `train-reward` first"
-            )
-        meta = read_metadata(models.reward)
+            check_hf_reward_model(models.reward, expected, "models.reward")
+            meta = {"head": "scalar", "num_scalar_outputs": expected}
+        else:
+            meta = read_metadata(models.reward)
         if meta["head"] != "scalar" or meta["num_scalar_outputs"] != expected:
             raise InputError(
                 f"models.reward: {models.reward} has a {meta['head']!r} head with "
@@ -75,6 +80,31 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
             )
     check_batches(config, layouts)
     return archs
+
+
+def check_hf_reward_model(directory: str, outputs: int, key: str) -> None:
+    """A Hugging Face directory serves as a reward model when it is a
+    ``BloomForSequenceClassification`` whose ``score`` head has ``outputs`` rows (an RM: 1, its
+    logit is r; an AM exported by ``megatron-to-hf``: 2, r and e_tau)."""
+    import json
+
+    from megatron_rlhf.checkpoint.hf_io import HFReader
+
+    config = json.loads((Path(directory) / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    if "BloomForSequenceClassification" not in architectures:
+        raise InputError(
+            f"{key}: {directory} is a Hugging Face {', '.join(architectures) or 'model'}, not a "
+            "reward model (BloomForSequenceClassification); train one with `train-reward`"
+        )
+    if not HFReader(directory, head="scalar").has("score.weight"):
+        raise InputError(f"{key}: {directory} holds no score.weight; re-save the reward model")
+    labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+    if labels != outputs:
+        raise InputError(
+            f"{key}: {directory} has a score head with {labels} labels; models.reward_kind="
+            f"{'am' if outputs == 2 else 'rm'} needs {outputs} (rm: r; am: r and e_tau)"
+        )
 
 
 def layout_roles(config: TrainPPOConfig) -> tuple[str, ...]:

@@ -13,15 +13,13 @@ positions) are saved every ``train.save_interval`` steps and resumed exactly.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.config import load_config, to_dict
+from megatron_rlhf.config import describe_config, load_config, to_dict
 from megatron_rlhf.distributed import destroy
 from megatron_rlhf.generation import SamplingConfig
 from megatron_rlhf.ppo.advantages import compute_advantages, dp_group_or_none, global_mean_var
@@ -33,27 +31,24 @@ from megatron_rlhf.ppo.rollout import rollout
 from megatron_rlhf.ppo.run_io import RunData, RunLogger
 from megatron_rlhf.ppo.scoring import score
 from megatron_rlhf.ppo.setup import build_roles, import_reward_fn, validate_config, world_size
+from megatron_rlhf.ppo.train_cli import build_parser
 from megatron_rlhf.ppo.update import ppo_update
-from megatron_rlhf.utils import InputError, is_rank0, print_summary
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rlhf train-ppo", description=__doc__)
-    parser.add_argument("--config", help="YAML/JSON config (see examples/ppo/)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. ppo.kl.coef=0.1")
-    return parser
+from megatron_rlhf.utils import InputError, is_rank0, print_summary, run_command
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        config = load_config(TrainPPOConfig, args.config, args.overrides)
-        validate_config(config, world_size())
-        parallel_config(config)
-        return PPOTrainer(config).fit()
-    except InputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if args.print_config:
+        print(describe_config(TrainPPOConfig))
+        return 0
+    return run_command("train-ppo", lambda: train(args), distributed=True)
+
+
+def train(args) -> int:
+    config = load_config(TrainPPOConfig, args.config, args.overrides)
+    validate_config(config, world_size())
+    parallel_config(config)
+    return PPOTrainer(config).fit()
 
 
 class PPOTrainer:

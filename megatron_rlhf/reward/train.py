@@ -42,7 +42,7 @@ from megatron_rlhf.training.command import (
     to_device,
     tokenizer_dir,
 )
-from megatron_rlhf.training.engine import OptimConfig
+from megatron_rlhf.training.engine import OptimConfig, optim_problems
 from megatron_rlhf.utils import InputError, is_rank0, write_json
 
 
@@ -403,8 +403,9 @@ def _check_config(config: RewardTrainConfig) -> None:
     problems = command.config_problems(config.train, config.data)
     if config.am.margin <= 0:
         problems.append(f"am.margin={config.am.margin} must be > 0")
+    problems += optim_problems(config.optim, "optim")
     if problems:
-        raise InputError("invalid train-reward config:\n  - " + "\n  - ".join(problems))
+        raise InputError("invalid train-reward config: " + "; ".join(problems))
 
 
 def _check_policy_column(config: RewardTrainConfig, dataset) -> None:

@@ -9,7 +9,6 @@ file reads like one uninterrupted run).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -73,16 +72,18 @@ def command_main(command: str, config_cls, run, argv: list[str], summary) -> int
     """``--config FILE [key=value ...]`` → ``run(config)`` → ``summary(config, result)`` (the
     fields of the one-line summary). Bad input exits 2 with one line (``utils.run_command``);
     the process group is torn down however it ends."""
-    from megatron_rlhf.config import load_config
+    from megatron_rlhf.config import config_parser, describe_config, load_config
     from megatron_rlhf.utils import print_summary, run_command
 
-    parser = argparse.ArgumentParser(
-        prog=f"python -m megatron_rlhf {command}",
-        description=sys.modules[run.__module__].__doc__.split("\n\n")[0],
+    parser = config_parser(
+        f"python -m megatron_rlhf {command}",
+        sys.modules[run.__module__].__doc__.split("\n\n")[0],
+        "examples/",
     )
-    parser.add_argument("--config", help="YAML/JSON config (see examples/)")
-    parser.add_argument("overrides", nargs="*", help="key=value, e.g. optim.lr=1e-5")
     args = parser.parse_args(argv)
+    if args.print_config:
+        print(describe_config(config_cls))
+        return 0
 
     def body() -> int:
         config = load_config(config_cls, args.config, args.overrides)

@@ -44,10 +44,34 @@ class OptimConfig:
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
     adam_beta2: float = 0.95
+    """Adam's second-moment decay."""
     adam_eps: float = 1e-8
+    """Adam's epsilon (added to the root of the second moment)."""
     clip_grad: float = 1.0
     """Clip the global gradient norm (over TP/PP/DP) to this; 0 disables clipping."""
+
+
+def optim_problems(optim: OptimConfig, section: str) -> list[str]:
+    """What is wrong with ``optim`` (config section ``section``), one ``key=value ...`` each."""
+    import math
+
+    rules = (
+        ("lr", optim.lr > 0, "must be a finite number > 0"),
+        ("min_lr_ratio", 0 <= optim.min_lr_ratio <= 1, "must be in [0, 1]"),
+        ("warmup_fraction", 0 <= optim.warmup_fraction < 1, "must be in [0, 1)"),
+        ("weight_decay", optim.weight_decay >= 0, "must be >= 0"),
+        ("adam_beta1", 0 <= optim.adam_beta1 < 1, "must be in [0, 1)"),
+        ("adam_beta2", 0 <= optim.adam_beta2 < 1, "must be in [0, 1)"),
+        ("adam_eps", optim.adam_eps > 0, "must be > 0"),
+        ("clip_grad", optim.clip_grad >= 0, "must be >= 0 (0: no clipping)"),
+    )
+    return [
+        f"{section}.{key}={getattr(optim, key)} {rule}"
+        for key, ok, rule in rules
+        if not (ok and math.isfinite(getattr(optim, key)))
+    ]
 
 
 class TrainEngine:

@@ -48,7 +48,7 @@ from megatron_rlhf.training.command import (
     to_device,
     tokenizer_dir,
 )
-from megatron_rlhf.training.engine import OptimConfig
+from megatron_rlhf.training.engine import OptimConfig, optim_problems
 from megatron_rlhf.utils import InputError, is_rank0, write_json
 
 COMMAND = "train-sft"
@@ -337,8 +337,9 @@ def _check_config(config: SFTConfig) -> None:
     problems = config_problems(config.train, config.data)
     if config.data.max_length is not None and config.data.max_length < 2:
         problems.append(f"data.max_length={config.data.max_length} must be >= 2")
+    problems += optim_problems(config.optim, "optim")
     if problems:
-        raise InputError(f"invalid {COMMAND} config:\n  - " + "\n  - ".join(problems))
+        raise InputError(f"invalid {COMMAND} config: " + "; ".join(problems))
 
 
 def _open_data(config: SFTConfig):
