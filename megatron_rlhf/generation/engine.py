@@ -3,9 +3,17 @@
 Prompts are left-padded so every row's next token sits in the last column; ALiBi positions come
 from the padding mask, so padding changes nothing. Each step the last pipeline stage turns the
 TP-gathered logits of the last position into the next token (greedy, or temperature + top-p
-sampling from a seeded generator, identical on every TP rank) and broadcasts it to the other
-stages. Rows stop at EOS; the loop stops when every row has. ``response_logprobs`` are the
-log-probabilities of the chosen tokens under the model at temperature 1.
+sampling, identical on every TP rank). Rows stop at EOS; the loop stops when every row has.
+``response_logprobs`` are the log-probabilities of the chosen tokens under the model at
+temperature 1.
+
+Sampling draws one uniform number per (step, row) up front, from a generator seeded with
+``seed + data-parallel rank`` (or one generator per row, ``row_seeds``), and inverts the row's (top-p filtered) CDF at it: a row's token
+depends only on its own logits and its own number, never on how the batch is cut, so the
+pipelined path (``pipelined.py``: micro-batches in flight on every stage at PP > 1) gives the
+very tokens of the plain one. One Megatron-Core ``StaticInferenceContext`` holds the KV cache
+of the whole batch; a micro-batch addresses its rows through the context's
+``batch_size_offset``, as Megatron-Core's own micro-batched inference does.
 """
 
 from __future__ import annotations
@@ -17,12 +25,11 @@ from megatron.core import parallel_state
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megatron_rlhf.distributed.parallel import compute_device
-from megatron_rlhf.distributed.pipeline import broadcast_from_last_stage, pipeline_forward
 
 
 @dataclass(kw_only=True)
 class SamplingConfig:
-    """How the next token is chosen."""
+    """How tokens are generated and chosen."""
 
     max_new_tokens: int = 64
     """Most tokens generated per prompt (EOS included)."""
@@ -43,6 +50,11 @@ class SamplingConfig:
     """Padding token written after EOS (BLOOM: 3)."""
     use_kv_cache: bool = True
     """Reuse the keys/values of earlier positions (False recomputes the prefix each step)."""
+    pipeline_micro_batches: int = 0
+    """At PP > 1, split the batch into this many micro-batches that flow through the stages
+    together, so every stage works at every decode step (0: one per stage; 1: the whole batch
+    goes stage after stage while the others wait). Ignored at PP = 1. Tokens do not depend
+    on it."""
 
 
 @dataclass
@@ -52,32 +64,123 @@ class GenerationOutput:
     response_logprobs: torch.Tensor  # (B, N) log pi(token) at temperature 1, 0 on padding
 
 
-def _choose(logits: torch.Tensor, sampling: SamplingConfig, generator) -> torch.Tensor:
-    """Next token per row from full-vocab logits (B, V)."""
+def _choose(logits: torch.Tensor, sampling: SamplingConfig, uniforms) -> torch.Tensor:
+    """Next token per row from full-vocab logits (B, V) and one uniform in [0, 1) per row (B,):
+    the token where the row's cumulative (top-p filtered) probability passes it."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    logits = logits / sampling.temperature
+    probs = (logits / sampling.temperature).softmax(dim=-1)
+    order = None
     if sampling.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative - sorted_logits.softmax(dim=-1) >= sampling.top_p  # keep the first
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    if isinstance(generator, list):  # one generator per row (SamplingConfig.row_seeds)
-        rows = [torch.multinomial(p[None], 1, generator=g) for p, g in zip(probs, generator)]
-        return torch.cat(rows).squeeze(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(mass_before >= sampling.top_p, 0.0)  # keeps the first
+    cdf = probs.cumsum(dim=-1)  # (B, V)
+    targets = uniforms.to(cdf)[:, None] * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[-1] - 1)
+    return picked.squeeze(-1) if order is None else order.gather(-1, picked).squeeze(-1)
 
 
-def _generators(sampling: SamplingConfig, batch: int, device):
-    """The sampling generator of this rank, or one per row (``row_seeds``)."""
+class MicroBatch:
+    """Rows ``rows`` of the batch: prompt plus generated ids and mask in preallocated
+    (b, P + max_new) buffers, per-token log-probs and which rows have ended."""
+
+    def __init__(self, rows: slice, prompt_ids, prompt_mask, sampling: SamplingConfig, device):
+        batch, self.prompt_length = prompt_ids.shape
+        width = self.prompt_length + sampling.max_new_tokens
+        self.rows, self.sampling, self.step = rows, sampling, 0
+        self.ids = torch.full((batch, width), sampling.pad_id, dtype=torch.long, device=device)
+        self.mask = torch.zeros((batch, width), dtype=torch.long, device=device)
+        self.ids[:, : self.prompt_length] = prompt_ids
+        self.mask[:, : self.prompt_length] = prompt_mask
+        self.logprobs = torch.zeros((batch, sampling.max_new_tokens), device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's input ids (the new token with a cache, else all) and key mask (b, Sk)."""
+        end = self.prompt_length + self.step
+        first = end - 1 if (self.sampling.use_kv_cache and self.step > 0) else 0
+        return self.ids[:, first:end], self.mask[:, :end]
+
+    def point_cache(self, context: StaticInferenceContext | None) -> None:
+        """Aim the shared KV cache at these rows and this step's positions."""
+        if context is None:
+            return
+        context.batch_size_offset = self.rows.start
+        context.sequence_len_offset = 0 if self.step == 0 else self.prompt_length + self.step - 1
+        if self.step == 0:
+            context.enable_prefill_mode()
+        else:
+            context.enable_decode_mode()
+
+    def append(self, chosen=None, logprob=None, alive=None) -> torch.Tensor:
+        """Record this step's token (pad after EOS) and return the alive column (b,); stages
+        that never see tokens pass the ``alive`` column they were sent."""
+        column = self.prompt_length + self.step
+        if alive is None:
+            alive = ~self.finished
+            self.ids[:, column] = torch.where(alive, chosen, self.sampling.pad_id)
+            self.finished |= alive & (chosen == self.sampling.eos_id)
+        if logprob is not None:
+            self.logprobs[:, self.step] = torch.where(alive, logprob, 0.0)
+        self.mask[:, column] = alive.long()
+        self.step += 1
+        return alive
+
+    @property
+    def done(self) -> bool:
+        return self.step == self.sampling.max_new_tokens or bool(self.finished.all())
+
+
+def split_rows(batch: int, parts: int) -> list[slice]:
+    """``parts`` contiguous row ranges of near-equal size (fewer if the batch is smaller)."""
+    bounds = torch.arange(batch).tensor_split(min(max(parts, 1), batch))
+    return [slice(int(b[0]), int(b[-1]) + 1) for b in bounds]
+
+
+def choose_for(micro_batch: MicroBatch, logits, uniforms) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token and its temperature-1 log-prob per row from the last stage's (b, S, V) logits."""
+    last = logits[:, -1, :].float()  # (b, V)
+    rows = None if uniforms is None else uniforms[micro_batch.step, micro_batch.rows]
+    chosen = _choose(last, micro_batch.sampling, rows)
+    return chosen, last.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
+
+
+def stage_forward(model, micro_batch: MicroBatch, context, hidden=None):
+    """This stage's forward of one micro-batch step (``hidden`` from the previous stage)."""
+    micro_batch.point_cache(context)
+    if hidden is not None:
+        model.set_input_tensor(hidden)
+    input_ids, mask = micro_batch.inputs()
+    return model(input_ids, mask, inference_context=context, runtime_gather_output=True)
+
+
+def sampling_uniforms(sampling: SamplingConfig, batch: int, device):
+    """One uniform per (step, row), (max_new_tokens, B), or None for greedy decoding: from one
+    generator seeded ``seed + data-parallel rank``, or row by row from ``row_seeds``."""
+    if sampling.greedy:
+        return None
+    steps = sampling.max_new_tokens
     if sampling.row_seeds is None:
         seed = sampling.seed + parallel_state.get_data_parallel_rank()
-        return torch.Generator(device=device).manual_seed(seed)
+        uniforms = torch.rand((steps, batch), generator=torch.Generator().manual_seed(seed))
+        return uniforms.to(device)
     if len(sampling.row_seeds) != batch:
         raise ValueError(f"{len(sampling.row_seeds)} row_seeds for a batch of {batch} prompts")
-    return [torch.Generator(device=device).manual_seed(seed) for seed in sampling.row_seeds]
+    columns = [
+        torch.rand(steps, generator=torch.Generator().manual_seed(seed))
+        for seed in sampling.row_seeds
+    ]
+    return torch.stack(columns, dim=1).to(device)
+
+
+def collect(micro_batches: list[MicroBatch]) -> GenerationOutput:
+    """Concatenate the micro-batches' responses, cut after the last step any row took."""
+    steps = max(mb.step for mb in micro_batches)
+    ids = torch.cat([mb.ids[:, mb.prompt_length :] for mb in micro_batches])[:, :steps]
+    mask = torch.cat([mb.mask[:, mb.prompt_length :] for mb in micro_batches])[:, :steps]
+    logprobs = torch.cat([mb.logprobs for mb in micro_batches])[:, :steps]
+    return GenerationOutput(response_ids=ids, response_mask=mask, response_logprobs=logprobs)
 
 
 @torch.no_grad()
@@ -93,37 +196,17 @@ def generate(
     max_length = prompt_length + sampling.max_new_tokens
     context = StaticInferenceContext(batch, max_length) if sampling.use_kv_cache else None
     device = compute_device()
-    generator = _generators(sampling, batch, device)
-    tokens, mask = prompt_ids.to(device), prompt_mask.to(device).long()
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    new_tokens, new_logprobs, new_mask = [], [], []
-    for step in range(sampling.max_new_tokens):
-        step_input = tokens[:, -1:] if (context is not None and step > 0) else tokens
-        logits = pipeline_forward(
-            model, step_input, mask, inference_context=context, runtime_gather_output=True
-        )
-        if context is not None:
-            context.sequence_len_offset += step_input.shape[1]
-            context.enable_decode_mode()
-        chosen, logprob = None, None
-        if parallel_state.is_pipeline_last_stage():
-            last = logits[:, -1, :].float()  # (B, V)
-            chosen = _choose(last, sampling, generator)
-            logprob = last.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
-        chosen = broadcast_from_last_stage(chosen, (batch,), torch.long)
-        logprob = broadcast_from_last_stage(logprob, (batch,), torch.float32)
-        alive = ~finished
-        new_tokens.append(torch.where(alive, chosen, torch.full_like(chosen, sampling.pad_id)))
-        new_logprobs.append(torch.where(alive, logprob, torch.zeros_like(logprob)))
-        new_mask.append(alive.long())
-        finished |= alive & (chosen == sampling.eos_id)
-        tokens = torch.cat([tokens, new_tokens[-1][:, None]], dim=1)
-        mask = torch.cat([mask, new_mask[-1][:, None]], dim=1)
-        if bool(finished.all()):
-            break
-    model.train(was_training)
-    return GenerationOutput(
-        response_ids=torch.stack(new_tokens, dim=1),
-        response_mask=torch.stack(new_mask, dim=1),
-        response_logprobs=torch.stack(new_logprobs, dim=1),
-    )
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    try:
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            from megatron_rlhf.generation.pipelined import generate_pipelined
+
+            return generate_pipelined(model, prompt_ids, prompt_mask, sampling, context)
+        micro_batch = MicroBatch(slice(0, batch), prompt_ids, prompt_mask, sampling, device)
+        uniforms = sampling_uniforms(sampling, batch, device)
+        while not micro_batch.done:
+            logits = stage_forward(model, micro_batch, context)
+            micro_batch.append(*choose_for(micro_batch, logits, uniforms))
+        return collect([micro_batch])
+    finally:
+        model.train(was_training)

@@ -8,10 +8,11 @@ is a pure-PyTorch core attention computing what transformers' ``BloomAttention``
     probs  = softmax_fp32(scores masked with the causal + padding mask)
     out    = probs @ v
 
-Key positions come from the attention mask, so left-padded rows see the same biases as their
-unpadded selves. The mask is Megatron's boolean convention (True = masked), shape
-(B, 1, Sq, Sk); the last query row of a causal+padding mask sees every valid key, which is how
-the key-padding mask is recovered. With a KV cache (Sq = 1, Sk = cached + 1) the same holds.
+Key positions come from the padding mask, so left-padded rows see the same biases as their
+unpadded selves. ``BloomModel`` builds this rank's ``slope_h * pos_k`` once per forward and
+passes it as Megatron's ``attention_bias`` (B, H/tp, 1, Sk) to every layer; the mask is
+Megatron's boolean convention (True = masked), shape (B, 1, Sq, Sk). With a KV cache
+(Sq = 1, Sk = cached + 1) the same holds.
 
 :class:`TEAlibiDotProductAttention` (GPU, when transformer-engine imports) runs TE's fused
 attention with ``core_attention_bias_type="alibi"`` and this rank's slopes passed explicitly.
@@ -26,7 +27,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
-from megatron_rlhf.models.bloom.alibi import alibi_slopes_for_rank, positions_from_mask
+from megatron_rlhf.models.bloom.alibi import alibi_slopes_for_rank
 
 
 def _tp_rank_and_size() -> tuple[int, int]:
@@ -51,15 +52,8 @@ class AlibiDotProductAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        tp_rank, tp_size = _tp_rank_and_size()
-        self.heads_per_rank = divide(config.num_attention_heads, tp_size)
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
-        self.register_buffer(
-            "slopes",
-            alibi_slopes_for_rank(config.num_attention_heads, tp_rank, tp_size),
-            persistent=False,
-        )
         self.dropout = torch.nn.Dropout(
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
@@ -71,26 +65,31 @@ class AlibiDotProductAttention(MegatronModule):
         value: torch.Tensor,  # (Sk, B, H/tp, D)
         attention_mask: torch.Tensor,  # (B, 1, Sq, Sk) bool, True = masked
         attn_mask_type=None,
-        attention_bias=None,
+        attention_bias=None,  # (B, H/tp, 1, Sk) this rank's ALiBi, from BloomModel
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("ALiBi attention takes neither packed sequences nor a bias")
-        if attention_mask is None:
-            raise ValueError("BLOOM attention needs the causal+padding attention mask")
-        q = query.permute(1, 2, 0, 3)  # (B, H, Sq, D)
-        k = key.permute(1, 2, 3, 0)  # (B, H, D, Sk)
-        v = value.permute(1, 2, 0, 3)  # (B, H, Sk, D)
-        key_valid = ~attention_mask[:, 0, -1, :]  # (B, Sk)
-        positions = positions_from_mask(key_valid)  # (B, Sk)
-        alibi = self.slopes.to(q.device)[None, :, None, None] * positions[:, None, None, :]
-        scores = torch.matmul(q, k) * self.softmax_scale + alibi.to(q.dtype)  # (B, H, Sq, Sk)
-        scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
+        if packed_seq_params is not None:
+            raise NotImplementedError("ALiBi attention does not take packed sequences")
+        if attention_mask is None or attention_bias is None:
+            raise ValueError(
+                "BLOOM attention needs the causal+padding mask and the ALiBi bias (BloomModel "
+                "passes both)"
+            )
+        sq, batch, heads, dim = query.shape
+        sk = key.shape[0]
+        q = query.permute(1, 2, 0, 3).reshape(batch * heads, sq, dim)
+        k = key.permute(1, 2, 3, 0).reshape(batch * heads, dim, sk)
+        v = value.permute(1, 2, 0, 3).reshape(batch * heads, sk, dim)
+        alibi = attention_bias.to(q.dtype).reshape(batch * heads, 1, sk)
+        # slope * pos_k + (q . k) * scale in one call, as transformers' BloomAttention.
+        scores = torch.baddbmm(alibi, q, k, alpha=self.softmax_scale)  # (B*H, Sq, Sk)
+        scores = scores.view(batch, heads, sq, sk).masked_fill(
+            attention_mask, torch.finfo(scores.dtype).min
+        )
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
         probs = self.dropout(probs)
-        context = torch.matmul(probs, v)  # (B, H, Sq, D)
-        sq, batch = query.shape[0], query.shape[1]
-        return context.permute(2, 0, 1, 3).reshape(sq, batch, self.heads_per_rank * self.head_dim)
+        context = torch.bmm(probs.view(batch * heads, sq, sk), v)  # (B*H, Sq, D)
+        return context.view(batch, heads, sq, dim).permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         return {}
@@ -142,7 +141,9 @@ class TEAlibiDotProductAttention(MegatronModule):
         key_valid = ~attention_mask[:, 0, -1, :]  # (B, Sk)
         right_padded = bool((key_valid[:, :-1] >= key_valid[:, 1:]).all())
         if query.shape[0] != key.shape[0] or not right_padded:
-            return self.fallback(query, key, value, attention_mask)
+            return self.fallback(
+                query, key, value, attention_mask, attention_bias=kwargs.get("attention_bias")
+            )
         te_mask = ~key_valid[:, None, None, :]  # TE: True = masked, (B, 1, 1, Sk)
         context = self.te_attention(
             query,

@@ -18,6 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from megatron_rlhf.distributed.cpu_compat import tensor_cuda_is_identity
+from megatron_rlhf.models.bloom.alibi import alibi_slopes_for_rank, positions_from_mask
 from megatron_rlhf.models.bloom.config import (
     BloomArchitecture,
     padded_vocab_size,
@@ -89,6 +90,13 @@ class BloomModel(GPTModel):
             )
         self.arch = arch
         self.head = head
+        self.register_buffer(  # this rank's heads; also says where the model lives
+            "alibi_slopes",
+            alibi_slopes_for_rank(
+                arch.num_heads, parallel_state.get_tensor_model_parallel_rank(), tp
+            ),
+            persistent=False,
+        )
         self.num_scalar_outputs = num_scalar_outputs if head == "scalar" else 0
         self.is_last_stage = post_process
         if pre_process:
@@ -117,7 +125,7 @@ class BloomModel(GPTModel):
         inference_context=None,
         runtime_gather_output: bool | None = None,
     ) -> torch.Tensor:
-        device = next(self.parameters()).device
+        device = self.alibi_slopes.device
         input_ids, padding_mask = input_ids.to(device), padding_mask.to(device)
         attention_mask = attention_mask_for(padding_mask, input_ids.shape[1])
         output = super().forward(
@@ -126,12 +134,20 @@ class BloomModel(GPTModel):
             attention_mask=attention_mask,
             inference_context=inference_context,
             runtime_gather_output=runtime_gather_output,
+            extra_block_kwargs={"attention_bias": self._alibi_bias(padding_mask)},
         )
         if not self.is_last_stage:
             return output  # (S, B, H) activations for the next stage
         if self.head == "scalar":
             return self._scalar_outputs(output)
         return self._mask_padded_vocab(output)
+
+    def _alibi_bias(self, padding_mask: torch.Tensor) -> torch.Tensor:
+        """``slope_h * pos_k`` for this rank's heads, (B, H/tp, 1, Sk): built once per forward
+        and shared by every layer's core attention (Megatron's ``attention_bias``)."""
+        positions = positions_from_mask(padding_mask)  # (B, Sk)
+        bias = self.alibi_slopes[None, :, None] * positions[:, None, :]  # (B, H/tp, Sk) fp32
+        return bias.to(self.config.params_dtype)[:, :, None, :]
 
     def _scalar_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
         # Under SP the norm sees this rank's (S/tp, B, H) tokens, so its sequence-parallel
@@ -152,7 +168,8 @@ class BloomModel(GPTModel):
         else:
             valid = self.num_valid_local_vocab
         if valid < local_vocab:
-            logits = logits.clone()
+            if torch.is_grad_enabled():
+                logits = logits.clone()
             logits[..., valid:] = torch.finfo(logits.dtype).min
         return logits
 

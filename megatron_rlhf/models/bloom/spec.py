@@ -2,20 +2,20 @@
 
 Pre-LN block, every Linear with a bias, fused QKV with BLOOM's [heads, 3, head_dim] layout (the
 same layout as Megatron's ``linear_qkv`` when ``num_query_groups == num_heads``), 4h MLP with
-tanh GELU, and ALiBi core attention. Swapping the attention implementation is one line here.
+tanh GELU, and ALiBi core attention. Layer, attention and linears are Megatron-Core's with a
+lean forward for inference (``lean.py``). Swapping the attention implementation is one line here.
 """
 
 from __future__ import annotations
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from megatron_rlhf.models.bloom.attention import (
     AlibiDotProductAttention,
@@ -23,22 +23,28 @@ from megatron_rlhf.models.bloom.attention import (
     _te_attention_class,
 )
 from megatron_rlhf.models.bloom.layers import BloomLayerNorm
+from megatron_rlhf.models.bloom.lean import (
+    BloomColumnParallelLinear,
+    BloomRowParallelLinear,
+    BloomSelfAttention,
+    BloomTransformerLayer,
+)
 
 
 def bloom_layer_spec(use_te_attention: bool = False) -> ModuleSpec:
     """One BLOOM decoder layer. ``use_te_attention`` selects TransformerEngine's fused ALiBi."""
     core_attention = TEAlibiDotProductAttention if use_te_attention else AlibiDotProductAttention
     return ModuleSpec(
-        module=TransformerLayer,
+        module=BloomTransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=BloomLayerNorm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=BloomSelfAttention,
                 params={"attn_mask_type": AttnMaskType.arbitrary},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
+                    linear_qkv=BloomColumnParallelLinear,
                     core_attention=core_attention,
-                    linear_proj=RowParallelLinear,
+                    linear_proj=BloomRowParallelLinear,
                     q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp,
                 ),
@@ -48,7 +54,7 @@ def bloom_layer_spec(use_te_attention: bool = False) -> ModuleSpec:
             mlp=ModuleSpec(
                 module=MLP,
                 submodules=MLPSubmodules(
-                    linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
+                    linear_fc1=BloomColumnParallelLinear, linear_fc2=BloomRowParallelLinear
                 ),
             ),
             mlp_bda=get_bias_dropout_add,

@@ -1,0 +1,121 @@
+"""Megatron-Core's BLOOM modules with a lean forward for inference (no autograd, eval mode).
+
+A decode step of a small model is mostly Python: Megatron-Core's ``TransformerLayer``,
+``SelfAttention`` and tensor-parallel linears handle recompute, activation offloading, cross
+attention, RoPE, flash/dynamic decoding, FP8 and autograd ``Function``s for the TP regions on
+every call, ~0.1 ms each, more than the matmuls of a 4x128 model (issue 11, item 6). With
+autograd off and the module in eval mode (generation), none of that applies, so these
+subclasses run the same submodules in the same order, and nothing else:
+
+- linears: one ``F.linear`` on this rank's shard (+ ``dist.all_reduce`` over the layer's own
+  TP group for row-parallel, bias after the sum, as Megatron-Core orders it);
+- attention: fused QKV -> BLOOM's [heads, 3, head_dim] split -> Megatron-Core's own static KV
+  cache (``_adjust_key_value_for_inference``) -> the ALiBi core attention -> projection;
+- layer: ``h += attn(ln(h))`` and ``h += mlp(ln(h))`` with the (skipped) biases added back;
+  dropout is the identity in eval mode.
+
+Anything else (autograd on, training mode, sequence parallelism, flash decoding, dynamic
+batching) defers to Megatron-Core unchanged; parameters, sharding and checkpoints are the
+parents'. The generation tests compare the tokens and log-probs against transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+def _inference(module: torch.nn.Module) -> bool:
+    return not (torch.is_grad_enabled() or module.training)
+
+
+class BloomColumnParallelLinear(ColumnParallelLinear):
+    """``ColumnParallelLinear``; in inference one ``F.linear`` on this rank's rows."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        lean = _inference(self) and not (
+            weight is not None
+            or self.sequence_parallel
+            or self.gather_output
+            or runtime_gather_output
+        )
+        if not lean:
+            return super().forward(input_, weight, runtime_gather_output)
+        output = F.linear(input_, self.weight, None if self.skip_bias_add else self.bias)
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class BloomRowParallelLinear(RowParallelLinear):
+    """``RowParallelLinear``; in inference ``F.linear`` on this rank's columns, the sum over the
+    TP group, then the (replicated) bias."""
+
+    def forward(self, input_):
+        lean = _inference(self) and not (
+            self.sequence_parallel or not self.input_is_parallel or self.explicit_expert_comm
+        )
+        if not lean:
+            return super().forward(input_)
+        output = F.linear(input_, self.weight)
+        if self.tp_group.size() > 1:
+            dist.all_reduce(output, group=self.tp_group)
+        if self.skip_bias_add or self.bias is None:
+            return output, (self.bias if self.skip_bias_add else None)
+        return output + self.bias, None
+
+
+class BloomSelfAttention(SelfAttention):
+    """``SelfAttention``; in inference (static KV cache or none, no flash decoding) QKV, cache,
+    core attention and projection only."""
+
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        context = kwargs.get("inference_context")
+        lean = (
+            _inference(self)
+            and not args
+            and not self.config.flash_decode
+            and (context is None or context.is_static_batching())
+            and kwargs.get("rotary_pos_emb") is None
+            and kwargs.get("packed_seq_params") is None
+        )
+        if not lean:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        mixed_qkv, _ = self.linear_qkv(hidden_states)  # (S, B, 3 * H/tp * D)
+        sq, batch = mixed_qkv.shape[:2]
+        head_dim = self.hidden_size_per_attention_head
+        query, key, value = mixed_qkv.view(sq, batch, -1, 3 * head_dim).split(head_dim, dim=3)
+        if context is not None:
+            query, key, value, *_ = self._adjust_key_value_for_inference(
+                context, query, key, value, None
+            )
+        core = self.core_attention(
+            query, key, value, attention_mask, attention_bias=kwargs.get("attention_bias")
+        )
+        return self.linear_proj(core)
+
+
+class BloomTransformerLayer(TransformerLayer):
+    """``TransformerLayer``; in inference the two pre-LN residual blocks only."""
+
+    def forward(self, *args, **kwargs):
+        lean = (
+            _inference(self)
+            and not args
+            and kwargs.get("context") is None
+            and not self.config.inference_fuse_tp_communication
+        )
+        if not lean:
+            return super().forward(*args, **kwargs)
+        hidden = kwargs["hidden_states"]  # (S, B, H)
+        output, bias = self.self_attention(
+            self.input_layernorm(hidden),
+            attention_mask=kwargs.get("attention_mask"),
+            inference_context=kwargs.get("inference_context"),
+            attention_bias=kwargs.get("attention_bias"),
+        )
+        hidden = hidden + (output if bias is None else output + bias)
+        output, bias = self.mlp(self.pre_mlp_layernorm(hidden))
+        return hidden + (output if bias is None else output + bias), None
