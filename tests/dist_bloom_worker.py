@@ -5,7 +5,8 @@
 
 Check groups: ``logits`` (LM logits at every layout, with sequence parallelism at TP=2),
 ``checkpoints`` (LM and scalar heads saved at TP2xPP2, loaded at the other layouts),
-``generation`` (greedy with/without KV cache, EOS, seeded sampling across layouts) and
+``generation`` (greedy with/without KV cache, EOS, seeded sampling across layouts; at PP=2 and
+PP=4 pipelined with one micro-batch per stage, unpipelined, and 3 uneven micro-batches) and
 ``gradients`` (backward at TP=2, with and without sequence parallelism, equals TP=1).
 
 Every rank builds the transformers reference itself (tiny models), switches Megatron-Core's
@@ -168,9 +169,14 @@ def check_checkpoints(hf_a: str, work: Path) -> None:
         record("ckpt_wrong_head_refused", "'lm' head" in str(err), str(err))
 
 
-def greedy_config(use_kv_cache: bool, eos_id: int = EOS_ID) -> SamplingConfig:
+def greedy_config(use_kv_cache: bool, eos_id: int = EOS_ID, parts: int = 0) -> SamplingConfig:
     return SamplingConfig(
-        max_new_tokens=10, greedy=True, eos_id=eos_id, pad_id=PAD_ID, use_kv_cache=use_kv_cache
+        max_new_tokens=10,
+        greedy=True,
+        eos_id=eos_id,
+        pad_id=PAD_ID,
+        use_kv_cache=use_kv_cache,
+        pipeline_micro_batches=parts,
     )
 
 
@@ -209,26 +215,38 @@ def check_generation(hf_a: str) -> None:
     record("generation_eos_token_usable", bool(firsts), f"stop token {stop_token} in {row}")
     stop_tokens, stop_logprobs = hf_greedy(hf, ids, mask, max_new_tokens=10, eos_id=stop_token)
     sampled = {}
-    for tp, pp in LAYOUTS:
+    for tp, pp in LAYOUTS + [(1, 4)]:
         use_layout(tp, pp, ARCH_A)
         model = load_bloom(hf_a, init_weights=False)
-        for cache in (True, False):
-            out = generate(model, ids, mask, greedy_config(cache))
-            tag = "kv_cache" if cache else "no_cache"
-            compare_generation(f"greedy_tp{tp}pp{pp}_{tag}", out, ref_tokens, ref_logprobs, EOS_ID)
-        out = generate(model, ids, mask, greedy_config(True, eos_id=stop_token))
-        name = f"greedy_eos_stop_tp{tp}pp{pp}"
-        compare_generation(name, out, stop_tokens, stop_logprobs, stop_token)
-        for seed in (7, 8):
-            sampling = SamplingConfig(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=seed)
-            sampled[(tp, pp, seed)] = generate(model, ids, mask, sampling).response_ids
+        # At PP > 1 the default pipelines one micro-batch per stage; 1 is the plain
+        # stage-after-stage schedule, 3 cuts the 4 rows unevenly (2, 1, 1).
+        for parts in (0, 1, 3) if pp > 1 else (0,):
+            tag = f"_micro_batches{parts}" if parts else ""
+            for cache in (True, False) if pp < 4 else (True,):
+                out = generate(model, ids, mask, greedy_config(cache, parts=parts))
+                name = f"greedy_tp{tp}pp{pp}{tag}_{'kv_cache' if cache else 'no_cache'}"
+                compare_generation(name, out, ref_tokens, ref_logprobs, EOS_ID)
+            out = generate(model, ids, mask, greedy_config(True, stop_token, parts))
+            name = f"greedy_eos_stop_tp{tp}pp{pp}{tag}"
+            compare_generation(name, out, stop_tokens, stop_logprobs, stop_token)
+            for seed in (7, 8):
+                sampling = SamplingConfig(
+                    max_new_tokens=10,
+                    temperature=0.8,
+                    top_p=0.9,
+                    seed=seed,
+                    pipeline_micro_batches=parts,
+                )
+                sampled[(tp, pp, parts, seed)] = generate(model, ids, mask, sampling).response_ids
     if dist.get_rank() == 0:  # data-parallel rank 0 in every layout
-        base = sampled[(1, 1, 7)]
-        for tp, pp in LAYOUTS[1:]:
-            same = torch.equal(sampled[(tp, pp, 7)], base)
-            record(f"sampling_seed_reproducible_tp{tp}pp{pp}_vs_tp1", same, str(base.tolist()))
-        differs = not torch.equal(sampled[(1, 1, 8)], base)
-        record("sampling_other_seed_differs", differs, str(sampled[(1, 1, 8)].tolist()))
+        base = sampled[(1, 1, 0, 7)]
+        for (tp, pp, parts, seed), tokens in sampled.items():
+            if seed == 7 and (tp, pp) != (1, 1):
+                tag = f"_micro_batches{parts}" if parts else ""
+                name = f"sampling_seed_reproducible_tp{tp}pp{pp}{tag}_vs_tp1"
+                record(name, torch.equal(tokens, base), str(tokens.tolist()))
+        differs = not torch.equal(sampled[(1, 1, 0, 8)], base)
+        record("sampling_other_seed_differs", differs, str(sampled[(1, 1, 0, 8)].tolist()))
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ from torchrun_util import REPO, run_torchrun
 LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]
 OTHER_LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2"]
 GEN_LAYOUTS = LAYOUTS
+PIPELINED_LAYOUTS = ["tp1pp2", "tp2pp2"]
 CHECKS = [
     *(f"logits_{arch}_{layout}" for arch in "ab" for layout in LAYOUTS),
     "logits_a_tp1pp4",
@@ -29,6 +30,25 @@ CHECKS = [
     *(f"greedy_{layout}_{cache}" for layout in GEN_LAYOUTS for cache in ("kv_cache", "no_cache")),
     *(f"greedy_eos_stop_{layout}" for layout in GEN_LAYOUTS),
     *(f"sampling_seed_reproducible_{layout}_vs_tp1" for layout in LAYOUTS[1:]),
+    # pipelined generation: unpipelined (1) and uneven (3) micro-batches, and PP=4's ring
+    *(
+        f"greedy_{layout}_micro_batches{parts}_{cache}"
+        for layout in PIPELINED_LAYOUTS
+        for parts in (1, 3)
+        for cache in ("kv_cache", "no_cache")
+    ),
+    *(f"greedy_eos_stop_{layout}_micro_batches{p}" for layout in PIPELINED_LAYOUTS for p in (1, 3)),
+    *(
+        f"sampling_seed_reproducible_{layout}_micro_batches{p}_vs_tp1"
+        for layout in PIPELINED_LAYOUTS
+        for p in (1, 3)
+    ),
+    "greedy_tp1pp4_kv_cache",
+    "greedy_eos_stop_tp1pp4",
+    "sampling_seed_reproducible_tp1pp4_vs_tp1",
+    *(f"greedy_tp1pp4_micro_batches{p}_kv_cache" for p in (1, 3)),
+    *(f"greedy_eos_stop_tp1pp4_micro_batches{p}" for p in (1, 3)),
+    *(f"sampling_seed_reproducible_tp1pp4_micro_batches{p}_vs_tp1" for p in (1, 3)),
     "sampling_other_seed_differs",
     *(
         f"{head}_grads_tp2pp1{sp}_vs_tp1"
