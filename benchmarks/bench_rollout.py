@@ -1,0 +1,304 @@
+"""Rollout speed: tokens/s of one greedy rollout (issue 11, items 6 and 7).
+
+    python benchmarks/bench_rollout.py [--reps 3 --seeds 0 1 --threads 2 --skip-pp]
+
+Part 1, one process with ``--threads`` torch threads: our engine (TP1, Megatron-Core static KV
+cache) against transformers' ``generate(use_cache=True)`` on the same random BLOOM and the same
+left-padded batch (B=8, prompts of 32 down to 4 tokens), greedy, EOS disabled so every row
+generates every token, at two sizes (tiny: 4 layers x 128, vocab 1024; base: 12 x 768,
+12 heads, vocab 50,000, 124M params) and 32 and 128 new tokens. The two sides alternate inside
+every repetition; each seed is a fresh model and prompt batch. Tokens are compared.
+
+Part 2, ``torchrun --nproc-per-node 2`` over gloo (one thread per rank): the base model at
+PP=2, B=16, 64 new tokens: the whole batch stage after stage (``pipeline_micro_batches=1``,
+one stage always idle), pipelined (2 micro-batches circling the ring), and resharded to
+PP=1 x DP=2 by Megatron-Core's refit (``ReshardedEngine``: ``swap_model_weights`` before the
+rollout, each replica generates half of the batch, the rows are gathered back); the refit is
+timed on its own and included in the resharded row. Tokens of all three are compared.
+
+tokens/s = new tokens of the whole batch / wall seconds; min / median / max over reps x seeds.
+
+Latest run (2-core CPU, no GPU, torch 2.13.0+cpu, megatron-core 0.16.1, transformers 5.x), on a
+machine shared with other jobs (see the load average printed with the table); medians move
++-15 % between runs, ratios less:
+
+RESULTS_PLACEHOLDER
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = {
+    "tiny 4x128": dict(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4),
+    "base 12x768": dict(vocab_size=50_000, hidden_size=768, num_layers=12, num_heads=12),
+}
+PAD = 3
+
+
+def left_padded(batch: int, length: int, vocab: int, seed: int):
+    """``batch`` random prompts from ``length`` tokens down to ``length - 4 * (batch - 1)``."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.full((batch, length), PAD, dtype=torch.long)
+    mask = torch.zeros((batch, length), dtype=torch.long)
+    for row in range(batch):
+        real = max(1, length - 4 * row)
+        ids[row, length - real :] = torch.randint(4, vocab, (real,), generator=generator)
+        mask[row, length - real :] = 1
+    return ids, mask
+
+
+def summary(seconds: list[float], tokens: int) -> dict:
+    rates = [tokens / s for s in seconds]
+    return {"min": min(rates), "median": statistics.median(rates), "max": max(rates)}
+
+
+def save_model(directory: Path, size: str, seed: int):
+    from megatron_rlhf.models.bloom.config import BloomArchitecture
+    from megatron_rlhf.models.bloom.tiny import random_hf_bloom
+
+    model = random_hf_bloom(BloomArchitecture(**SIZES[size]), seed=seed)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+def ours_and_hf(ours, hf, ids, mask, new_tokens: int) -> dict:
+    """The two greedy rollouts of one batch, each returning its new tokens (B, N)."""
+    from megatron_rlhf.generation import SamplingConfig, generate
+
+    sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=True, eos_id=-1, pad_id=PAD)
+
+    def transformers_generate():
+        sequences = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            pad_token_id=PAD,
+        )
+        return sequences[:, ids.shape[1] :]
+
+    return {
+        "ours": lambda: generate(ours, ids, mask, sampling).response_ids,
+        "hf": transformers_generate,
+    }
+
+
+def part1(args, root: Path) -> list[dict]:
+    """Ours vs transformers, interleaved, per size and length."""
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.distributed import ParallelConfig, initialize
+
+    torch.set_num_threads(args.threads)
+    initialize(ParallelConfig())
+    rows = []
+    for size in SIZES:
+        times = {(side, n): [] for side in ("ours", "hf") for n in args.new_tokens}
+        same = True
+        for seed in args.seeds:
+            hf_dir = root / f"{size.split()[0]}_{seed}"
+            hf = save_model(hf_dir, size, seed).eval()
+            hf.generation_config.eos_token_id = None
+            ours = load_bloom(hf_dir, init_weights=False)
+            ids, mask = left_padded(8, 32, SIZES[size]["vocab_size"], seed)
+            for n in args.new_tokens:
+                sides = ours_and_hf(ours, hf, ids, mask, n)
+                for side in sides.values():  # warm-up
+                    side()
+                for rep in range(args.reps):
+                    order = ("ours", "hf") if rep % 2 == 0 else ("hf", "ours")
+                    tokens = {}
+                    for side in order:
+                        start = time.perf_counter()
+                        with torch.no_grad():
+                            tokens[side] = sides[side]()
+                        times[(side, n)].append(time.perf_counter() - start)
+                    same &= torch.equal(tokens["ours"], tokens["hf"])
+        for n in args.new_tokens:
+            ours_s, hf_s = summary(times[("ours", n)], 8 * n), summary(times[("hf", n)], 8 * n)
+            rows.append({"size": size, "new": n, "ours": ours_s, "hf": hf_s, "same": same})
+            print(f"{size} {n} new: ours {ours_s} hf {hf_s}", flush=True)
+    return rows
+
+
+def part2(args, root: Path) -> dict:
+    """Launch the PP=2 worker under torchrun; return its JSON."""
+    hf_dir = root / "pp_base"
+    save_model(hf_dir, "base 12x768", 0)
+    out = root / "pp.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += [__file__, "--pp-worker", "--hf", str(hf_dir), "--out", str(out)]
+    cmd += ["--reps", str(args.reps), "--seeds", *map(str, args.seeds)]
+    cmd += ["--pp-new-tokens", str(args.pp_new_tokens)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"PP worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def pp_worker(args) -> None:
+    """Rank 0 writes tokens/s of the three PP=2 rollouts (and the refit's seconds) as JSON."""
+    import torch.distributed as dist
+    from megatron.core import tensor_parallel
+
+    from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
+    from megatron_rlhf.distributed import cpu_compat, init_process_group
+    from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
+    from megatron_rlhf.distributed.layouts import Layout
+    from megatron_rlhf.distributed.role_groups import active, build_layout_groups
+    from megatron_rlhf.generation import SamplingConfig, generate
+    from megatron_rlhf.models.bloom import BloomModel
+    from megatron_rlhf.ppo.rollout_engine import build_rollout_engine
+
+    torch.set_num_threads(1)
+    cpu_compat.install()
+    init_process_group()
+    groups = build_layout_groups(
+        {"actor": Layout(tp=1, pp=2, dp=1), "rollout": Layout(tp=1, pp=1, dp=2)}
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    with active(groups["actor"]):
+        actor = load_bloom(args.hf, init_weights=False)
+    arch = checkpoint_architecture(args.hf)
+    engine = build_rollout_engine(
+        actor, groups["actor"], groups["rollout"], lambda: BloomModel(arch, init_weights=False)
+    )
+    batch, new = 16, args.pp_new_tokens
+    sampling = SamplingConfig(max_new_tokens=new, greedy=True, eos_id=-1, pad_id=PAD)
+
+    def on_actor(parts):
+        with active(groups["actor"]):
+            return generate(
+                actor,
+                ids,
+                mask,
+                SamplingConfig(**{**vars(sampling), "pipeline_micro_batches": parts}),
+            ).response_ids
+
+    def resharded():
+        engine.refresh()
+        refit_done.append(time.perf_counter())
+        with active(engine.groups):
+            rows = dp_rows(batch, engine.groups.layout.dp, engine.groups.dp_rank)
+            out = engine.generate(ids[rows], mask[rows], sampling)
+            return gather_rows(out.response_ids, engine.groups.dp_group, PAD)
+
+    sides = {
+        "PP=2, whole batch stage after stage": lambda: on_actor(1),
+        "PP=2, pipelined (2 micro-batches)": lambda: on_actor(2),
+        "resharded to PP=1 x DP=2 (refit included)": resharded,
+    }
+    times = {name: [] for name in sides}
+    refit, same = [], True
+    for seed in args.seeds:
+        ids, mask = left_padded(batch, 32, arch.vocab_size, seed)
+        refit_done: list[float] = []
+        for side in sides.values():  # warm-up (builds and caches the reshard plan)
+            side()
+        for rep in range(args.reps):
+            names = list(sides) if rep % 2 == 0 else list(reversed(sides))
+            tokens = {}
+            for name in names:
+                dist.barrier()
+                refit_done.clear()
+                start = time.perf_counter()
+                tokens[name] = sides[name]()
+                dist.barrier()
+                times[name].append(time.perf_counter() - start)
+                if refit_done:
+                    refit.append(refit_done[0] - start)
+            reference = tokens[names[0]]
+            same &= all(torch.equal(t, reference) for t in tokens.values())
+    if dist.get_rank() == 0:
+        result = {name: summary(s, batch * new) for name, s in times.items()}
+        result["refit_seconds"] = {
+            "min": min(refit),
+            "median": statistics.median(refit),
+            "max": max(refit),
+        }
+        result["same"] = same
+        Path(args.out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def table(part1_rows, pp, args) -> str:
+    def fmt(s):
+        return f"{s['min']:.0f} / {s['median']:.0f} / {s['max']:.0f}"
+
+    lines = [
+        f"reps {args.reps} x seeds {args.seeds}; load average before / after: "
+        f"{args.load_before} / {os.getloadavg()[0]:.1f}",
+        "",
+        f"| model, B=8, greedy ({args.threads} threads) | new tokens | ours tok/s min / med / max "
+        "| transformers tok/s min / med / max | ours / transformers (medians) | tokens equal |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for r in part1_rows:
+        ratio = r["ours"]["median"] / r["hf"]["median"]
+        lines.append(
+            f"| {r['size']} | {r['new']} | {fmt(r['ours'])} | {fmt(r['hf'])} | {ratio:.2f}x "
+            f"| {r['same']} |"
+        )
+    if pp:
+        base = pp["PP=2, whole batch stage after stage"]["median"]
+        lines += [
+            "",
+            f"| base 12x768 on 2 gloo ranks, B=16, {args.pp_new_tokens} new | tok/s min / med / max "
+            "| vs stage after stage (medians) |",
+            "|---|---:|---:|",
+        ]
+        for name, s in pp.items():
+            if name in ("refit_seconds", "same"):
+                continue
+            lines.append(f"| {name} | {fmt(s)} | {s['median'] / base:.2f}x |")
+        refit = pp["refit_seconds"]
+        lines += [
+            "",
+            f"refit (swap_model_weights PP=2 -> PP=1 x DP=2) seconds min / med / max: "
+            f"{refit['min']:.3f} / {refit['median']:.3f} / {refit['max']:.3f}; "
+            f"tokens of the three equal: {pp['same']}",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--pp-new-tokens", type=int, default=64, help="new tokens in part 2")
+    parser.add_argument("--skip-pp", action="store_true", help="only part 1")
+    parser.add_argument("--skip-single", action="store_true", help="only part 2")
+    parser.add_argument("--pp-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hf", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.pp_worker:
+        pp_worker(args)
+        return 0
+    args.load_before = f"{os.getloadavg()[0]:.1f}"
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [] if args.skip_single else part1(args, Path(tmp))
+        pp = None if args.skip_pp else part2(args, Path(tmp))
+    print()
+    print(table(rows, pp, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
