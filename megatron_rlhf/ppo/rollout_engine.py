@@ -12,7 +12,8 @@ rank's data-parallel share of the global prompts, and hands the responses back t
   ``megatron.core.resharding.swap_model_weights(actor, copy, "gloo" | "nccl")`` (a reshard plan
   between the two models' ``pg_collection``s, built once and cached on the copy).
 
-Plugging in another engine (pipelined micro-batches, vLLM, Megatron-Core's inference engine):
+Plugging in another engine (vLLM, Megatron-Core's inference engine; pipelined micro-batches at
+PP > 1 are already inside ``generate``):
 write a class with ``groups`` (the :class:`~megatron_rlhf.distributed.role_groups.LayoutGroups`
 it generates in), ``refresh()`` and ``generate(prompt_ids, prompt_mask, sampling) ->
 GenerationOutput`` with the contract of :func:`megatron_rlhf.generation.generate` (left-padded
