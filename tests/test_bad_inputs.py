@@ -383,3 +383,48 @@ def test_bad_input(case: Case, fx, tmp_path, capsys):
         assert text in errors[0], errors[0]
     assert _snapshot(tmp_path) == before, "an output or a temporary file was left behind"
     assert not dist.is_initialized()
+
+
+def test_disk_full_inside_a_checkpoint_save_is_one_line(capsys):
+    """torch's CheckpointException (a BaseException) wraps each rank's error: a full disk in a
+    shard write must still say the disk is full and which file, with exit code 2."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from megatron_rlhf.utils import run_command
+
+    def save():
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/step_9/__0_0.distcp")
+        except OSError as err:
+            raise CheckpointException("save failed", {0: _wrap_exception(err)}) from None
+
+    assert run_command("train-ppo", save) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "/ckpt/step_9/__0_0.distcp: the disk is full" in err
+
+
+def test_output_directory_deleted_mid_run_is_one_line(tmp_path, capsys):
+    from megatron_rlhf.utils import run_command
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def write_after_deletion():
+        shutil.rmtree(run_dir)  # as a user's cleanup script would, mid-run
+        (run_dir / "metrics.jsonl").write_text("{}\n")  # a real ENOENT from open()
+        return 0
+
+    assert run_command("train-reward", write_after_deletion) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{run_dir / 'metrics.jsonl'}: no such file or directory (was it moved or deleted" in err
+
+
+def test_a_bug_is_not_dressed_up_as_bad_input():
+    from megatron_rlhf.utils import run_command
+
+    with pytest.raises(KeyError):
+        run_command("score", lambda: {}["missing"])
