@@ -69,6 +69,18 @@ def config_parser(prog: str, description: str, examples: str) -> argparse.Argume
         action="store_true",
         help="print every config key with its default and what it means, then exit",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with train.resume=false: delete the checkpoints and logs already in "
+        "train.output_dir and start over",
+    )
+    parser.add_argument(
+        "--force-config-change",
+        action="store_true",
+        help="resume even though config keys other than steps, intervals and logging changed "
+        "(the changes are logged to config_changes.jsonl)",
+    )
     return parser
 
 

@@ -187,11 +187,11 @@ CASES = [
          lambda fx, t: _damaged_copy(fx["lm"], t / "ckpt", "common.pt", None)),
     Case("generate-missing-shard", "generate",
          lambda fx, t: _gen(fx, t, load=str(t / "ckpt")),
-         ["ckpt", "missing, truncated or corrupt", "re-save"],
+         ["ckpt/__0_0.distcp: missing", "re-save"],  # named by the manifest check
          lambda fx, t: _damaged_copy(fx["lm"], t / "ckpt", "__0_0.distcp", None)),
     Case("generate-truncated-shard", "generate",
          lambda fx, t: _gen(fx, t, load=str(t / "ckpt")),
-         ["ckpt", "missing, truncated or corrupt", "re-save"],
+         ["ckpt/__0_0.distcp:", "(truncated or swapped)", "re-save"],
          lambda fx, t: _damaged_copy(fx["lm"], t / "ckpt", "__0_0.distcp", "half")),
     # ------------------------------------------------------------------ score
     Case("score-empty-input", "score", lambda fx, t: _score(fx, t, input=str(t / "e.jsonl")),

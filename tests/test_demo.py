@@ -10,14 +10,41 @@ import sys
 import pytest
 from torchrun_util import REPO
 
+ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+COMMAND = [sys.executable, "-m", "megatron_rlhf", "demo", "--output-dir"]
+# Each tiny example as shipped (its documented inputs, two steps): the reward one on the data of
+# its own prepare_tiny.py, the PPO one on the demo's outputs (it names demo_output/...).
+EXAMPLES = f"""
+import sys
+if __name__ == "__main__":
+    sys.path.insert(0, {str(REPO / "examples" / "reward")!r})
+    from pathlib import Path
+    from prepare_tiny import main as prepare
+    from megatron_rlhf.reward.train import main as train_reward
+    from megatron_rlhf.ppo.train import main as train_ppo
+    prepare(Path("runs/tiny"))
+    assert train_reward(["--config", {str(REPO / "examples/reward/tiny_cpu.yaml")!r},
+                         "train.steps=2"]) == 0
+    assert train_ppo(["--config", {str(REPO / "examples/ppo/tiny_cpu.yaml")!r},
+                      "train.steps=2"]) == 0
+"""
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    out = root / "demo_output"
+    proc = subprocess.run(
+        [*COMMAND, str(out)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root, out, proc
+
 
 @pytest.mark.slow
-def test_demo_runs_the_whole_pipeline(tmp_path):
-    out = tmp_path / "demo"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    command = [sys.executable, "-m", "megatron_rlhf", "demo", "--output-dir", str(out)]
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_demo_runs_the_whole_pipeline(demo):
+    _, out, proc = demo
+    env, command = ENV, [*COMMAND, str(out)]
     for stage in range(1, 8):
         assert f"=== [{stage}/7]" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1].startswith("[demo] done: seconds=")
@@ -37,3 +64,21 @@ def test_demo_runs_the_whole_pipeline(tmp_path):
 
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
+
+
+@pytest.mark.slow
+def test_tiny_examples_run_as_shipped(demo):
+    root, _, _ = demo
+    (root / "examples.py").write_text(EXAMPLES)
+    proc = subprocess.run(
+        [sys.executable, "examples.py"],
+        cwd=root,
+        env=dict(ENV, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (root / "runs" / "tiny" / "am" / "step_0000002" / "manifest.json").exists()
+    metrics = (root / "demo_output" / "ppo_example" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == [1, 2]

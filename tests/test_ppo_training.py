@@ -53,12 +53,10 @@ def _run(setup, output_dir, nproc=1, *overrides):
 
 
 def _rewards(output_dir: Path) -> dict[int, dict]:
-    """The last logged metrics of every step (a resumed run logs some steps twice)."""
-    by_step = {}
-    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step[record["step"]] = record
-    return by_step
+    """The logged metrics of every step (each step once, also after a resume)."""
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    return {record["step"]: record for record in records}
 
 
 @pytest.fixture(scope="module")
@@ -90,19 +88,32 @@ def test_ppo_raises_a_known_reward(tp1_run, setup):
     assert list((setup["root"] / "tp1" / "tensorboard").iterdir())
 
 
-@pytest.mark.slow
-def test_tp2_follows_the_tp1_trajectory(tp1_run, setup):
-    """Same seed, same data: TP=2 reproduces TP=1 until a near-tie sample flips (logits agree
-    to ~1e-7, so the first steps are identical), and learns as well."""
+@pytest.fixture(scope="module")
+def tp2_run(setup):
     output_dir = setup["root"] / "tp2"
     _run(setup, output_dir, 2, "parallel.tp=2")
-    tp2 = _rewards(output_dir)
+    return output_dir
+
+
+@pytest.mark.slow
+def test_tp2_follows_the_tp1_trajectory(tp1_run, tp2_run):
+    """Same seed, same data: TP=2 reproduces TP=1 until a near-tie sample flips (logits agree
+    to ~1e-7, so the first steps are identical), and learns as well."""
+    tp2 = _rewards(tp2_run)
     for step in (1, 2, 3):
         assert tp2[step]["reward/mean"] == pytest.approx(tp1_run[step]["reward/mean"], abs=1e-6)
         assert tp2[step]["kl/mean"] == pytest.approx(tp1_run[step]["kl/mean"], abs=1e-4)
     for step in range(1, 13):
         assert abs(tp2[step]["reward/mean"] - tp1_run[step]["reward/mean"]) < 0.15
     assert sum(tp2[s]["reward/mean"] for s in (10, 11, 12)) / 3 > 0.5
+
+
+@pytest.mark.slow
+def test_tp2_checkpoint_exports_policy_and_critic_to_hf(tp2_run, tmp_path):
+    """megatron-to-hf on a checkpoint saved at TP=2: the HF policy generates our tokens."""
+    from test_checkpoint_integrity import check_export_matches_checkpoint
+
+    check_export_matches_checkpoint(tp2_run / "step_0000012", tmp_path)
 
 
 @pytest.mark.slow
@@ -127,3 +138,6 @@ def test_killed_run_resumes_exactly(tp1_run, setup):
     for step in range(5, 13):
         for key in ("reward/mean", "kl/mean", "actor/policy_loss", "critic/value_loss"):
             assert resumed[step][key] == tp1_run[step][key], (step, key)
+    samples = (output_dir / "samples.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in samples]  # logs cut back to the resumed step
+    assert sorted(set(steps)) == [4, 8, 12] and steps.count(4) == steps.count(8) == 16

@@ -324,7 +324,7 @@ def test_score_matches_transformers_float64(converted_am, tmp_path):
         "rejected": "\n\nHuman: Hi?\n\nAssistant: Go away.",
     }
     pairs.write_text(json.dumps(pair) + "\n" + json.dumps(hh) + "\n")
-    assert score.main([*argv[:2], "--input", str(pairs), "--output", str(out)]) == 0
+    assert score.main([*argv[:2], "--input", str(pairs), "--output", str(out), "--overwrite"]) == 0
     first, second = [json.loads(line) for line in out.read_text().splitlines()]
     assert first["task"] == "7" and "task" not in second
     for line, (prompt, chosen, rejected) in zip(
@@ -362,9 +362,12 @@ def test_wrong_head_checkpoint_is_named(fig4, tmp_path, capsys):
     assert main(["loss=am", "train.steps=1", *argv]) == 2
     err = capsys.readouterr().err
     assert f"{rm}: holds a 'scalar' head with 1 scalar outputs" in err and "with 2" in err
-    # resuming an RM run as an AM run is refused too
+    # resuming an RM run as an AM run is refused too: as a changed config, and even when forced
     argv[-1] = f"train.output_dir={fig4['root'] / 'rm'}"
     assert main(["loss=am", *argv]) == 2
+    changed = capsys.readouterr().err.split("resuming with a changed config (")[1].split(")")[0]
+    assert "loss" in changed.split(", ")
+    assert main(["loss=am", *argv, "--force-config-change"]) == 2
     assert "was trained with loss='rm'" in capsys.readouterr().err
 
 

@@ -61,7 +61,9 @@ def load_bloom(
     if is_hf_checkpoint(directory):
         load_hf_into_model(model, HFReader(directory, head=head))
         return model
-    meta, prefix = _role_view(dist_ckpt.read_metadata(directory), head)
+    meta = dist_ckpt.read_metadata(directory)
+    role = ("actor" if head == "lm" else "critic") if "roles" in meta else None
+    meta, prefix = role_view(meta, role, directory)
     if trunk_only:
         _load_trunk(model, directory, meta, prefix)
         return model
@@ -78,13 +80,17 @@ def load_bloom(
     return model
 
 
-def _role_view(meta: dict, head: str) -> tuple[dict, str]:
-    """A PPO checkpoint holds the actor (``actor.`` keys) and the critic (``critic.`` keys):
-    an LM head reads the actor, a scalar head the critic. Other checkpoints hold one model."""
+def role_view(meta: dict, role: str | None, directory) -> tuple[dict, str]:
+    """(metadata of one model, its key prefix). A train-ppo checkpoint holds the ``actor``
+    (``actor.`` keys, LM head) and the ``critic`` (``critic.`` keys, scalar head); every other
+    checkpoint holds one model (``role`` None)."""
     if "roles" not in meta:
+        if role is not None:
+            raise InputError(
+                f"{directory}: holds one model, not a train-ppo actor/critic pair; drop --role"
+            )
         return meta, ""
-    role = meta["roles"]["actor" if head == "lm" else "critic"]
-    return {**meta, **role}, role["prefix"]
+    return {**meta, **meta["roles"][role or "actor"]}, meta["roles"][role or "actor"]["prefix"]
 
 
 def _load_trunk(model, directory, meta: dict, prefix: str = "") -> None:

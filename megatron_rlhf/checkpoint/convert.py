@@ -7,7 +7,10 @@ command relaunches itself under torchrun with tp*pp processes.
 
 megatron-to-hf: the checkpoint is loaded at TP=1 and PP=--pp (resharded by dist_checkpointing);
 each pipeline stage writes its own layers as one safetensors shard, so a process holds 1/pp of
-the model. Padded vocab rows are dropped; rank 0 writes the index, config and tokenizer.
+the model. Padded vocab rows are dropped; rank 0 writes the index, config and tokenizer. A
+``train-ppo`` checkpoint holds two models: ``--role actor`` (the default) exports the trained
+policy as a ``BloomForCausalLM``, ``--role critic`` the value model as a 1-label
+``BloomForSequenceClassification`` (as a reward-model export).
 """
 
 from __future__ import annotations
@@ -117,12 +120,13 @@ def megatron_to_hf(args) -> int:
     from safetensors.torch import save_file
 
     from megatron_rlhf.checkpoint import dist as dist_ckpt
+    from megatron_rlhf.checkpoint import role_view
     from megatron_rlhf.checkpoint.hf_io import INDEX_FILE, stage_layer_offset
     from megatron_rlhf.checkpoint.hf_names import full_hf_name, mapping_for
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, validate
     from megatron_rlhf.models.bloom import BloomModel
 
-    meta = dist_ckpt.read_metadata(args.load)
+    meta, prefix = role_view(dist_ckpt.read_metadata(args.load), args.role, args.load)
     arch, head = dist_ckpt.architecture_of(args.load), meta["head"]
     validate(ParallelConfig(pp=args.pp), args.pp, arch.num_heads, arch.num_layers)
     _check_save(args)
@@ -142,7 +146,8 @@ def megatron_to_hf(args) -> int:
         params_dtype=getattr(torch, meta.get("dtype", "float32")),
         init_weights=False,
     )
-    dist_ckpt.load(args.load, model.sharded_state_dict())
+    loaded = dist_ckpt.load(args.load, model.sharded_state_dict(prefix=prefix))
+    model.load_state_dict({name.removeprefix(prefix): value for name, value in loaded.items()})
     stage, offset = dist.get_rank(), stage_layer_offset(arch.num_layers)
     # A converted HF model goes back in its own dtype (bf16 -> fp32 -> bf16 is exact).
     export_dtype = meta.get("hf_dtype", meta.get("dtype", "float32"))
@@ -216,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes to split the layers over (each holds and writes 1/pp of the model)",
     )
     to_hf.add_argument("--overwrite", action="store_true", help="replace an existing --save")
+    to_hf.add_argument(
+        "--role",
+        choices=("actor", "critic"),
+        help="train-ppo checkpoints: export the policy (actor, the default) or the value model "
+        "(critic, as a 1-label BloomForSequenceClassification)",
+    )
     return parser
 
 

@@ -1,9 +1,11 @@
 """Megatron-Core distributed checkpoints: saved at one TP/PP layout, loaded at any other.
 
 A checkpoint directory holds Megatron-Core's ``torch_dist`` files plus ``megatron_rlhf.json``
-(architecture, head type, how it was made) and, when known, the tokenizer files. Saving writes
-into ``<dir>.tmp-partial`` and renames it when every rank has finished, so an interrupted save
-never leaves a directory that looks complete.
+(architecture, head type, how it was made), when known the tokenizer files, and
+``manifest.json`` (every file's size and SHA-256, verified before loading). Saving writes into
+``<dir>.tmp-partial`` and renames it when every rank has finished, so an interrupted save never
+leaves a directory that looks complete. Nothing of ours is pickled; torch's ``.metadata`` and
+Megatron's ``common.pt`` are pickles (upstream), which is why the manifest is checked first.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_rlhf.checkpoint import manifest
 from megatron_rlhf.models.bloom.config import BloomArchitecture
+from megatron_rlhf.training.guards import require_finite_state
 from megatron_rlhf.utils import InputError
 
 METADATA_FILE = "megatron_rlhf.json"
@@ -70,13 +74,18 @@ def save(
 ) -> Path:
     """Save ``sharded_state_dict`` (model, optimizer, ...) atomically; collective over ranks.
 
-    ``rank_state`` (RNG states, counters) is pickled per global rank into ``rank_state/``.
+    ``rank_state`` (RNG states, counters: JSON-able values) is written per global rank as
+    ``rank_state/<rank>.json``. Last, every file's size and SHA-256 go into ``manifest.json``
+    (checkpoint/manifest.py), which :func:`load` verifies before anything is unpickled.
     """
     final = Path(directory)
     partial = final.with_name(final.name + ".tmp-partial")
     # Checked on every rank: if rank 0 alone raised, the others would wait at the barrier.
     if final.exists() and not overwrite:
         raise InputError(f"{final}: already exists; choose another --save directory")
+    require_finite_state(_named_tensors(sharded_state_dict), str(final))
+    if tokenizer_dir is not None and "tokenizer" not in metadata:
+        metadata = {**metadata, "tokenizer": tokenizer_of(tokenizer_dir)}
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -85,12 +94,14 @@ def save(
     dist_checkpointing.save(sharded_state_dict, str(partial))
     if rank_state is not None:
         (partial / "rank_state").mkdir(exist_ok=True)
-        torch.save(rank_state, partial / "rank_state" / f"{_rank():05d}.pt")
-    _barrier()
+        (partial / "rank_state" / f"{_rank():05d}.json").write_text(json.dumps(rank_state))
     if _rank() == 0:
         (partial / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, partial)
+    _barrier()
+    manifest.write_manifest(partial)
+    if _rank() == 0:
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
@@ -110,6 +121,20 @@ def _results_queue_without_spawn() -> None:
         filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
+def _named_tensors(tree, name: str = ""):
+    """(key, tensor) for every tensor leaf of a (sharded) state dict."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _named_tensors(value, f"{name}.{key}" if name else str(key))
+    elif isinstance(tree, (list, tuple)):
+        for index, value in enumerate(tree):
+            yield from _named_tensors(value, f"{name}.{index}")
+    elif torch.is_tensor(tree):
+        yield name, tree
+    elif torch.is_tensor(getattr(tree, "data", None)):  # ShardedTensor and friends
+        yield getattr(tree, "key", name), tree.data
+
+
 def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False) -> dict:
     """Load a checkpoint into the given sharded state dict (any TP/PP layout).
 
@@ -117,6 +142,7 @@ def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False)
     """
     directory = Path(directory)
     read_metadata(directory)  # a clear error for a directory that is not our checkpoint
+    manifest.verify(directory)  # before torch's .metadata and common.pt are unpickled
     for name in ("metadata.json", "common.pt", ".metadata"):  # what every torch_dist save writes
         if not (directory / name).is_file():
             raise InputError(
@@ -138,9 +164,18 @@ def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False)
 
 
 def load_rank_state(directory: str | Path) -> dict | None:
-    """This rank's ``rank_state`` from a checkpoint saved at the same world size, else None."""
-    path = Path(directory) / "rank_state" / f"{_rank():05d}.pt"
-    return torch.load(path, weights_only=False) if path.exists() else None
+    """This rank's ``rank_state`` (JSON, never a pickle) from a checkpoint saved at the same
+    world size, else None."""
+    path = Path(directory) / "rank_state" / f"{_rank():05d}.json"
+    if path.exists():
+        manifest.verify(directory)
+        return json.loads(path.read_text())
+    if path.with_suffix(".pt").exists():
+        raise InputError(
+            f"{path.with_suffix('.pt')}: rank state in the old pickle format, which is not "
+            "loaded (unpickling can run code); resume from a checkpoint of this version"
+        )
+    return None
 
 
 def read_metadata(directory: str | Path) -> dict:
@@ -176,6 +211,34 @@ def model_metadata(model, **extra) -> dict:
     }
     meta.update(extra)
     return meta
+
+
+def tokenizer_of(directory: str | Path) -> dict | None:
+    """{"name", "fingerprint"} of the tokenizer of a checkpoint (recorded in its
+    ``megatron_rlhf.json``) or of any directory holding tokenizer files; None if unknown."""
+    directory = Path(directory)
+    if (directory / METADATA_FILE).exists():
+        recorded = read_metadata(directory).get("tokenizer")
+        if recorded is not None:
+            return recorded
+    if not (directory / "tokenizer.json").exists():
+        return None
+    from megatron_rlhf.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    tokenizer = load_tokenizer(directory)
+    return {"name": str(directory), "fingerprint": tokenizer_fingerprint(tokenizer)}
+
+
+def check_tokenizer_matches(tokenizer_dir, model_dir, flag: str = "--tokenizer") -> None:
+    """A tokenizer directory given beside a model is the model's own (when both are known)."""
+    from megatron_rlhf.data.tokenizer import check_same_tokenizer
+
+    if tokenizer_dir is None or Path(tokenizer_dir) == Path(model_dir):
+        return
+    given = tokenizer_of(tokenizer_dir)
+    if given is not None:
+        named = {"path": str(tokenizer_dir), **given}
+        check_same_tokenizer(named, f"{flag} {tokenizer_dir}", tokenizer_of(model_dir), model_dir)
 
 
 def copy_tokenizer_files(source: str | Path, target: str | Path) -> list[str]:

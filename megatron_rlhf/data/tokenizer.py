@@ -10,12 +10,14 @@ It is saved as a normal Hugging Face tokenizer directory (``tokenizer.json`` plu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from megatron_rlhf.utils import InputError
+from megatron_rlhf.utils import InputError, is_rank0
 
 # BLOOM's special tokens, in id order.
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
@@ -116,4 +118,46 @@ def tokenizer_info(tokenizer, tokenizer_dir: str | os.PathLike | None = None) ->
         "eos_id": eos_id,
         "pad_id": pad_id,
         "bos_id": tokenizer.bos_token_id,
+        "fingerprint": tokenizer_fingerprint(tokenizer),
     }
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """``sha256:<16 hex>`` of the vocabulary (every token and its id, added tokens included)
+    and the special ids: equal exactly when two tokenizers map text to the same ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    special = [
+        getattr(tokenizer, f"{name}_token_id", None) for name in ("unk", "bos", "eos", "pad")
+    ]
+    payload = json.dumps([vocab, special], ensure_ascii=False, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+def print_rank0(message: str) -> None:
+    if is_rank0():
+        print(message, file=sys.stderr, flush=True)
+
+
+def check_same_tokenizer(data: dict | None, data_what: str, model: dict | None, model_what: str):
+    """Refuse data tokenized with another tokenizer than the model's.
+
+    ``data`` is a dataset sidecar's ``tokenizer`` entry, ``model`` a checkpoint's (see
+    ``checkpoint.dist.tokenizer_of``); either may be None or lack a fingerprint (made before
+    fingerprints were recorded): then the check is skipped, with a warning for the data."""
+    data_fp = (data or {}).get("fingerprint")
+    model_fp = (model or {}).get("fingerprint")
+    if model_fp is None:
+        return
+    if data_fp is None:
+        print_rank0(
+            f"[tokenizer] warning: {data_what} records no tokenizer fingerprint (preprocessed "
+            f"before they were recorded); cannot check that it matches {model_what}"
+        )
+        return
+    if data_fp != model_fp:
+        data_name = data.get("path") or data.get("name_or_path") or "an unnamed tokenizer"
+        raise InputError(
+            f"{data_what} uses tokenizer {data_name} ({data_fp}) but {model_what} uses "
+            f"{model.get('name') or 'another tokenizer'} ({model_fp}); preprocess the data with "
+            "the model's tokenizer (or give that tokenizer)"
+        )

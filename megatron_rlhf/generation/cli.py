@@ -202,12 +202,14 @@ def _generate(args) -> int:
     from tqdm import tqdm
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
+    from megatron_rlhf.checkpoint.dist import check_tokenizer_matches
     from megatron_rlhf.distributed import ParallelConfig, initialize
     from megatron_rlhf.generation.engine import generate
 
     check_output_path(args.output, args.overwrite)
     arch = checkpoint_architecture(args.load)
     max_prompt_length = check_generation_arguments(args, arch.max_sequence_length)
+    check_tokenizer_matches(args.tokenizer, args.load)
     tokenizer = resolve_tokenizer(args.tokenizer, args.load)
     records = read_prompts(
         args.prompts, tokenizer, arch.vocab_size, max_prompt_length, args.truncate_prompts

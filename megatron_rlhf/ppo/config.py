@@ -11,7 +11,8 @@ from megatron_rlhf.training.engine import OptimConfig
 
 @dataclass(kw_only=True)
 class ModelsConfig:
-    """Where each of the four roles comes from (HF BLOOM dirs or megatron-rlhf checkpoints)."""
+    """Where each of the four roles comes from: HF BLOOM dirs, megatron-rlhf checkpoints, or a
+    training run directory (its latest checkpoint is used)."""
 
     actor: str
     """The SFT policy to optimise (LM head)."""
@@ -24,7 +25,8 @@ class ModelsConfig:
     """The frozen reward model (1 output) or Advantage Model (2 outputs: r and e_tau)."""
     reward_fn: str | None = None
     """Instead of a reward model: ``package.module:function`` mapping (prompt_ids, response_ids)
-    lists of token ids to a float score (rule-based rewards, tests with a known reward)."""
+    lists of token ids to a float score (rule-based rewards, tests with a known reward). The
+    module is imported and run: a config naming one is code, trust it as such."""
     reward_kind: Literal["am", "rm"] = "am"
     """am: score = a = r - e_tau(x) (AM-PPO); rm: score = r (RM-PPO)."""
     tokenizer: str | None = None
@@ -145,6 +147,9 @@ class TrainSection:
     """Dump (prompt, response, score) samples to samples.jsonl every N steps."""
     resume: bool = True
     """Continue from output_dir's latest checkpoint when there is one."""
+    max_nonfinite_skips: int = 0
+    """PPO steps with a non-finite loss or gradient norm skipped (no update, KL controller and
+    reward normaliser unchanged) before the run stops with an error; 0: the first one stops it."""
     bf16: bool = False
     """bf16 parameters (GPU); CPU runs stay fp32."""
 

@@ -72,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--judge-kind", choices=("am", "rm"), default="am", help="am: a = r - e_tau(x); rm: r"
     )
-    parser.add_argument("--score-fn", help="instead of --judge: package.module:function")
+    parser.add_argument(
+        "--score-fn",
+        help="instead of --judge: package.module:function (imports and runs that Python code)",
+    )
     parser.add_argument("--tie-margin", type=float, default=0.0, help="|d| <= margin is a tie")
     parser.add_argument("--tokenizer", help="HF tokenizer dir (default: --sft if it has one)")
     parser.add_argument("--output-dir", required=True)

@@ -112,7 +112,7 @@ class RunData:
 class RunLogger:
     """TensorBoard scalars, metrics.jsonl, samples.jsonl and the progress bar (rank 0)."""
 
-    def __init__(self, output_dir: Path, config):
+    def __init__(self, output_dir: Path, config, step: int = 0):
         self.enabled = is_rank0()
         self.output_dir = output_dir
         self.writer = None
@@ -121,7 +121,8 @@ class RunLogger:
 
             output_dir.mkdir(parents=True, exist_ok=True)
             (output_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2) + "\n")
-            self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+            # a resumed run's events after ``step`` are dropped, so each step appears once
+            self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=step + 1)
         self.bar = None
 
     def progress(self, steps):

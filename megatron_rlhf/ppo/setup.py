@@ -11,6 +11,7 @@ import torch
 
 from megatron_rlhf.checkpoint import checkpoint_architecture, is_hf_checkpoint, load_bloom
 from megatron_rlhf.checkpoint.dist import read_metadata
+from megatron_rlhf.data.tokenizer import check_same_tokenizer
 from megatron_rlhf.distributed.layouts import check_global_batch, resolve_layouts
 from megatron_rlhf.ppo.config import TrainPPOConfig
 from megatron_rlhf.utils import InputError
@@ -28,10 +29,16 @@ def role_paths(config: TrainPPOConfig) -> dict[str, str]:
 
 
 def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
-    """Every check that needs no model memory; returns the architectures by role."""
+    """Every check that needs no model memory; returns the architectures by role.
+
+    A role given as a training run directory is replaced by its latest checkpoint."""
+    from megatron_rlhf.training.checkpointing import checkpoint_in
     from megatron_rlhf.training.engine import optim_problems
 
     models = config.models
+    for role in ROLE_KEYS:
+        if getattr(models, role) is not None:
+            setattr(models, role, checkpoint_in(getattr(models, role)))
     problems = optim_problems(config.actor_optim, "actor_optim")
     problems += optim_problems(config.critic_optim, "critic_optim")
     if problems:
@@ -65,13 +72,22 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
                 f"needs a scalar head with {expected}"
             )
     vocab = vocabs["actor"]
+    actor_tokenizer = _same_tokenizer_for_every_role(config)
     prompts_tokenizer = _dataset_tokenizer(config.data.prompts, "data.prompts", vocab)
+    check_same_tokenizer(
+        prompts_tokenizer, f"data.prompts ({config.data.prompts})",
+        actor_tokenizer, f"models.actor ({models.actor})",
+    )  # fmt: skip
     if config.rehearsal.enabled:
         if config.rehearsal.dataset is None:
             raise InputError("rehearsal.enabled=true needs rehearsal.dataset (an SFT prefix)")
         rehearsal_tokenizer = _dataset_tokenizer(
             config.rehearsal.dataset, "rehearsal.dataset", vocab
         )
+        check_same_tokenizer(
+            rehearsal_tokenizer, f"rehearsal.dataset ({config.rehearsal.dataset})",
+            actor_tokenizer, f"models.actor ({models.actor})",
+        )  # fmt: skip
         if _tokenizer_identity(rehearsal_tokenizer) != _tokenizer_identity(prompts_tokenizer):
             raise InputError(
                 f"rehearsal.dataset was built with tokenizer {_tokenizer_identity(rehearsal_tokenizer)}"
@@ -126,6 +142,20 @@ def check_batches(config: TrainPPOConfig, layouts: dict) -> None:
                 f"ppo.num_minibatches * ppo.micro_batch_size = "
                 f"{ppo.num_minibatches} * {ppo.micro_batch_size}"
             )
+
+
+def _same_tokenizer_for_every_role(config: TrainPPOConfig) -> dict | None:
+    """The actor's tokenizer identity; every role whose tokenizer is known must share it."""
+    from megatron_rlhf.checkpoint.dist import tokenizer_of
+
+    known = {role: tokenizer_of(path) for role, path in role_paths(config).items()}
+    known = {role: t for role, t in known.items() if t and t.get("fingerprint")}
+    if len({t["fingerprint"] for t in known.values()}) > 1:
+        described = "; ".join(
+            f"models.{role}: {t.get('name')} ({t['fingerprint']})" for role, t in known.items()
+        )
+        raise InputError(f"the roles were trained with different tokenizers: {described}")
+    return known.get("actor") or next(iter(known.values()), None)
 
 
 def _dataset_tokenizer(prefix: str, key: str, vocab: int) -> dict:

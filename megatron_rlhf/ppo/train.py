@@ -33,7 +33,20 @@ from megatron_rlhf.ppo.scoring import score
 from megatron_rlhf.ppo.setup import build_roles, import_reward_fn, validate_config, world_size
 from megatron_rlhf.ppo.train_cli import build_parser
 from megatron_rlhf.ppo.update import ppo_update
+from megatron_rlhf.training.guards import NonFiniteGuard
+from megatron_rlhf.training.run_dir import first_logged, open_run
 from megatron_rlhf.utils import InputError, is_rank0, print_summary, run_command
+
+RESUMABLE_CHANGES = (
+    "train.steps",
+    "train.save_interval",
+    "train.log_interval",
+    "train.sample_interval",
+    "train.resume",
+    "train.max_nonfinite_skips",
+    "train.output_dir",
+)
+"""Config keys that may differ when a run resumes (training/run_dir.py)."""
 
 
 def main(argv: list[str]) -> int:
@@ -48,13 +61,15 @@ def train(args) -> int:
     config = load_config(TrainPPOConfig, args.config, args.overrides)
     validate_config(config, world_size())
     parallel_config(config)
-    return PPOTrainer(config).fit()
+    return PPOTrainer(config, args.overwrite, args.force_config_change).fit()
 
 
 class PPOTrainer:
     """Holds the run's state; ``fit()`` reads like the algorithm."""
 
-    def __init__(self, config: TrainPPOConfig):
+    def __init__(
+        self, config: TrainPPOConfig, overwrite: bool = False, force_config_change: bool = False
+    ):
         from megatron_rlhf.distributed import initialize
         from megatron_rlhf.training import TrainEngine
 
@@ -74,18 +89,23 @@ class PPOTrainer:
         self.normalizer = RewardNormalizer(
             config.ppo.reward_normalization, config.ppo.reward_ma_momentum
         )
+        self.guard = NonFiniteGuard(
+            train.max_nonfinite_skips, lr_key="actor_optim.lr, critic_optim.lr"
+        )
         self.step, self.consumed_prompts, self.consumed_rehearsal = 0, 0, 0
         self.output_dir = Path(train.output_dir)
-        self._resume()
+        self._resume(overwrite, force_config_change)
         self.data = RunData(config, self.consumed_prompts, self.consumed_rehearsal)
-        self.logger = RunLogger(self.output_dir, config)
+        self.logger = RunLogger(self.output_dir, config, self.step)
 
     def fit(self) -> int:
         config, start = self.config, time.time()
-        first_reward = last_reward = None
+        first_reward = first_logged(self.output_dir, "reward/mean")  # steps before a resume
+        last_reward = None
         for step in self.logger.progress(range(self.step, config.train.steps)):
             self.step = step
             timings, t0 = {}, time.time()
+            controls = self.kl.state_dict(), self.normalizer.state_dict()
             prompts = self.data.next_prompts()
             if config.ppo.algorithm == "rejection_sampling":
                 prompts = repeat_prompts(prompts, config.ppo.rejection_samples_per_prompt)
@@ -125,6 +145,9 @@ class PPOTrainer:
             self.consumed_prompts = self.data.consumed_prompts
             self.consumed_rehearsal = self.data.consumed_rehearsal
             metrics |= self.rollout_metrics(experience, timings)
+            if not self.guard.check(self.step + 1, metrics):  # skipped: undo the step's controls
+                self.kl.load_state_dict(controls[0])
+                self.normalizer.load_state_dict(controls[1])
             last_reward = metrics["reward/mean"]
             first_reward = last_reward if first_reward is None else first_reward
             self.logger.log(self.step + 1, metrics)
@@ -231,6 +254,7 @@ class PPOTrainer:
             "consumed_rehearsal": self.consumed_rehearsal,
             "kl": self.kl.state_dict(),
             "normalizer": self.normalizer.state_dict(),
+            "nonfinite": self.guard.state_dict(),
         }
         roles = {
             "actor": {"head": "lm", "num_scalar_outputs": 0, "prefix": "actor."},
@@ -238,13 +262,25 @@ class PPOTrainer:
         }
         metadata = model_metadata(self.roles.actor, roles=roles, config=to_dict(self.config))
         save_training_checkpoint(
-            self.output_dir, step, {"actor": self.actor, "critic": self.critic}, metadata, state
+            self.output_dir,
+            step,
+            {"actor": self.actor, "critic": self.critic},
+            metadata,
+            state,
+            tokenizer_dir=self.config.models.tokenizer or self.config.models.actor,
         )
 
-    def _resume(self) -> None:
-        from megatron_rlhf.training.checkpointing import latest_checkpoint, load_training_checkpoint
+    def _resume(self, overwrite: bool, force_config_change: bool) -> None:
+        from megatron_rlhf.training.checkpointing import load_training_checkpoint
 
-        latest = latest_checkpoint(self.output_dir) if self.config.train.resume else None
+        latest = open_run(
+            self.output_dir,
+            to_dict(self.config),
+            resume=self.config.train.resume,
+            overwrite=overwrite,
+            force_config_change=force_config_change,
+            allowed=RESUMABLE_CHANGES,
+        )
         if latest is None:
             return
         state = load_training_checkpoint(latest, {"actor": self.actor, "critic": self.critic})
@@ -257,6 +293,7 @@ class PPOTrainer:
         )
         self.kl.load_state_dict(state["kl"])
         self.normalizer.load_state_dict(state["normalizer"])
+        self.guard.load_state_dict(state.get("nonfinite", {}))
         if is_rank0():
             print(f"[train-ppo] resumed from {latest} at step {self.step}", flush=True)
 

@@ -28,6 +28,7 @@ tokens (``--max-prompt-length`` caps prompts further; counts in the summary).
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,6 +122,7 @@ def run(args) -> int:
     tokenizer_dir = args.tokenizer or (
         args.load if any((Path(args.load) / n).exists() for n in TOKENIZER_FILES) else None
     )
+    _check_tokenizer(args, tokenizer_dir)
     scoring = read_input(args.input, tokenizer_dir, not args.no_eos, arch.vocab_size)
     fit_lengths(scoring, arch.max_sequence_length, args.max_prompt_length, args.truncate_prompts)
 
@@ -146,6 +148,7 @@ def run(args) -> int:
     dist.all_gather_object(gathered, results if reports else {})
     if is_rank0():
         merged = {index: value for part in gathered for index, value in part.items()}
+        _refuse_nonfinite(merged, args)
         write_jsonl(args.output, output_lines(scoring, merged))
     print_summary(
         "score",
@@ -218,6 +221,33 @@ def _score_batch(model, scoring: ScoringInput, batch: list[int]) -> dict:
     scores = advantage_scores(rewards, expected).tolist()
     expected = [None] * len(batch) if expected is None else expected.tolist()
     return {i: row for i, row in zip(batch, zip(rewards.tolist(), expected, scores))}
+
+
+def _check_tokenizer(args, tokenizer_dir) -> None:
+    """The input's tokenizer (an indexed set's sidecar, or --tokenizer) is the model's."""
+    from megatron_rlhf.checkpoint.dist import check_tokenizer_matches, tokenizer_of
+    from megatron_rlhf.data import read_sidecar
+    from megatron_rlhf.data.tokenizer import check_same_tokenizer
+
+    model = tokenizer_of(args.load)
+    if not Path(args.input).is_file():
+        sidecar = read_sidecar(args.input)
+        check_same_tokenizer(sidecar.get("tokenizer"), args.input, model, f"--load {args.load}")
+    else:
+        check_tokenizer_matches(tokenizer_dir, args.load)
+
+
+def _refuse_nonfinite(results: dict, args) -> None:
+    """No NaN/inf score is ever written: name the first sequence that got one."""
+    from megatron_rlhf.training.guards import NonFiniteError
+
+    for index in sorted(results):
+        if not all(math.isfinite(v) for v in results[index] if v is not None):
+            raise NonFiniteError(
+                f"{args.input}: sequence {index} (0-based; a pair's chosen is 2i, rejected 2i+1)"
+                f" scored {results[index]} (NaN/inf) with {args.load}; nothing was written to "
+                f"{args.output}; check that checkpoint (it may hold non-finite weights)"
+            )
 
 
 def output_lines(scoring: ScoringInput, results: dict):

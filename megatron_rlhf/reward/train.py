@@ -110,14 +110,18 @@ def _summary(config: RewardTrainConfig, result: dict) -> dict:
     )
 
 
-def train(config: RewardTrainConfig) -> dict:
+def train(
+    config: RewardTrainConfig, overwrite: bool = False, force_config_change: bool = False
+) -> dict:
     """Run (or resume) the training run; returns per-step metrics, the last evaluation and the
-    final checkpoint. Collective over every rank of the launch."""
+    final checkpoint. ``overwrite`` / ``force_config_change``: see training/run_dir.py.
+    Collective over every rank of the launch."""
     from megatron_rlhf.checkpoint import checkpoint_architecture
     from megatron_rlhf.checkpoint.dist import model_metadata
     from megatron_rlhf.config import to_dict
     from megatron_rlhf.distributed import ParallelConfig, initialize
     from megatron_rlhf.training.checkpointing import save_training_checkpoint
+    from megatron_rlhf.training.guards import NonFiniteGuard
 
     start_time = time.time()
     _check_config(config)
@@ -133,7 +137,7 @@ def train(config: RewardTrainConfig) -> dict:
         num_layers=arch.num_layers,
     )
     batches = PairBatches.for_layout(config.train, dp_size, config.model)
-    dataset, train_set, eval_set = _open_data(config, arch.max_sequence_length)
+    dataset, train_set, eval_set = _open_data(config, arch.max_sequence_length, arch.vocab_size)
     batches.pad_id = dataset.pad_id if dataset.pad_id is not None else 0
     total_steps = config.train.steps or int(
         config.train.epochs * len(train_set) // config.train.global_batch_size
@@ -147,12 +151,16 @@ def train(config: RewardTrainConfig) -> dict:
     output_dir = Path(config.train.output_dir)
     from megatron_rlhf.reward.model import NUM_OUTPUTS
 
+    guard = NonFiniteGuard(config.train.max_nonfinite_skips)
     engine, step, consumed, checkpoint = command.build_engine(
         "train-reward",
         config,
         arch,
         total_steps,
         check_saved=_check_saved_loss(config),
+        guard=guard,
+        overwrite=overwrite,
+        force_config_change=force_config_change,
         head="scalar",
         num_scalar_outputs=NUM_OUTPUTS[config.loss],
     )
@@ -170,6 +178,7 @@ def train(config: RewardTrainConfig) -> dict:
             metrics = reduce_metrics(engine.step(next(steps), loss_fn))
             step += 1
             consumed += config.train.global_batch_size
+            guard.check(step, metrics)
             history.append(metrics)
             logger.advance(loss=metrics["loss"], acc=metrics["accuracy"])
             if every(step, config.train.log_interval):
@@ -185,7 +194,7 @@ def train(config: RewardTrainConfig) -> dict:
                     step,
                     {"model": engine},
                     meta,
-                    {"step": step, "consumed_samples": consumed},
+                    {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
                     tokenizer_dir=tokenizer_source,
                 )
     finally:
@@ -425,16 +434,18 @@ def _check_policy_column(config: RewardTrainConfig, dataset) -> None:
         )
 
 
-def _open_data(config: RewardTrainConfig, model_max_length: int):
+def _open_data(config: RewardTrainConfig, model_max_length: int, model_vocab: int):
     """(training dataset, training pairs, held-out pairs or None), every pair checked."""
     from megatron_rlhf.data import PreferenceDataset
 
     max_length = config.data.max_length or model_max_length
     dataset = PreferenceDataset(config.data.train)
+    command.check_data_fits_model(dataset, "data.train", config.model.load, model_vocab)
     check_pairs(dataset, max_length)
     _check_policy_column(config, dataset)
     if config.data.eval is not None:
         eval_set = PreferenceDataset(config.data.eval)
+        command.check_data_fits_model(eval_set, "data.eval", config.model.load, model_vocab)
         check_pairs(eval_set, max_length)
         return dataset, dataset, eval_set
     if config.data.eval_fraction == 0:

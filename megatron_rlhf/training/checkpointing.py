@@ -2,13 +2,17 @@
 
 A training checkpoint is also a model checkpoint: its model tensors carry the model's own keys,
 so ``megatron_rlhf.checkpoint.load_bloom`` reads it at any TP/PP layout. Optimizer state is
-saved sharded like the model. RNG states (torch, numpy, python) are saved per rank; resuming at
-another layout restores everything except those (and says so).
+saved sharded like the model. RNG states (torch, numpy, python), LR-schedule positions and the
+trainer's counters are saved per rank as JSON (never a pickle); resuming at another layout
+restores everything except those (and says so). ``latest_checkpoint.txt`` names a ``step_N``
+directory of the run; when that checkpoint is damaged (its manifest does not verify), resuming
+falls back to the newest one that does, and says so.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -16,27 +20,33 @@ import numpy as np
 import torch
 
 from megatron_rlhf.checkpoint import dist as dist_ckpt
+from megatron_rlhf.utils import InputError
 
 LATEST_FILE = "latest_checkpoint.txt"
 
 
 def rng_state() -> dict:
+    """This process's RNG states as JSON-able lists."""
+    version, mt_state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
+        "python": [version, list(mt_state), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state().tolist(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, mt_state, gauss = state["python"]
+    random.setstate((version, tuple(mt_state), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
 def save_training_checkpoint(
@@ -73,10 +83,61 @@ def save_training_checkpoint(
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The directory ``latest_checkpoint.txt`` names: a ``step_N`` directory of ``run_dir``."""
     pointer = Path(run_dir) / LATEST_FILE
     if not pointer.exists():
         return None
-    return Path(run_dir) / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    if not re.fullmatch(r"step_\d+", name):
+        raise InputError(
+            f"{pointer}: names {name!r}, not a step_N directory of this run; a checkpoint is "
+            "only read from inside its run directory (fix or delete the file)"
+        )
+    return Path(run_dir) / name
+
+
+def checkpoint_in(path: str | Path) -> str:
+    """``path``, or for a training run directory (one with ``latest_checkpoint.txt``) its latest
+    checkpoint: a config may name ``runs/am`` instead of ``runs/am/step_0000096``."""
+    latest = latest_checkpoint(path) if Path(path).is_dir() else None
+    return str(latest) if latest is not None else str(path)
+
+
+def resume_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint to resume ``run_dir`` from: the latest one, or, when it is missing or
+    damaged, the newest complete ``step_N`` whose manifest verifies (said on stderr).
+    Collective: every rank verifies its share of the files."""
+    from megatron_rlhf.checkpoint import manifest
+
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return None
+    steps = sorted(
+        (p for p in Path(run_dir).glob("step_*") if re.fullmatch(r"step_\d+", p.name)),
+        key=lambda p: p.name,
+        reverse=True,
+    )
+    candidates = [latest] + [p for p in steps if p.name < latest.name]
+    for candidate in candidates:
+        try:
+            if not (candidate / dist_ckpt.METADATA_FILE).is_file():
+                raise InputError(f"{candidate}: missing or incomplete")
+            manifest.verify(candidate)
+        except InputError as err:
+            _say(f"[resume] {err}")
+            continue
+        if candidate != latest:
+            _say(f"[resume] falling back to {candidate}, the newest checkpoint that verifies")
+        return candidate
+    raise InputError(
+        f"{run_dir}: no checkpoint verifies (see above); restore one or start a new run "
+        "in another train.output_dir"
+    )
+
+
+def _say(message: str) -> None:
+    if dist_ckpt._rank() == 0:
+        print(message, file=sys.stderr, flush=True)
 
 
 def load_training_checkpoint(directory: str | Path, engines: dict) -> dict:

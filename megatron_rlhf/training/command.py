@@ -66,6 +66,19 @@ class TrainConfig:
     """Data order and held-out split."""
     resume: bool = True
     """Continue from ``output_dir``'s latest checkpoint when there is one."""
+    max_nonfinite_skips: int = 0
+    """Steps with a non-finite loss or gradient norm skipped (no update) before the run stops
+    with an error; 0: the first one stops it (training/guards.py)."""
+
+
+RESUMABLE_CHANGES = tuple(
+    f"train.{key}"
+    for key in (
+        "steps", "epochs", "eval_interval", "save_interval", "log_interval", "resume",
+        "max_nonfinite_skips", "output_dir",
+    )
+)  # fmt: skip
+"""Config keys that may differ when a run resumes (training/run_dir.py)."""
 
 
 def command_main(command: str, config_cls, run, argv: list[str], summary) -> int:
@@ -87,7 +100,7 @@ def command_main(command: str, config_cls, run, argv: list[str], summary) -> int
 
     def body() -> int:
         config = load_config(config_cls, args.config, args.overrides)
-        result = run(config)
+        result = run(config, overwrite=args.overwrite, force_config_change=args.force_config_change)
         print_summary(command, **summary(config, result))
         return 0
 
@@ -126,23 +139,37 @@ def held_out_split(dataset, fraction: float, seed: int):
     return subset(dataset, train_indices.tolist()), subset(dataset, eval_indices.tolist())
 
 
-def build_engine(command: str, config, arch, total_steps: int, check_saved=None, **model_kwargs):
+def build_engine(
+    command: str,
+    config,
+    arch,
+    total_steps: int,
+    check_saved=None,
+    guard=None,
+    overwrite: bool = False,
+    force_config_change: bool = False,
+    **model_kwargs,
+):
     """(engine, step, consumed samples, checkpoint resumed from or None): the model from
-    ``config.model.load``, or everything from ``config.train.output_dir``'s latest checkpoint
-    (``check_saved(metadata, directory)`` may refuse it first). ``model_kwargs``: the head."""
+    ``config.model.load``, or everything from the checkpoint ``training/run_dir.open_run``
+    picks in ``config.train.output_dir`` (``check_saved(metadata, directory)`` may refuse it
+    first; ``guard``, a NonFiniteGuard, gets its saved count). ``model_kwargs``: the head."""
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.checkpoint.dist import read_metadata
+    from megatron_rlhf.config import to_dict
     from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.training import TrainEngine
-    from megatron_rlhf.training.checkpointing import latest_checkpoint, load_training_checkpoint
+    from megatron_rlhf.training.checkpointing import load_training_checkpoint
+    from megatron_rlhf.training.run_dir import open_run
 
-    output_dir = Path(config.train.output_dir)
-    resume_from = latest_checkpoint(output_dir)
-    if resume_from is not None and not config.train.resume:
-        raise InputError(
-            f"{output_dir}: already holds checkpoints ({resume_from.name}); set "
-            "train.resume=true to continue that run or choose another train.output_dir"
-        )
+    resume_from = open_run(
+        config.train.output_dir,
+        to_dict(config),
+        resume=config.train.resume,
+        overwrite=overwrite,
+        force_config_change=force_config_change,
+        allowed=RESUMABLE_CHANGES,
+    )
     model_kwargs.update(
         params_dtype=torch.bfloat16 if use_bf16(config.model.bf16) else torch.float32,
         sequence_parallel=config.model.sequence_parallel,
@@ -156,6 +183,8 @@ def build_engine(command: str, config, arch, total_steps: int, check_saved=None,
     model = BloomModel(arch, init_weights=False, **model_kwargs)  # weights from the checkpoint
     engine = TrainEngine(model, config.optim, total_steps)
     state = load_training_checkpoint(resume_from, {"model": engine})
+    if guard is not None:
+        guard.load_state_dict(state.get("nonfinite", {}))
     log(command, f"resumed from {resume_from} at step {state.get('step', 0)}")
     return engine, state.get("step", 0), state.get("consumed_samples", 0), resume_from
 
@@ -235,6 +264,23 @@ class RunLog:
         kept = [line for line in lines if json.loads(line)["step"] <= step]
         with atomic_output(self.metrics_file) as tmp:
             Path(tmp).write_text("".join(kept), encoding="utf-8")
+
+
+def check_data_fits_model(dataset, key: str, model_dir: str, model_vocab: int) -> None:
+    """The dataset's tokenizer is the model's: ids inside its vocabulary, same fingerprint."""
+    from megatron_rlhf.checkpoint.dist import tokenizer_of
+    from megatron_rlhf.data.tokenizer import check_same_tokenizer
+
+    if dataset.vocab_size > model_vocab:
+        raise InputError(
+            f"{key}: {dataset.prefix} was tokenized with a {dataset.vocab_size}-token vocabulary, "
+            f"larger than the model's {model_vocab} ({model_dir}); preprocess it with the "
+            "model's tokenizer"
+        )
+    check_same_tokenizer(
+        dataset.sidecar.get("tokenizer"), f"{key} ({dataset.prefix})",
+        tokenizer_of(model_dir), f"the model {model_dir}",
+    )  # fmt: skip
 
 
 def tokenizer_dir(dataset, load: str) -> str | None:

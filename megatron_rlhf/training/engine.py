@@ -27,8 +27,11 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_rlhf.training.guards import UPDATE_SKIPPED, step_is_finite
 
 
 @dataclass(kw_only=True)
@@ -122,13 +125,15 @@ class TrainEngine:
             wd_incr_style="constant",
         )
         self.steps_done = 0
+        self.clip_grad = optim.clip_grad
 
     def step(self, microbatches: list[dict], loss_fn, forward_only: bool = False) -> dict:
         """Forward/backward over ``microbatches`` (same shapes), then one optimizer step.
 
         Each microbatch holds ``input_ids`` (B, S) and ``padding_mask`` (B, S) plus whatever
         ``loss_fn`` reads. Returns the microbatch-averaged metrics (last stage; empty elsewhere)
-        plus ``lr`` and ``grad_norm``.
+        plus ``lr``, ``grad_norm`` and ``update_skipped`` (1.0 when a non-finite loss or grad
+        norm on any rank skipped the update; the trainer's NonFiniteGuard decides what next).
         """
         self.model.train(not forward_only)
         if not forward_only:
@@ -147,14 +152,31 @@ class TrainEngine:
         )
         metrics = _average(losses)
         if not forward_only:
-            update_ok, grad_norm, _ = self.optimizer.step()
-            if not update_ok:
-                raise FloatingPointError("optimizer step skipped (inf/NaN gradients)")
-            self.scheduler.step(increment=1)
-            self.steps_done += 1
-            metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+            metrics |= self._update(metrics.get("loss"))
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
+
+    @torch.no_grad()
+    def _update(self, loss: float | None) -> dict:
+        """Megatron's ``optimizer.step()`` split open (as ``ChainedOptimizer.step`` does it) so
+        that a non-finite loss or gradient norm on any rank skips the update on every rank:
+        weights, optimizer state and LR schedule stay as they were (training/guards.py)."""
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float("nan") if found_inf else float(self.optimizer.get_grad_norm())
+        if not step_is_finite(loss, grad_norm):
+            return {"grad_norm": grad_norm, UPDATE_SKIPPED: 1.0}
+        if self.clip_grad > 0:
+            for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                if optimizer.get_parameters():
+                    # looked up on the module: the CPU compatibility layer replaces it there
+                    megatron_optimizer.clip_grad_by_total_norm_fp32(
+                        optimizer.get_parameters(), self.clip_grad, grad_norm
+                    )
+        if not self.optimizer.step_with_ready_grads():
+            raise FloatingPointError("Megatron optimizer refused a step with finite gradients")
+        self.scheduler.step(increment=1)
+        self.steps_done += 1
+        return {"grad_norm": grad_norm, UPDATE_SKIPPED: 0.0}
 
     def sharded_state_dict(self, is_loading: bool = False) -> dict:
         """Model and optimizer state for Megatron's dist_checkpointing (any layout for the

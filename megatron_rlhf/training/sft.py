@@ -39,6 +39,7 @@ from megatron_rlhf.training.command import (
     RunLog,
     TrainConfig,
     build_engine,
+    check_data_fits_model,
     command_main,
     config_problems,
     every,
@@ -93,14 +94,16 @@ def _summary(config: SFTConfig, result: dict) -> dict:
     )
 
 
-def run(config: SFTConfig) -> dict:
+def run(config: SFTConfig, overwrite: bool = False, force_config_change: bool = False) -> dict:
     """Run (or resume) one SFT run; returns ``{"step", "history" (per-step metrics), "eval"
-    (the last evaluation or None), "checkpoint", "seconds"}``. Collective over every rank."""
+    (the last evaluation or None), "checkpoint", "seconds"}``. ``overwrite`` /
+    ``force_config_change``: see training/run_dir.py. Collective over every rank."""
     from megatron_rlhf.checkpoint import checkpoint_architecture
     from megatron_rlhf.checkpoint.dist import model_metadata
     from megatron_rlhf.config import to_dict
     from megatron_rlhf.distributed import ParallelConfig, initialize
     from megatron_rlhf.training.checkpointing import save_training_checkpoint
+    from megatron_rlhf.training.guards import NonFiniteGuard
 
     start_time = time.time()
     _check_config(config)
@@ -116,6 +119,7 @@ def run(config: SFTConfig) -> dict:
         num_layers=arch.num_layers,
     )
     dataset, train_set, eval_set = _open_data(config)
+    check_data_fits_model(dataset, "data.train", config.model.load, arch.vocab_size)
     max_length = min(config.data.max_length or arch.max_sequence_length, arch.max_sequence_length)
     batches = SequenceBatches.for_layout(config, dp_size, dataset, max_length)
     total_steps = config.train.steps or int(
@@ -128,7 +132,11 @@ def run(config: SFTConfig) -> dict:
             f"train.epochs={config.train.epochs}; lower the batch size or set train.steps"
         )
     output_dir = Path(config.train.output_dir)
-    engine, step, consumed, checkpoint = build_engine(COMMAND, config, arch, total_steps, head="lm")
+    guard = NonFiniteGuard(config.train.max_nonfinite_skips)
+    engine, step, consumed, checkpoint = build_engine(
+        COMMAND, config, arch, total_steps, guard=guard, overwrite=overwrite,
+        force_config_change=force_config_change, head="lm",
+    )  # fmt: skip
     if is_rank0():
         write_json(output_dir / "config.json", to_dict(config))
     _note_truncation(train_set, max_length)
@@ -143,10 +151,9 @@ def run(config: SFTConfig) -> dict:
             metrics = reduce_metrics(engine.step(next(steps), sft_loss))
             del metrics["nll_sum"], metrics["tokens"]  # per-microbatch; the loss says it all
             metrics["response_tokens"] = batches.last_step_tokens
-            if not math.isfinite(metrics["loss"]):
-                raise FloatingPointError(f"{COMMAND}: loss is {metrics['loss']} at step {step + 1}")
             step += 1
             consumed += config.train.global_batch_size
+            guard.check(step, metrics)
             history.append(metrics)
             logger.advance(loss=metrics["loss"])
             if every(step, config.train.log_interval):
@@ -162,7 +169,7 @@ def run(config: SFTConfig) -> dict:
                     step,
                     {"model": engine},
                     meta,
-                    {"step": step, "consumed_samples": consumed},
+                    {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
                     tokenizer_dir=tokenizer_source,
                 )
     finally:
