@@ -209,7 +209,7 @@ CASES = [
     Case("score-lm-checkpoint", "score", lambda fx, t: _score(fx, t, load=fx["lm"]),
          ["'lm' head", "reward model"]),
     Case("score-hf-directory", "score", lambda fx, t: _score(fx, t, load=fx["hf"]),
-         ["no trained reward head", "train-reward"]),
+         ["--load", "BloomForCausalLM, not a reward model", "train-reward"]),
     Case("score-truncated-idx", "score",
          lambda fx, t: _score(fx, t, input=str(t / "pairs")),
          ["pairs_chosen.idx"],

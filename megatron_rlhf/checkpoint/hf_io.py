@@ -154,3 +154,20 @@ def stage_layer_offset(num_layers: int) -> int:
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     return pp_rank * (num_layers // pp)
+
+
+def hf_reward_outputs(directory: str | Path, key: str) -> int:
+    """How many scalar outputs the reward model in a Hugging Face directory has: it must be a
+    ``BloomForSequenceClassification`` with its ``score`` weights (an RM: 1 label, its logit is
+    r; an AM exported by ``megatron-to-hf``: 2, r and e_tau). ``key`` names the flag or config
+    key in errors."""
+    config = json.loads((Path(directory) / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    if "BloomForSequenceClassification" not in architectures:
+        raise InputError(
+            f"{key}: {directory} is a Hugging Face {', '.join(architectures) or 'model'}, not a "
+            "reward model (BloomForSequenceClassification); train one with `train-reward`"
+        )
+    if not HFReader(directory, head="scalar").has("score.weight"):
+        raise InputError(f"{key}: {directory} holds no score.weight; re-save the reward model")
+    return len(config.get("id2label") or {}) or config.get("num_labels", 2)

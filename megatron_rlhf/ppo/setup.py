@@ -11,6 +11,7 @@ import torch
 
 from megatron_rlhf.checkpoint import checkpoint_architecture, is_hf_checkpoint, load_bloom
 from megatron_rlhf.checkpoint.dist import read_metadata
+from megatron_rlhf.checkpoint.hf_io import hf_reward_outputs
 from megatron_rlhf.data.tokenizer import check_same_tokenizer
 from megatron_rlhf.distributed.layouts import check_global_batch, resolve_layouts
 from megatron_rlhf.ppo.config import TrainPPOConfig
@@ -61,8 +62,8 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
     if models.reward is not None:
         expected = 2 if models.reward_kind == "am" else 1
         if is_hf_checkpoint(models.reward):
-            check_hf_reward_model(models.reward, expected, "models.reward")
-            meta = {"head": "scalar", "num_scalar_outputs": expected}
+            labels = hf_reward_outputs(models.reward, "models.reward")
+            meta = {"head": "scalar", "num_scalar_outputs": labels}
         else:
             meta = read_metadata(models.reward)
         if meta["head"] != "scalar" or meta["num_scalar_outputs"] != expected:
@@ -96,31 +97,6 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
             )
     check_batches(config, layouts)
     return archs
-
-
-def check_hf_reward_model(directory: str, outputs: int, key: str) -> None:
-    """A Hugging Face directory serves as a reward model when it is a
-    ``BloomForSequenceClassification`` whose ``score`` head has ``outputs`` rows (an RM: 1, its
-    logit is r; an AM exported by ``megatron-to-hf``: 2, r and e_tau)."""
-    import json
-
-    from megatron_rlhf.checkpoint.hf_io import HFReader
-
-    config = json.loads((Path(directory) / "config.json").read_text())
-    architectures = config.get("architectures") or []
-    if "BloomForSequenceClassification" not in architectures:
-        raise InputError(
-            f"{key}: {directory} is a Hugging Face {', '.join(architectures) or 'model'}, not a "
-            "reward model (BloomForSequenceClassification); train one with `train-reward`"
-        )
-    if not HFReader(directory, head="scalar").has("score.weight"):
-        raise InputError(f"{key}: {directory} holds no score.weight; re-save the reward model")
-    labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
-    if labels != outputs:
-        raise InputError(
-            f"{key}: {directory} has a score head with {labels} labels; models.reward_kind="
-            f"{'am' if outputs == 2 else 'rm'} needs {outputs} (rm: r; am: r and e_tau)"
-        )
 
 
 def layout_roles(config: TrainPPOConfig) -> tuple[str, ...]:

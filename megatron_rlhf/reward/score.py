@@ -99,6 +99,7 @@ def run(args) -> int:
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, is_hf_checkpoint, load_bloom
     from megatron_rlhf.checkpoint.dist import TOKENIZER_FILES, read_metadata
+    from megatron_rlhf.checkpoint.hf_io import hf_reward_outputs
     from megatron_rlhf.distributed import ParallelConfig, initialize
 
     check_output_path(args.output, args.overwrite)
@@ -106,12 +107,10 @@ def run(args) -> int:
         raise InputError(f"--batch-size {args.batch_size}: must be at least 1")
     if args.max_prompt_length is not None and args.max_prompt_length < 1:
         raise InputError(f"--max-prompt-length must be >= 1, got {args.max_prompt_length}")
-    if is_hf_checkpoint(args.load):
-        raise InputError(
-            f"{args.load}: a Hugging Face model has no trained reward head; score with a "
-            "train-reward checkpoint (train.output_dir/step_N)"
-        )
-    meta = read_metadata(args.load)
+    if is_hf_checkpoint(args.load):  # a BloomForSequenceClassification: its score head is r
+        meta = {"head": "scalar", "num_scalar_outputs": hf_reward_outputs(args.load, "--load")}
+    else:
+        meta = read_metadata(args.load)
     num_outputs = meta.get("num_scalar_outputs", 0)
     if meta.get("head") != "scalar" or num_outputs not in (1, 2):
         raise InputError(
