@@ -168,6 +168,10 @@ def test_fig4_rm_task_means_spread_am_means_sit_near_zero(fig4):
         saved = json.loads((fig4[loss]["checkpoint"] / "megatron_rlhf.json").read_text())
         assert saved["config"] == json.loads((run_dir / "config.json").read_text())
         assert saved["config"]["loss"] == loss and saved["config"]["train"]["steps"] == FIG4_STEPS
+        logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        train_lines = [line for line in logged if "train/loss" in line]
+        assert train_lines and all(line["train/time/step_s"] > 0 for line in train_lines)
+        assert all(line["train/throughput/tokens_per_s"] > 0 for line in train_lines)
     # The RM scores every QA response higher: the leaked "code pattern" lifts the whole task.
     assert rm["per_task"]["qa"]["mean"] - rm["per_task"]["chat"]["mean"] > 0.7
     assert rm["task_mean_spread"] > 4 * am["task_mean_spread"]

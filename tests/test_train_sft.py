@@ -62,13 +62,16 @@ def setup(tmp_path_factory):
     return {"root": root, "config": config}
 
 
-def _metrics(run_dir: Path) -> dict[str, dict[int, float]]:
-    """{"train/loss": {step: value}, ...} from metrics.jsonl."""
+def _metrics(run_dir: Path, timings: bool = False) -> dict[str, dict[int, float]]:
+    """{"train/loss": {step: value}, ...} from metrics.jsonl (wall-clock figures only when
+    ``timings``: they differ from run to run)."""
     series: dict[str, dict[int, float]] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         for key, value in record.items():
-            if key != "step":
+            if key != "step" and (
+                timings or not key.startswith(("train/time/", "train/throughput/"))
+            ):
                 series.setdefault(key, {})[record["step"]] = value
     return series
 
@@ -96,6 +99,9 @@ def test_loss_falls_and_run_writes_its_outputs(reference):
     first, last = np.mean([losses[s] for s in (1, 2)]), np.mean([losses[s] for s in (9, 10)])
     assert last < 0.9 * first, (first, last)
     assert series["eval/loss"][10] < series["eval/loss"][5]
+    timings = _metrics(reference, timings=True)  # every step: wall time and end-to-end tokens/s
+    for key in ("train/time/step_s", "train/throughput/tokens_per_s"):
+        assert sorted(timings[key]) == list(range(1, STEPS + 1)) and min(timings[key].values()) > 0
     assert (reference / "latest_checkpoint.txt").read_text().strip() == f"step_{STEPS:07d}"
     checkpoint = reference / f"step_{STEPS:07d}"
     saved = json.loads((checkpoint / "megatron_rlhf.json").read_text())

@@ -31,7 +31,7 @@ COLUMNS = (
 )  # fmt: skip
 QUICK_SIZES = ("tiny", "small", "medium", "560m-shaped")
 QUICK_LAYOUTS = ("1x1", "2x1", "1x2")
-BIG_QUICK_LAYOUTS = ("2x1",)  # 560m-shaped: TP=2 only (DP=2 would hold two fp32 Adam copies)
+BIG_QUICK_LAYOUTS = ("2x1", "1x2")  # 560m-shaped: DP=2 would hold two fp32 Adam copies
 STAGES = ("actor_train", "critic_train", "score", "generate")
 
 

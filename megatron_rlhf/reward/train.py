@@ -43,6 +43,7 @@ from megatron_rlhf.training.command import (
     tokenizer_dir,
 )
 from megatron_rlhf.training.engine import OptimConfig, optim_problems
+from megatron_rlhf.training.throughput import train_step_throughput
 from megatron_rlhf.utils import InputError, is_rank0, write_json
 
 
@@ -175,7 +176,11 @@ def train(
     history, last_eval = [], None
     try:
         while step < total_steps:
-            metrics = reduce_metrics(engine.step(next(steps), loss_fn))
+            microbatches, started = next(steps), time.time()
+            metrics = reduce_metrics(engine.step(microbatches, loss_fn))
+            metrics |= train_step_throughput(
+                engine.module.arch, microbatches, time.time() - started
+            )
             step += 1
             consumed += config.train.global_batch_size
             guard.check(step, metrics)

@@ -50,6 +50,7 @@ from megatron_rlhf.training.command import (
     tokenizer_dir,
 )
 from megatron_rlhf.training.engine import OptimConfig, optim_problems
+from megatron_rlhf.training.throughput import train_step_throughput
 from megatron_rlhf.utils import InputError, is_rank0, write_json
 
 COMMAND = "train-sft"
@@ -148,7 +149,11 @@ def run(config: SFTConfig, overwrite: bool = False, force_config_change: bool = 
     history, last_eval = [], None
     try:
         while step < total_steps:
-            metrics = reduce_metrics(engine.step(next(steps), sft_loss))
+            microbatches, started = next(steps), time.time()
+            metrics = reduce_metrics(engine.step(microbatches, sft_loss))
+            metrics |= train_step_throughput(
+                engine.module.arch, microbatches, time.time() - started
+            )
             del metrics["nll_sum"], metrics["tokens"]  # per-microbatch; the loss says it all
             metrics["response_tokens"] = batches.last_step_tokens
             step += 1

@@ -62,3 +62,17 @@ def ppo_step_flops(roles, tokens: float, seq_len: int, epochs: int) -> float:
         flops += forward_flops(roles.reward.arch, tokens, seq_len)
     flops += epochs * train_flops(roles.actor.arch, tokens, seq_len)
     return flops + epochs * train_flops(roles.critic.arch, tokens, seq_len)
+
+
+def train_step_throughput(arch, microbatches: list[dict], seconds: float) -> dict:
+    """``step_throughput`` of one ``TrainEngine.step`` over ``microbatches`` (this rank's share
+    of the global batch; real tokens from ``padding_mask``, summed over data-parallel ranks)."""
+    from megatron.core import parallel_state
+
+    group = None
+    if parallel_state.get_data_parallel_world_size() > 1:
+        group = parallel_state.get_data_parallel_group()
+    mask = torch.cat([mb["padding_mask"].reshape(-1) for mb in microbatches])
+    tokens = global_token_count(mask, group)
+    width = microbatches[0]["padding_mask"].shape[-1]
+    return step_throughput(seconds, tokens, train_flops(arch, tokens, width))
