@@ -100,9 +100,40 @@ def main() -> None:
             f"(step moved them {moved:.2e})",
         }
     results.update(sft_command_checks(args))
+    results.update(kl_controller_check())
     if dist.get_rank() == 0:
         with open(args.out, "w") as handle:
             json.dump(results, handle)
+
+
+def kl_controller_check() -> dict:
+    """The adaptive KL controller at DP=2 (each rank its own rollouts) moves exactly as at DP=1
+    on all of them: the observation is the global mean KL over the global rollout count."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.ppo.control import KLController
+    from megatron_rlhf.ppo.train import observed_kl
+
+    initialize(ParallelConfig())  # TP1 PP1 on 2 ranks: DP = 2
+    generator = torch.Generator().manual_seed(21)
+    kl = [torch.rand(6, 5, generator=generator) * 3 for _ in range(2)]  # (B, N) per rank
+    settings = dict(init_coef=0.1, adaptive=True, target=1.0, horizon=40)
+    distributed, serial = KLController(**settings), KLController(**settings)
+    local_count = KLController(**settings)
+    for _ in range(3):
+        distributed.update(*observed_kl(SimpleNamespace(kl=kl[dist.get_rank()])))
+        per_sequence = torch.cat(kl).double().sum(dim=1)
+        serial.update(float(per_sequence.mean()), len(per_sequence))
+        local_count.update(float(per_sequence.mean()), 6)  # the old rule: one rank's batch
+    return {
+        "kl_controller_dp2_equals_dp1": {
+            "ok": abs(distributed.coef - serial.coef) < 1e-12
+            and abs(local_count.coef - serial.coef) > 1e-4,
+            "detail": f"DP=2 coef {distributed.coef!r}, DP=1 {serial.coef!r}, counting one "
+            f"rank's rollouts {local_count.coef!r}",
+        }
+    }
 
 
 SFT_STEPS, SFT_BATCH, SFT_MAX_LENGTH, SFT_SEED = 3, 8, 12, 5

@@ -1,6 +1,6 @@
 """LM training at TP=2 and PP=2 equals TP=1: one engine step, and the ``train-sft`` command
-(per-step losses, held-out NLL, first loss against transformers in float64). One torchrun
-launch (tests/dist_engine_worker.py)."""
+(per-step losses, held-out NLL, first loss against transformers in float64); PPO's adaptive KL
+controller at DP=2 equals DP=1. One torchrun launch (tests/dist_engine_worker.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ CHECKS = [
     "sft_tp2_pp1_losses_equal_tp1_dp2",
     "sft_tp1_pp2_losses_equal_tp1_dp2",
     "sft_first_loss_equals_hf_float64",
+    "kl_controller_dp2_equals_dp1",
 ]
 
 

@@ -49,9 +49,11 @@ def test_value_loss_matches_float64_reference():
     assert abs(float(loss) - float(0.5 * (errors * m).sum() / m.sum())) < 1e-6
 
 
-def test_sft_rehearsal_term_is_exactly_gamma_nll():
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_sft_rehearsal_term_is_exactly_gamma_nll(reduction):
     """Eq. 9 at the loss level: with rehearsal on, the actor loss of the same microbatch
-    differs from rehearsal off by gamma * NLL(D_R rows), computed independently in float64."""
+    differs from rehearsal off by gamma * NLL(D_R rows), computed independently in float64
+    (summed over each row's tokens and averaged over rows, or averaged over tokens)."""
     from megatron_rlhf.distributed import ParallelConfig, initialize
     from megatron_rlhf.ppo.update import actor_loss
 
@@ -74,21 +76,50 @@ def test_sft_rehearsal_term_is_exactly_gamma_nll():
     on = dict(base, input_ids=input_ids, rehearsal_loss_mask=rehearsal_mask)
     gamma = 0.01
     loss_off, _ = actor_loss(0.2, gamma, 1.0, logits[:ppo_rows], off)
-    loss_on, metrics = actor_loss(0.2, gamma, 1.0, logits, on)
+    loss_on, metrics = actor_loss(0.2, gamma, 1.0, logits, on, reduction)
     reference_logprobs = torch.log_softmax(logits[ppo_rows:, :-1].double(), dim=-1)
     targets = input_ids[ppo_rows:, 1:]
     token_lp = reference_logprobs.gather(-1, targets[..., None]).squeeze(-1)
     m = rehearsal_mask[:, 1:].double()
-    nll = float(-(token_lp * m).sum() / m.sum())
+    nll = float(-(token_lp * m).sum() / (m.shape[0] if reduction == "sum" else m.sum()))
     assert abs(float(metrics["rehearsal_nll"]) - nll) < 1e-5
     assert abs(float(loss_on - loss_off) - gamma * nll) < 1e-6
     assert ppo_sr_loss(loss_off, None, gamma) is loss_off
 
 
-def test_sft_nll_is_token_mean():
-    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]])
-    mask = torch.tensor([[1, 1, 0], [0, 1, 0]])
-    assert float(sft_nll(logprobs, mask)) == pytest.approx((1 + 2 + 5) / 3)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_sft_nll_reductions_match_float64_reference(reduction):
+    """sum (Eq. 9: Σ over a sequence's tokens, mean over sequences) and mean (per token), with
+    a ragged mask, against plain float64 loops."""
+    g = torch.Generator().manual_seed(3)
+    logprobs = -torch.rand(5, 8, generator=g) * 4
+    mask = torch.zeros(5, 8)
+    for row, (start, stop) in enumerate(((2, 8), (1, 2), (3, 6), (0, 8), (5, 7))):
+        mask[row, start:stop] = 1
+    per_sequence = [-sum(float(logprobs[b, t]) for t in range(8) if mask[b, t]) for b in range(5)]
+    tokens = sum(int(mask[b].sum()) for b in range(5))
+    expected = sum(per_sequence) / 5 if reduction == "sum" else sum(per_sequence) / tokens
+    assert float(sft_nll(logprobs, mask, reduction)) == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(ValueError, match="sum or mean"):
+        sft_nll(logprobs, mask, "token")
+
+
+def test_rehearsal_rows_lose_prompt_tokens_from_the_left():
+    from megatron_rlhf.data import cut_prompt_to_fit
+
+    ids = torch.arange(10, 22)  # 8 prompt tokens, 4 response tokens
+    mask = torch.tensor([0] * 8 + [1] * 4)
+    same, cut = cut_prompt_to_fit({"input_ids": ids, "loss_mask": mask, "index": 3}, 12)
+    assert not cut and torch.equal(same["input_ids"], ids)
+    short, cut = cut_prompt_to_fit({"input_ids": ids, "loss_mask": mask, "index": 3}, 6)
+    assert cut and short["index"] == 3
+    assert short["input_ids"].tolist() == [16, 17, 18, 19, 20, 21]  # last 2 prompt + response
+    assert short["loss_mask"].tolist() == [0, 0, 1, 1, 1, 1]
+    # a response longer than the limit keeps one prompt token and its first limit - 1 tokens
+    tiny, _ = cut_prompt_to_fit({"input_ids": ids, "loss_mask": mask}, 3)
+    assert tiny["input_ids"].tolist() == [17, 18, 19] and tiny["loss_mask"].tolist() == [0, 1, 1]
+    # the old rule (keep the first tokens) left no response token to train
+    assert int(mask[:6].sum()) == 0
 
 
 def test_adaptive_kl_controller_moves_towards_target():

@@ -198,6 +198,63 @@ def test_filters_and_entropy_ranking(workspace):
         assert [row["input_line"] - 1 for row in mine] == pool[:TOP_K]
 
 
+def test_truncated_responses_get_no_eos_or_are_dropped(workspace):
+    """Responses cut at the generation limit (``finished: false``, or token ids without a
+    final EOS) enter D_R without an EOS, or not at all with --truncated drop; counted."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_rlhf.data import load_tokenizer
+
+    tokenizer = load_tokenizer(workspace["tokenizer"])
+    eos = tokenizer.eos_token_id
+    records = [dict(r) for r in workspace["records"][:45]]
+    for i, record in enumerate(records):
+        ids = tokenizer.encode(record["response"])
+        if i % 3 == 0:
+            record["finished"] = False
+        elif i % 3 == 1:
+            record["response_token_ids"] = ids  # stopped by the limit: no EOS
+        else:
+            record["response_token_ids"] = ids + [eos]
+    cut = [i % 3 != 2 for i in range(len(records))]
+    source = workspace["root"] / "truncated.jsonl"
+    write_jsonl(source, records)
+    assert run_tool(workspace, "trunc/keep", "--clusters", "3", input_path=source) == 0
+    prefix = workspace["root"] / "trunc/keep"
+    selected = read_jsonl(f"{prefix}.selected.jsonl")
+    tokens, loss_mask = IndexedDataset(str(prefix)), IndexedDataset(f"{prefix}_loss_mask")
+    for i, row in enumerate(selected):
+        prompt_ids = tokenizer.encode(row["prompt"])
+        response_ids = tokenizer.encode(row["response"])
+        response_ids += [] if cut[row["input_line"] - 1] else [eos]
+        assert tokens[i].tolist() == prompt_ids + response_ids
+        assert loss_mask[i].tolist() == [0] * len(prompt_ids) + [1] * len(response_ids)
+    report = json.loads(Path(f"{prefix}.report.json").read_text())
+    assert report["truncated_responses"] == sum(cut)
+    assert report["truncated_selected"] == sum(cut[row["input_line"] - 1] for row in selected)
+    assert report["truncated_selected"] > 0
+
+    assert (
+        run_tool(
+            workspace, "trunc/drop", "--clusters", "3", "--truncated", "drop", input_path=source
+        )
+        == 0
+    )
+    prefix = workspace["root"] / "trunc/drop"
+    assignments = [row["cluster"] for row in read_jsonl(f"{prefix}.clusters.jsonl")]
+    selected = read_jsonl(f"{prefix}.selected.jsonl")
+    for cluster in range(3):
+        pool = [i for i in range(len(records)) if assignments[i] == cluster and not cut[i]]
+        pool.sort(key=lambda i: (-records[i]["score"], i))
+        mine = sorted(
+            (row for row in selected if row["cluster"] == cluster),
+            key=lambda row: row["cluster_rank"],
+        )
+        assert [row["input_line"] - 1 for row in mine] == pool[:TOP_K]
+    report = json.loads(Path(f"{prefix}.report.json").read_text())
+    assert report["truncated_selected"] == 0 and report["truncated_responses"] == sum(cut)
+
+
 def test_sweep_writes_one_set_per_count_and_a_table(workspace, default_run, capsys):
     counts = (3, CLUSTERS, 24)  # 24 clusters of 160 records: several smaller than k=7
     assert run_tool(workspace, "sweep/dr", "--sweep-clusters", ",".join(map(str, counts))) == 0

@@ -113,12 +113,13 @@ def test_losses_pass_gradcheck_in_float64():
     )
 
 
-def reference_advantage(rewards, expected, policy_lp, behaviour_lp, mask, num_policies):
-    """Eq. 8 row by row with math.exp; K of a row = its known behaviour policies."""
+def reference_advantage(rewards, expected, policy_lp, behaviour_lp, mask, num_policies, w_max=1.0):
+    """Eq. 8 row by row with math.exp, each weight clipped at w_max; K of a row = its known
+    behaviour policies."""
     out = []
     for i, reward in enumerate(rewards):
         known = [k for k in range(len(behaviour_lp[i])) if mask[i][k]]
-        weights = [math.exp(policy_lp[i] - behaviour_lp[i][k]) for k in known]
+        weights = [min(math.exp(policy_lp[i] - behaviour_lp[i][k]), w_max) for k in known]
         n = num_policies
         out.append(
             reward - (n - len(known)) / n * expected[i] - sum(w / n * reward for w in weights)
@@ -126,8 +127,8 @@ def reference_advantage(rewards, expected, policy_lp, behaviour_lp, mask, num_po
     return np.array(out)
 
 
-@pytest.mark.parametrize("num_policies", [None, 3.0, 7.5])
-def test_advantage_matches_eq8_reference(num_policies):
+@pytest.mark.parametrize("num_policies, w_max", [(None, 1.0), (3.5, 1.0), (7.5, 2.0)])
+def test_advantage_matches_eq8_reference(num_policies, w_max):
     rng = np.random.default_rng(7)
     batch, k = 9, 3
     rewards, expected = rng.normal(size=batch), rng.normal(size=batch)
@@ -137,7 +138,7 @@ def test_advantage_matches_eq8_reference(num_policies):
     mask[0] = False  # a row with K = 0
     behaviour_lp[~mask] = np.nan  # unknown entries must not leak
     ref = reference_advantage(
-        rewards, expected, policy_lp, behaviour_lp, mask, num_policies or k + 1
+        rewards, expected, policy_lp, behaviour_lp, mask, num_policies or k + 1, w_max
     )
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     adv = advantage(
@@ -147,14 +148,49 @@ def test_advantage_matches_eq8_reference(num_policies):
         t(behaviour_lp),
         torch.tensor(mask),
         num_policies=num_policies,
+        max_weight=w_max,
     )
     np.testing.assert_allclose(adv.numpy(), ref, rtol=1e-12, atol=1e-12)
     assert adv[0].item() == pytest.approx(rewards[0] - expected[0])  # K = 0 row: r - e_τ
     # gradients w.r.t. r and e_τ
     r = t(rewards).requires_grad_()
     e = t(expected).requires_grad_()
-    fn = lambda r, e: advantage(r, e, t(policy_lp), t(behaviour_lp), torch.tensor(mask))  # noqa: E731
+    fn = lambda r, e: advantage(  # noqa: E731
+        r, e, t(policy_lp), t(behaviour_lp), torch.tensor(mask), num_policies, w_max
+    )
     assert torch.autograd.gradcheck(fn, (r, e))
+
+
+def test_importance_weights_never_invert_the_ranking():
+    """Responses the current policy likes far more than their collecting policies (sequence
+    log-ratios up to +40): unclipped, Σ_k w_k / N > 1 and a falls as r rises, so a pair whose r
+    ranks chosen first gets a_c < a_r. Clipped, a rises with r for every response, and a pair
+    with the same weights on both sides keeps the order of its rewards."""
+    rng = np.random.default_rng(11)
+    batch, k = 400, 4
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    policy_lp = rng.uniform(-60, -5, batch)
+    behaviour_lp = policy_lp[:, None] - rng.uniform(-5, 40, (batch, k))
+    expected = rng.normal(size=batch)
+    chosen_r = rng.normal(size=batch)
+    rejected_r = chosen_r - rng.uniform(0.01, 3, batch)  # r ranks the chosen response first
+    unclipped = reference_advantage(
+        chosen_r, expected, policy_lp, behaviour_lp, np.ones((batch, k), bool), k + 1, np.inf
+    ) - reference_advantage(
+        rejected_r, expected, policy_lp, behaviour_lp, np.ones((batch, k), bool), k + 1, np.inf
+    )
+    assert (unclipped < 0).mean() > 0.3  # the defect: many inverted pairs
+    for n, w_max in ((None, 1.0), (9.0, 2.0), (4.5, 1.1)):
+        rewards = t(chosen_r).requires_grad_()
+        chosen_a = advantage(rewards, t(expected), t(policy_lp), t(behaviour_lp), None, n, w_max)
+        rejected_a = advantage(
+            t(rejected_r), t(expected), t(policy_lp), t(behaviour_lp), None, n, w_max
+        )
+        assert (chosen_a > rejected_a).all(), (n, w_max)
+        (grad,) = torch.autograd.grad(chosen_a.sum(), rewards)  # da/dr = 1 - Σ_k w_k / N
+        assert (grad >= 1 - k * w_max / (n or k + 1) - 1e-12).all() and (grad > 0).all()
+    with pytest.raises(ValueError, match="K · max_weight < N"):
+        advantage(t(chosen_r), t(expected), t(policy_lp), t(behaviour_lp), None, 4.0, 1.0)
 
 
 def test_advantage_without_behaviour_policies_is_r_minus_e():

@@ -487,7 +487,7 @@ def test_am_loss_fn_matches_float64_eq8(policy_column):
             row_logprobs = logprobs[side, pair].tolist()
             policy = row_logprobs[policy_column]
             n = policies + 1  # default N = K + 1
-            weights = [math.exp(policy - lp) for lp in row_logprobs]
+            weights = [min(math.exp(policy - lp), 1.0) for lp in row_logprobs]  # clipped
             side_advantages.append(
                 reward - (n - policies) / n * expected - sum(weights) / n * reward
             )

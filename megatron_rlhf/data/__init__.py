@@ -6,7 +6,8 @@
   files from token ids in Python (e.g. the rehearsal set D_R).
 - ``PromptDataset`` / ``SFTDataset`` / ``PreferenceDataset``: map-style readers (no tokenizer).
 - ``ShardedSampler`` / ``build_loader``: data-parallel, seeded, resumable from consumed samples.
-- ``collate_prompts`` (left padding) / ``collate_sft`` / ``collate_preference``.
+- ``collate_prompts`` (left padding) / ``collate_sft`` / ``collate_preference``;
+  ``cut_prompt_to_fit`` shortens an over-long SFT row from the left of its prompt.
 - ``train_tiny_tokenizer`` / ``load_tokenizer`` and the built-in corpus of :mod:`.synthetic`.
 
 Importing this package is cheap: each name is imported from its submodule on first use.
@@ -19,6 +20,7 @@ _EXPORTS = {
     "collate_preference": "collate",
     "collate_prompts": "collate",
     "collate_sft": "collate",
+    "cut_prompt_to_fit": "collate",
     "PreferenceDataset": "datasets",
     "PromptDataset": "datasets",
     "SFTDataset": "datasets",

@@ -51,6 +51,25 @@ def collate_sft(samples: list[dict], pad_id: int, pad_to_multiple_of: int = 1) -
     }
 
 
+def cut_prompt_to_fit(sample: dict, max_length: int) -> tuple[dict, bool]:
+    """An SFT ``sample`` (``input_ids``, ``loss_mask``) cut to ``max_length`` tokens from the
+    left of its prompt, so that its response keeps every token it can; returns (sample, cut?).
+
+    At least one prompt token stays (the first response token is predicted from it); a response
+    longer than ``max_length - 1`` then keeps its first ``max_length - 1`` tokens. The prompt is
+    the tokens before the first 1 of ``loss_mask``.
+    """
+    input_ids, loss_mask = sample["input_ids"], sample["loss_mask"]
+    if len(input_ids) <= max_length:
+        return sample, False
+    response = torch.as_tensor(loss_mask).nonzero()
+    prompt_length = int(response[0, 0]) if len(response) else len(input_ids)
+    kept_prompt = min(prompt_length, max(1, max_length - (len(input_ids) - prompt_length)))
+    start = prompt_length - kept_prompt
+    window = slice(start, start + max_length)
+    return {**sample, "input_ids": input_ids[window], "loss_mask": loss_mask[window]}, True
+
+
 def collate_preference(samples: list[dict], pad_id: int, pad_to_multiple_of: int = 1) -> dict:
     """Concatenate prompt + chosen and prompt + rejected, right-padded to one common width.
 

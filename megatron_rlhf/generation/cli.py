@@ -5,7 +5,8 @@
         [--greedy | --temperature X --top-p Y --seed S] [--output-logprobs]
 
 Input lines hold ``{"prompt": str}`` or ``{"prompt_token_ids": [int]}`` (other fields are
-carried through). Output lines add ``response``, ``response_token_ids`` and, with
+carried through). Output lines add ``response``, ``response_token_ids``, ``finished`` (the
+response ended with EOS rather than at ``--max-new-tokens``) and, with
 ``--output-logprobs``, ``response_logprobs``. Prompts are split over data-parallel replicas
 (world size / (tp*pp)); rank 0 writes the output in input order, to a temporary name renamed
 at the end; an existing output is replaced only with ``--overwrite``.
@@ -234,6 +235,7 @@ def _generate(args) -> int:
             generated += length
             result = dict(records[index][0])
             result["response_token_ids"] = ids
+            result["finished"] = bool(ids) and ids[-1] == sampling.eos_id  # else cut at the limit
             if tokenizer is not None:
                 result["response"] = tokenizer.decode(ids, skip_special_tokens=True)
             if args.output_logprobs:

@@ -23,6 +23,12 @@ def dp_group_or_none():
 
 def global_mean_var(x: torch.Tensor, group) -> tuple[float, float]:
     """Mean and (population) variance of ``x`` over every data-parallel rank."""
+    mean, var, _ = global_moments(x, group)
+    return mean, var
+
+
+def global_moments(x: torch.Tensor, group) -> tuple[float, float, int]:
+    """Mean, (population) variance and element count of ``x`` over every data-parallel rank."""
     moments = torch.stack(
         [
             x.double().sum(),
@@ -34,7 +40,7 @@ def global_mean_var(x: torch.Tensor, group) -> tuple[float, float]:
         dist.all_reduce(moments, group=group)
     total, total_sq, count = moments.tolist()
     mean = total / count
-    return mean, max(total_sq / count - mean * mean, 0.0)
+    return mean, max(total_sq / count - mean * mean, 0.0), int(count)
 
 
 def compute_advantages(

@@ -122,11 +122,17 @@ class RehearsalSection:
     dataset: str | None = None
     """Indexed SFT dataset D_R (tools/build_rehearsal_clusters.py output prefix)."""
     gamma: float = 0.01
-    """gamma of Eq. 9: weight of the rehearsal NLL in the actor loss."""
+    """γ of Eq. 9 (the paper: 0.01); what it weighs depends on ``nll_reduction``."""
+    nll_reduction: Literal["sum", "mean"] = "sum"
+    """sum (the paper's Eq. 9): NLL summed over a sequence's response tokens, averaged over the
+    rehearsal rows, so γ weighs every token and the term grows with response length; mean: the
+    per-token NLL (a token mean, like the PPO loss), so γ weighs the average token and
+    γ_mean ≈ γ_sum × mean response length pulls as hard (see ppo/losses.py)."""
     micro_batch_size: int = 2
     """Rehearsal rows added to each actor microbatch."""
     max_length: int = 512
-    """Longest rehearsal sequence (prompt + response) in tokens; longer ones are cut."""
+    """Longest rehearsal row; a longer one loses prompt tokens from the left (its response is
+    kept, and at least one prompt token), so every row still trains its response."""
 
 
 @dataclass(kw_only=True)

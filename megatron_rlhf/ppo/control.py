@@ -12,7 +12,8 @@ class KLController:
     """beta of Eq. 2: fixed, or adaptive towards a target KL (Ziegler et al., 2019).
 
     Adaptive: ``beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon`` after each batch
-    of n rollouts.
+    of n rollouts: the global batch, summed over data-parallel ranks (``train.observed_kl``),
+    so the coefficient moves as fast at any DP size.
     """
 
     def __init__(self, init_coef: float, adaptive: bool = False, target: float = 6.0,

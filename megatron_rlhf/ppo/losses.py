@@ -1,8 +1,13 @@
 """PPO-SR losses (paper Eqs. 2 and 9): pure tensor math, no torch.distributed, no I/O.
 
-Every loss is a token mean over its mask and comes with detached metrics. ``ppo_sr_loss``
+Every PPO loss is a token mean over its mask and comes with detached metrics. ``ppo_sr_loss``
 is Eq. 9: the clipped PPO policy loss plus ``gamma`` times the NLL of a rehearsal batch drawn
-from D_R, added before the single backward.
+from D_R, added before the single backward. The paper's NLL sums the log-likelihood over a
+sequence's tokens and averages over sequences (``sft_nll(..., "sum")``, the default), so its
+γ = 0.01 weighs a rehearsal token 0.01 / (rehearsal rows): a 200-token response pulls 200 times
+harder than a 1-token one, and the term is ~|y| times a token mean. ``"mean"`` (a token mean,
+like the PPO loss) makes γ the weight of the per-token NLL; γ_mean ≈ γ_sum · (mean response
+length) gives the same pull on average.
 """
 
 from __future__ import annotations
@@ -60,9 +65,20 @@ def value_loss(
 def sft_nll(
     logprobs: torch.Tensor,  # (B, T) log pi(x_t | x_<t) of each target token
     loss_mask: torch.Tensor,  # (B, T) 1 on response tokens of the rehearsal pair
+    reduction: str = "sum",
 ) -> torch.Tensor:
-    """Token-mean negative log-likelihood of a supervised (rehearsal) batch."""
-    return -masked_mean(logprobs, loss_mask)
+    """Negative log-likelihood of a supervised (rehearsal) batch.
+
+    ``sum`` (Eq. 9 as written: ``E_(x,y)~D_R Σ_t``): summed over each sequence's response
+    tokens, averaged over the sequences. ``mean``: averaged over every response token of the
+    batch (a per-token NLL, independent of response lengths).
+    """
+    if reduction == "sum":
+        mask = loss_mask.to(logprobs.dtype)
+        return -(logprobs * mask).sum(dim=1).mean()
+    if reduction == "mean":
+        return -masked_mean(logprobs, loss_mask)
+    raise ValueError(f"reduction must be sum or mean, got {reduction!r}")
 
 
 def ppo_sr_loss(

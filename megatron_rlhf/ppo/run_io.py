@@ -38,6 +38,7 @@ class RunData:
         self.dp_size = dp_size
         self.rehearsal = None
         self.consumed_rehearsal = consumed_rehearsal
+        self.rehearsal_rows_cut = 0
         if config.rehearsal.enabled:
             self.rehearsal = SFTDataset(config.rehearsal.dataset)
             self._rehearsal_indices = iter(
@@ -72,16 +73,19 @@ class RunData:
         return {key: batch[key] for key in ("input_ids", "attention_mask", "index")}
 
     def rehearsal_batches(self):
-        """Endless rehearsal microbatches (collate_sft), truncated to rehearsal.max_length."""
-        from megatron_rlhf.data import collate_sft
+        """Endless rehearsal microbatches (collate_sft) of rows that fit rehearsal.max_length:
+        a longer row loses prompt tokens from the left, never its response (counted in
+        ``rehearsal_rows_cut``, this rank's rows)."""
+        from megatron_rlhf.data import collate_sft, cut_prompt_to_fit
 
         size, limit = self.config.rehearsal.micro_batch_size, self.config.rehearsal.max_length
         while True:
             samples = []
             for _ in range(size):
-                sample = self.rehearsal[next(self._rehearsal_indices)]
-                sample["input_ids"] = sample["input_ids"][:limit]
-                sample["loss_mask"] = sample["loss_mask"][:limit]
+                sample, cut = cut_prompt_to_fit(
+                    self.rehearsal[next(self._rehearsal_indices)], limit
+                )
+                self.rehearsal_rows_cut += cut
                 samples.append(sample)
             self.consumed_rehearsal += size * self.dp_size
             yield collate_sft(samples, self.pad_id)

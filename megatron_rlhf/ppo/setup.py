@@ -82,6 +82,11 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
     if config.rehearsal.enabled:
         if config.rehearsal.dataset is None:
             raise InputError("rehearsal.enabled=true needs rehearsal.dataset (an SFT prefix)")
+        if config.rehearsal.max_length < 2:
+            raise InputError(
+                f"rehearsal.max_length={config.rehearsal.max_length} leaves no response token "
+                "to train; use at least 2 (one prompt token and one response token)"
+            )
         rehearsal_tokenizer = _dataset_tokenizer(
             config.rehearsal.dataset, "rehearsal.dataset", vocab
         )

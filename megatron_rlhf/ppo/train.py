@@ -22,7 +22,12 @@ import torch.distributed as dist
 from megatron_rlhf.config import describe_config, load_config, to_dict
 from megatron_rlhf.distributed import destroy
 from megatron_rlhf.generation import SamplingConfig
-from megatron_rlhf.ppo.advantages import compute_advantages, dp_group_or_none, global_mean_var
+from megatron_rlhf.ppo.advantages import (
+    compute_advantages,
+    dp_group_or_none,
+    global_mean_var,
+    global_moments,
+)
 from megatron_rlhf.ppo.config import TrainPPOConfig
 from megatron_rlhf.ppo.control import KLController, RewardNormalizer
 from megatron_rlhf.ppo.losses import explained_variance
@@ -139,9 +144,10 @@ class PPOTrainer:
                     self.data.rehearsal_batches() if config.rehearsal.enabled else None,
                     config.rehearsal.gamma,
                     self.data.pad_id,
+                    config.rehearsal.nll_reduction,
                 )
                 timings["update"] = time.time() - t0
-                self.kl.update(metrics_kl(experience), experience.sequences.shape[0])
+                self.kl.update(*observed_kl(experience))
             self.consumed_prompts = self.data.consumed_prompts
             self.consumed_rehearsal = self.data.consumed_rehearsal
             metrics |= self.rollout_metrics(experience, timings)
@@ -219,13 +225,17 @@ class PPOTrainer:
             "kl/coef": self.kl.coef,
         }
         if experience.kl is not None:
-            metrics["kl/mean"] = metrics_kl(experience)
+            metrics["kl/mean"] = observed_kl(experience)[0]
             metrics["critic/explained_variance"] = explained_variance(
                 experience.values, experience.returns, mask
             )
         metrics |= {f"time/{stage}_s": seconds for stage, seconds in timings.items()}
         metrics |= self.throughput(experience, sum(timings.values()))
         metrics |= self.data.per_cluster_rewards(experience)
+        if self.data.rehearsal is not None:  # rows of D_R cut to rehearsal.max_length so far
+            cut = torch.tensor([float(self.data.rehearsal_rows_cut)], device=mask.device)
+            cut_mean, _, ranks = global_moments(cut, group)
+            metrics["rehearsal/rows_prompt_cut"] = cut_mean * ranks
         return metrics
 
     def throughput(self, experience, seconds: float) -> dict:
@@ -298,10 +308,11 @@ class PPOTrainer:
             print(f"[train-ppo] resumed from {latest} at step {self.step}", flush=True)
 
 
-def metrics_kl(experience) -> float:
-    """Mean per-sequence KL (sum over tokens), averaged over data-parallel ranks."""
-    per_sequence = experience.kl.sum(dim=1)
-    return global_mean_var(per_sequence, dp_group_or_none())[0]
+def observed_kl(experience) -> tuple[float, int]:
+    """What the adaptive KL controller observes in one step, over every data-parallel rank: the
+    mean per-sequence KL (summed over tokens) and the number of rollouts it averages."""
+    mean, _, count = global_moments(experience.kl.sum(dim=1), dp_group_or_none())
+    return mean, count
 
 
 def parallel_config(config: TrainPPOConfig):

@@ -48,7 +48,12 @@ def actor_microbatch(experience: Experience, rehearsal: dict | None, pad_id: int
 
 
 def actor_loss(
-    clip_ratio: float, rehearsal_gamma: float, temperature: float, logits: torch.Tensor, mb: dict
+    clip_ratio: float,
+    rehearsal_gamma: float,
+    temperature: float,
+    logits: torch.Tensor,
+    mb: dict,
+    rehearsal_nll_reduction: str = "sum",
 ):
     """The actor's loss on one microbatch from its vocab-sharded logits (B, S, V/tp)."""
     ppo_rows = mb["num_ppo_rows"]
@@ -70,7 +75,7 @@ def actor_loss(
         rehearsal_logits = logits[ppo_rows:, :-1]  # (R, S - 1, V/tp)
         targets = mb["input_ids"][ppo_rows:, 1:]  # (R, S - 1)
         rehearsal_logprobs = token_logprobs(rehearsal_logits, targets, 1.0, tp_group_or_none())
-        nll = sft_nll(rehearsal_logprobs, mb["rehearsal_loss_mask"][:, 1:])
+        nll = sft_nll(rehearsal_logprobs, mb["rehearsal_loss_mask"][:, 1:], rehearsal_nll_reduction)
         metrics["rehearsal_nll"] = nll.detach()
     return ppo_sr_loss(loss_ppo, nll, rehearsal_gamma), metrics
 
@@ -96,6 +101,7 @@ def ppo_update(
     rehearsal_batches: Iterator[dict] | None = None,
     rehearsal_gamma: float = 0.0,
     pad_id: int = 3,
+    rehearsal_nll_reduction: str = "sum",
 ) -> dict:
     """Run ``ppo.epochs`` epochs of ``ppo.num_minibatches`` optimizer steps; mean metrics."""
     batch = experience.sequences.shape[0]
@@ -119,9 +125,14 @@ def ppo_update(
                 for m in micro
             ]
             _pad_to_common_width(actor_mbs, pad_id)
-            actor_metrics = actor_engine.step(
-                actor_mbs, partial(actor_loss, ppo.clip_ratio, rehearsal_gamma, temperature)
+            loss_fn = partial(
+                actor_loss,
+                ppo.clip_ratio,
+                rehearsal_gamma,
+                temperature,
+                rehearsal_nll_reduction=rehearsal_nll_reduction,
             )
+            actor_metrics = actor_engine.step(actor_mbs, loss_fn)
             critic_mbs = [
                 {
                     "input_ids": m.sequences,

@@ -15,6 +15,8 @@ Writes, all or nothing:
 ``--sweep-clusters 10,20,50`` writes one such set per count under ``OUT_c10`` ... (embedding the
 prompts once) and compares them in ``OUT.sweep.md`` and ``OUT.sweep.json`` (paper Fig. 6).
 ``--max-response-tokens`` counts tokens of ``--tokenizer`` (the policy's), response only.
+A response cut at the generation limit (``finished: false`` from ``generate``, or token ids not
+ending in EOS) enters D_R without an EOS (``--truncated drop``: not at all); both are counted.
 Selection rules: ``selection.py``. Bad records (no/NaN score, empty prompt, duplicate prompt
 unless ``--dedupe``) stop the run before any work, naming file:line (``records.py``); so do
 more clusters than records and a missing model directory. A cluster with fewer than k eligible
@@ -36,7 +38,11 @@ import numpy as np
 from megatron_rlhf.data import load_tokenizer, write_sft_dataset
 from megatron_rlhf.rehearsal.cluster import distances_to_assigned, kmeans, kmeans_backend
 from megatron_rlhf.rehearsal.embed import check_model_dir, embed_prompts, resolve_device
-from megatron_rlhf.rehearsal.records import ScoredRecords, load_scored_records
+from megatron_rlhf.rehearsal.records import (
+    ScoredRecords,
+    load_scored_records,
+    response_finished,
+)
 from megatron_rlhf.rehearsal.report import cluster_table, pca_2d, plot_report
 from megatron_rlhf.rehearsal.selection import eligible_mask, select_top_k
 from megatron_rlhf.rehearsal.staging import StagedOutputs, staged_outputs
@@ -86,6 +92,10 @@ class RehearsalConfig:
     overwrite: bool = False
     """Replace the outputs of an earlier run at ``output_prefix`` (else an existing one stops
     the run before any work)."""
+    truncated: str = "no_eos"
+    """Responses cut at the generation limit (no EOS; see records.response_finished): no_eos
+    keeps them in D_R without an EOS, so rehearsal never teaches stopping where the limit cut;
+    drop makes them ineligible for selection. Counted in the report either way."""
 
 
 # Files at every output prefix (OUT, or OUT_cN in a sweep) whose presence marks an earlier run.
@@ -144,6 +154,12 @@ def parse_args(argv: list[str]) -> RehearsalConfig:
     parser.add_argument("--entropy-field", default="entropy", help="record field for entropy")
     parser.add_argument("--dedupe", action="store_true", help="keep best of duplicate prompts")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier run's outputs")
+    parser.add_argument(
+        "--truncated",
+        choices=["no_eos", "drop"],
+        default="no_eos",
+        help="responses cut at the generation limit: keep without EOS (default) or drop",
+    )
     args = parser.parse_args(argv)
     for flag, value in (
         ("--top-k", args.top_k),
@@ -176,6 +192,7 @@ def parse_args(argv: list[str]) -> RehearsalConfig:
         entropy_field=args.entropy_field,
         dedupe=args.dedupe,
         overwrite=args.overwrite,
+        truncated=args.truncated,
     )
 
 
@@ -184,19 +201,28 @@ def _token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def _write_rehearsal_dataset(prefix: Path, records: list[dict], tokenizer, metadata: dict):
-    """D_R as an SFT dataset: prompt ids + response ids + EOS, loss on the response and EOS.
+    """D_R as an SFT dataset: prompt ids + response ids, loss on the response; an EOS ends
+    every response that ended on its own, none ends one cut at the generation limit.
 
     Prompt and response are tokenized separately without special tokens, as the data layer's
     preprocessing and PPO's rollouts (prompt ids followed by generated ids) do.
     """
+    eos = tokenizer.eos_token_id
+    finished = response_finished(records, eos)
     prompt_ids = _token_ids(tokenizer, [record["prompt"] for record in records])
-    response_ids = _token_ids(tokenizer, [record["response"] for record in records])
+    response_ids = [
+        ids + [eos] if done and (not ids or ids[-1] != eos) else ids
+        for ids, done in zip(
+            _token_ids(tokenizer, [record["response"] for record in records]), finished
+        )
+    ]
     write_sft_dataset(
         prefix,
         zip(prompt_ids, response_ids),
         metadata["tokenizer"],
-        eos_id=tokenizer.eos_token_id,
-        metadata=metadata,
+        eos_id=eos,
+        append_eos=False,
+        metadata={**metadata, "truncated_without_eos": int((~finished).sum())},
     )
 
 
@@ -205,9 +231,11 @@ def curate_one(
     data: ScoredRecords,
     embeddings: np.ndarray,
     response_tokens: np.ndarray | None,
+    finished: np.ndarray,
     clusters: int,
 ) -> dict:
-    """K-means into ``clusters`` and select; return the arrays and report of this count."""
+    """K-means into ``clusters`` and select; return the arrays and report of this count.
+    ``finished`` (N,) bool: False for responses cut at the generation limit."""
     started = time.perf_counter()
     assignments, centroids = kmeans(embeddings, clusters, config.seed, config.device, config.niter)
     kmeans_s = time.perf_counter() - started
@@ -218,6 +246,7 @@ def curate_one(
         max_response_length=config.max_response_tokens,
         entropies=data.entropies,
         max_entropy=config.max_entropy,
+        finished=finished if config.truncated == "drop" else None,
     )
     selected = select_top_k(
         data.scores, assignments, config.top_k, rank_by=config.rank_by, **filters
@@ -245,6 +274,9 @@ def curate_one(
             "cluster_size_min": int(min(row["size"] for row in rows)),
             "cluster_size_max": int(max(row["size"] for row in rows)),
             "inertia": float(distances.sum()),
+            "truncated_responses": int((~finished).sum()),
+            "truncated_selected": int((~finished[selected]).sum()),
+            "truncated_policy": config.truncated,
             "score_mean_all": float(data.scores.mean()),
             "score_mean_selected": float(data.scores[selected].mean()) if len(selected) else None,
             "kmeans_s": kmeans_s,
@@ -384,6 +416,7 @@ def run(config: RehearsalConfig) -> list[dict]:
             f"use at most {len(data)}"
         )
     tokenizer = load_tokenizer(config.tokenizer)
+    finished = response_finished(data.records, tokenizer.eos_token_id)
     response_tokens = None
     if config.max_response_tokens is not None:
         response_tokens = np.array([len(ids) for ids in _token_ids(tokenizer, data.responses)])
@@ -410,11 +443,11 @@ def run(config: RehearsalConfig) -> list[dict]:
     summaries = []
     with staged_outputs() as staging:
         for clusters in config.clusters:
-            result = curate_one(config, data, embeddings, response_tokens, clusters)
+            result = curate_one(config, data, embeddings, response_tokens, finished, clusters)
             if not len(result["selected"]):
                 raise InputError(
                     f"{config.input}: no record passes the filters (--min-score, "
-                    "--max-response-tokens, --max-entropy); loosen them"
+                    "--max-response-tokens, --max-entropy, --truncated drop); loosen them"
                 )
             prefix = output_prefix
             if sweep:

@@ -115,3 +115,21 @@ def load_scored_records(
         entropies=np.asarray(entropies, dtype=np.float64) if entropy_field else None,
         duplicates=duplicates,
     )
+
+
+def response_finished(records: list[dict], eos_id: int | None) -> np.ndarray:
+    """(N,) bool: did each response end on its own, rather than at the generation limit?
+
+    A record's ``finished`` field (written by ``generate``) decides; without it, the last of its
+    ``response_token_ids`` being EOS; without either (text from elsewhere, e.g. human SFT data)
+    the response counts as complete.
+    """
+    flags = []
+    for record in records:
+        if isinstance(record.get("finished"), bool):
+            flags.append(record["finished"])
+        elif record.get("response_token_ids"):
+            flags.append(eos_id is not None and record["response_token_ids"][-1] == eos_id)
+        else:
+            flags.append(True)
+    return np.array(flags, dtype=bool)

@@ -23,8 +23,10 @@ def eligible_mask(
     max_response_length: int | None = None,
     entropies: np.ndarray | None = None,
     max_entropy: float | None = None,
+    finished: np.ndarray | None = None,
 ) -> np.ndarray:
-    """(N,) bool: the records that pass every filter that is set."""
+    """(N,) bool: the records that pass every filter that is set (``finished``: (N,) bool,
+    False for a response cut at the generation limit, which is then not eligible)."""
     mask = np.ones(len(scores), dtype=bool)
     if min_score is not None:
         mask &= scores >= min_score
@@ -36,6 +38,8 @@ def eligible_mask(
         if entropies is None:
             raise ValueError("max_entropy needs entropies")
         mask &= entropies <= max_entropy
+    if finished is not None:
+        mask &= finished
     return mask
 
 
@@ -49,12 +53,13 @@ def select_top_k(
     max_response_length: int | None = None,
     entropies: np.ndarray | None = None,
     max_entropy: float | None = None,
+    finished: np.ndarray | None = None,
     rank_by: str = "score",
 ) -> np.ndarray:
     """Indices of the selected records, ordered by (cluster, rank inside the cluster).
 
-    ``scores`` (N,), ``assignments`` (N,) cluster ids, ``response_lengths`` (N,) and
-    ``entropies`` (N,) optional. At most ``k`` indices per cluster.
+    ``scores`` (N,), ``assignments`` (N,) cluster ids, ``response_lengths`` (N,),
+    ``entropies`` (N,) and ``finished`` (N,) optional. At most ``k`` indices per cluster.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -69,6 +74,7 @@ def select_top_k(
         max_response_length=max_response_length,
         entropies=entropies,
         max_entropy=max_entropy,
+        finished=finished,
     )
     candidates = np.flatnonzero(mask)  # (M,) ascending record index
     # np.lexsort sorts by the last key first; the earlier index wins remaining ties (stable).

@@ -11,10 +11,22 @@ How this departs from, or pins down, the paper:
   (the current policy weighs as much as each collecting policy) and require N >= K, so the
   weight (N - K)/N of e_τ(x) is never negative.
 - The importance weights w_k = π_φ(y|x) / π'_k(y|x) come from pre-computed per-response
-  log-probs (data, so the gradient flows through r and e_τ only) and are not clipped.
+  log-probs (data, so the gradient flows through r and e_τ only) and are clipped per weight:
+  w_k <- min(w_k, w_max), w_max = ``max_weight`` (default 1, truncated importance sampling as
+  in V-trace/Retrace). Unclipped, Eq. 8 reads a = (1 - S)·r - (N-K)/N·e_τ with S = Σ_k w_k/N,
+  and one response that π_φ likes far more than its collecting policy (w_k in the hundreds for
+  a sequence-level ratio) makes S > 1: a then *falls* as r rises and the ranking term of Eq. 6
+  trains r the wrong way for that pair. We require K·w_max < N, so S <= K·w_max/N < 1 and a
+  stays strictly increasing in r for every response (with the defaults N = K + 1, w_max = 1:
+  S <= K/(K+1)). Weights at or below w_max, i.e. responses the current policy finds no more
+  likely than the collecting one, are exactly the paper's; the clip only biases the rest
+  downward. We chose a per-weight clip over renormalising Σ_k w_k per response because it
+  changes nothing where Eq. 8 is well behaved and depends on no other response or batch.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +56,10 @@ def advantage(
     behaviour_logprobs: torch.Tensor | None = None,
     behaviour_mask: torch.Tensor | None = None,
     num_policies: float | None = None,
+    max_weight: float = 1.0,
 ) -> torch.Tensor:
-    """Eq. 8: ``a = r - (N-K)/N · e_τ(x) - Σ_k (1/N) · w_k · r``, ``w_k = π_φ(y|x) / π'_k(y|x)``.
+    """Eq. 8: ``a = r - (N-K)/N · e_τ(x) - Σ_k (1/N) · w_k · r``,
+    ``w_k = min(π_φ(y|x) / π'_k(y|x), max_weight)`` (clipped: see the module docstring).
 
     rewards:            (B,) r(x, y), the reward head at the last token of (x, y).
     expected_rewards:   (B,) e_τ(x) of Eq. 7, the expected-reward head at the last prompt token.
@@ -56,6 +70,8 @@ def advantage(
     behaviour_mask:     (B, K) bool, True where log π'_k(y|x) is known; rows may hold fewer
                         than K (ragged), and each row then uses its own K. Default: all known.
     num_policies:       N of Eq. 8, a hyperparameter >= K; default K + 1 (see module docstring).
+    max_weight:         w_max, the clip of each w_k; K · max_weight < N is required, so that
+                        Σ_k w_k / N < 1 and a rises with r.
     Returns a: (B,).
     """
     if rewards.shape != expected_rewards.shape or rewards.dim() != 1:
@@ -85,9 +101,15 @@ def advantage(
     num_policies = float(max_policies + 1 if num_policies is None else num_policies)
     if num_policies <= 0 or num_policies < max_policies:
         raise ValueError(f"num_policies N = {num_policies} must be > 0 and >= K = {max_policies}")
+    if not 0 < max_weight or max_policies * max_weight >= num_policies:
+        raise ValueError(
+            f"max_weight = {max_weight} must be > 0 with K · max_weight < N (K = "
+            f"{max_policies}, N = {num_policies}), or Σ_k w_k / N can reach 1 and invert r"
+        )
     policies_per_row = behaviour_mask.sum(dim=-1).to(rewards.dtype)  # (B,) K of each row
     log_ratio = policy_logprobs.unsqueeze(-1) - behaviour_logprobs  # (B, K)
     log_ratio = log_ratio.masked_fill(~behaviour_mask, 0.0)  # unknown entries may hold NaN
+    log_ratio = log_ratio.clamp(max=math.log(max_weight))  # w_k <= w_max, no overflow
     weights = torch.where(behaviour_mask, log_ratio.exp(), 0.0)  # (B, K) w_k
     weight_sum = weights.sum(dim=-1).to(rewards.dtype)  # (B,) Σ_k w_k
     expected_weight = (num_policies - policies_per_row) / num_policies  # (B,) (N-K)/N

@@ -18,7 +18,8 @@ holds the resolved config. TensorBoard scalars go to ``train.output_dir/tensorbo
 
 Importance weights (Eq. 8): with ``am.policy_column: k``, column k of the preference data's
 behaviour log-probs is taken as π_φ(y|x), the policy whose expected reward e_τ models (e.g. the
-SFT model that sampled the comparisons), and all K columns are the collecting policies π'_k.
+SFT model that sampled the comparisons), and all K columns are the collecting policies π'_k;
+each w_k is clipped at ``am.max_importance_weight`` (1 by default) so that Σ_k w_k / N < 1.
 Without it (the default) the log-probs are ignored and a = r - e_τ(x) (K = 0).
 """
 
@@ -71,6 +72,9 @@ class AMConfig:
     """Behaviour log-prob column holding π_φ(y|x) (see the module docstring); None: K = 0."""
     num_policies: float | None = None
     """N of Eq. 8 (default K + 1)."""
+    max_importance_weight: float = 1.0
+    """Clip of each importance weight w_k of Eq. 8; K × this must stay below N, so that
+    Σ_k w_k / N < 1 and a rises with r (see reward/losses.py)."""
 
 
 @dataclass(kw_only=True)
@@ -259,6 +263,7 @@ def _advantage(rewards, expected, logprobs, am: AMConfig):
         policy_logprobs=logprobs[:, am.policy_column],
         behaviour_logprobs=logprobs,
         num_policies=am.num_policies,
+        max_weight=am.max_importance_weight,
     )
 
 
@@ -436,6 +441,14 @@ def _check_policy_column(config: RewardTrainConfig, dataset) -> None:
         raise InputError(
             f"am.policy_column={column}: {dataset.prefix} has {count} behaviour log-prob "
             f"columns; choose one in [0, {count}) or leave am.policy_column unset"
+        )
+    num_policies = config.am.num_policies or count + 1
+    if not 0 < config.am.max_importance_weight < num_policies / count:
+        raise InputError(
+            f"am.max_importance_weight={config.am.max_importance_weight} with K={count} "
+            f"behaviour policies and N={num_policies}: need 0 < K × max_importance_weight < N, "
+            "or Σ_k w_k / N can reach 1 and Eq. 8 ranks against r; lower it or raise "
+            "am.num_policies"
         )
 
 
