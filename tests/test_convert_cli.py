@@ -168,6 +168,8 @@ def test_generate_cli_end_to_end(converted, tmp_path):
         length = len(line["response_token_ids"])
         assert line["response_token_ids"] == ref_tokens[row, :length].tolist()
         assert length == 6 or line["response_token_ids"][-1] == tokenizer.eos_token_id
+        # finished: stopped by EOS (the reference's own token), not by --max-new-tokens
+        assert line["finished"] == (ref_tokens[row, length - 1].item() == tokenizer.eos_token_id)
         assert line["response"] == tokenizer.decode(
             line["response_token_ids"], skip_special_tokens=True
         )

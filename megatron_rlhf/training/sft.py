@@ -75,9 +75,13 @@ class SFTConfig:
     """``train-sft``: one supervised fine-tuning run."""
 
     model: ModelConfig
+    """The initial policy (HF BLOOM or LM checkpoint) and its TP/PP layout."""
     data: DataConfig
+    """Training and held-out SFT sequences."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """Adam, warm-up then cosine, gradient clipping."""
     train: TrainConfig
+    """Batching, evaluation, checkpoints and logs (an example is one sequence)."""
 
 
 def main(argv: list[str]) -> int:
