@@ -3,7 +3,7 @@
 Every PPO loss is a token mean over its mask and comes with detached metrics. ``ppo_sr_loss``
 is Eq. 9: the clipped PPO policy loss plus ``gamma`` times the NLL of a rehearsal batch drawn
 from D_R, added before the single backward. The paper's NLL sums the log-likelihood over a
-sequence's tokens and averages over sequences (``sft_nll(..., "sum")``, the default), so its
+sequence's tokens and averages over sequences (``sft_nll(..., "sum")``, PPO's default), so its
 γ = 0.01 weighs a rehearsal token 0.01 / (rehearsal rows): a 200-token response pulls 200 times
 harder than a 1-token one, and the term is ~|y| times a token mean. ``"mean"`` (a token mean,
 like the PPO loss) makes γ the weight of the per-token NLL; γ_mean ≈ γ_sum · (mean response
@@ -65,7 +65,7 @@ def value_loss(
 def sft_nll(
     logprobs: torch.Tensor,  # (B, T) log pi(x_t | x_<t) of each target token
     loss_mask: torch.Tensor,  # (B, T) 1 on response tokens of the rehearsal pair
-    reduction: str = "sum",
+    reduction: str,
 ) -> torch.Tensor:
     """Negative log-likelihood of a supervised (rehearsal) batch.
 

@@ -35,7 +35,7 @@ def nll_loss(temperature: float, logits: torch.Tensor, mb: dict):
     logprobs = response_logprobs(
         logits, mb["input_ids"], mb["prompt_length"], mb["response_mask"].shape[1], temperature
     )
-    loss = sft_nll(logprobs, mb["response_mask"])
+    loss = sft_nll(logprobs, mb["response_mask"], "mean")  # token mean of the kept responses
     return loss, {"nll": loss.detach()}
 
 
