@@ -18,11 +18,14 @@ timed on its own and included in the resharded row. Tokens of all three are comp
 
 tokens/s = new tokens of the whole batch / wall seconds; min / median / max over reps x seeds.
 
-Latest run (2-core CPU, no GPU, torch 2.13.0+cpu, megatron-core 0.16.1, transformers 5.x), on a
-machine shared with other jobs (see the load average printed with the table); medians move
-+-15 % between runs, ratios less:
-
-RESULTS_PLACEHOLDER
+Not yet run to completion: on the session that wrote it the shared 2-core machine stayed at
+load average 20-68 and the heavy-job queue did not free a slot in time, so there is no table
+from this script yet. Development measurements of part 1's first row (tiny 4 x 128, vocab
+1000, B=8, prompts <= 32, greedy, 1 thread, CPU seconds of this process, 7 interleaved reps, one
+seed, load average ~9): before the lean inference forward (issue 11, item 6) our engine ran at
+0.66-0.69x transformers' tokens/s (~1,530 vs ~2,250 tok/s), after it at 1.12-1.16x (32 and 128
+new tokens: medians 2,154 vs 1,665 and 2,262 vs 1,997 tok/s), greedy tokens identical. Part 2
+has only been run as the tests' correctness checks (``tests/test_bloom_parallel.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -182,12 +186,8 @@ def pp_worker(args) -> None:
 
     def on_actor(parts):
         with active(groups["actor"]):
-            return generate(
-                actor,
-                ids,
-                mask,
-                SamplingConfig(**{**vars(sampling), "pipeline_micro_batches": parts}),
-            ).response_ids
+            plan = replace(sampling, pipeline_micro_batches=parts)
+            return generate(actor, ids, mask, plan).response_ids
 
     def resharded():
         engine.refresh()
