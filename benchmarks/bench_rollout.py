@@ -23,8 +23,9 @@ load average 20-68 and the heavy-job queue did not free a slot in time, so there
 from this script yet. Development measurements of part 1's first row (tiny 4 x 128, vocab
 1000, B=8, prompts <= 32, greedy, 1 thread, CPU seconds of this process, 7 interleaved reps, one
 seed, load average ~9): before the lean inference forward (issue 11, item 6) our engine ran at
-0.66-0.69x transformers' tokens/s (~1,530 vs ~2,250 tok/s), after it at 1.12-1.16x (32 and 128
-new tokens: medians 2,154 vs 1,665 and 2,262 vs 1,997 tok/s), greedy tokens identical. Part 2
+0.66-0.69x transformers' tokens/s (~1,530 vs ~2,250 tok/s), after it at 1.12-1.29x (ratio of
+medians, two runs each of 32 and 128 new tokens; e.g. 2,262 vs 1,997 tok/s), greedy tokens
+identical. Part 2
 has only been run as the tests' correctness checks (``tests/test_bloom_parallel.py``).
 """
 
