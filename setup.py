@@ -45,7 +45,11 @@ setup(
             "ruff==0.17.6",
             "scikit-learn",
             "triton",
+            "deepspeed==0.19.8",
         ],
+        # train-reward backend=deepspeed (ZeRO 1-3; pinned: its CPU start-up is patched, see
+        # megatron_rlhf/training/deepspeed_engine.py). Install torch first, as for everything.
+        "deepspeed": ["deepspeed==0.19.8"],
         # GPU stack: install faiss-gpu *instead of* faiss-cpu (both provide the module `faiss`).
         "gpu": ["transformer-engine[pytorch]", "triton", "faiss-gpu-cu12"],
         "datasets": ["datasets", "pyarrow"],

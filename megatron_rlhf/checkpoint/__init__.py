@@ -1,10 +1,18 @@
-"""Checkpoints: Hugging Face <-> Megatron conversion and Megatron distributed checkpoints."""
+"""Checkpoints: Hugging Face <-> Megatron conversion and Megatron distributed checkpoints.
+
+A megatron-rlhf checkpoint directory has ``megatron_rlhf.json``; its tensors are Megatron-Core
+distributed-checkpoint shards, or, with ``"format": "hf"`` (``train-reward backend=deepspeed``),
+one Hugging Face safetensors model read through the HF import path. Both load at any TP/PP.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from megatron_rlhf.utils import InputError
+
+HF_FORMAT = "hf"
+"""``megatron_rlhf.json`` ``format`` of a checkpoint whose tensors are HF safetensors."""
 
 
 def is_hf_checkpoint(directory: str | Path) -> bool:
@@ -67,6 +75,7 @@ def load_bloom(
     if trunk_only:
         _load_trunk(model, directory, meta, prefix)
         return model
+    hf_format = meta.get("format") == HF_FORMAT
     if meta["head"] != head or (
         head == "scalar" and meta["num_scalar_outputs"] != num_scalar_outputs
     ):
@@ -75,6 +84,9 @@ def load_bloom(
             f"scalar outputs, but a {head!r} head with {num_scalar_outputs if head == 'scalar' else 0}"
             " was asked for; use a checkpoint of the right role"
         )
+    if hf_format:
+        load_hf_into_model(model, HFReader(directory, head=head))
+        return model
     loaded = dist_ckpt.load(directory, model.sharded_state_dict(prefix=prefix))
     model.load_state_dict({name.removeprefix(prefix): value for name, value in loaded.items()})
     return model
@@ -97,7 +109,13 @@ def _load_trunk(model, directory, meta: dict, prefix: str = "") -> None:
     """Load every tensor but the head; an LM checkpoint's ``decoder.final_layernorm`` feeds a
     scalar model's ``final_layernorm``."""
     from megatron_rlhf.checkpoint import dist as dist_ckpt
+    from megatron_rlhf.checkpoint.hf_io import HFReader, load_hf_into_model
 
+    if meta["head"] == "scalar" and model.head == "lm":
+        raise InputError(f"{directory}: a scalar-head checkpoint cannot initialise an LM head")
+    if meta.get("format") == HF_FORMAT:
+        load_hf_into_model(model, HFReader(directory, head=model.head), skip_head=True)
+        return
     sharded = {
         name.removeprefix(prefix): tensor
         for name, tensor in model.sharded_state_dict(prefix=prefix).items()
@@ -107,8 +125,6 @@ def _load_trunk(model, directory, meta: dict, prefix: str = "") -> None:
         for name, tensor in sharded.items():
             if name.startswith("final_layernorm."):
                 tensor.key = "decoder." + tensor.key
-    if meta["head"] == "scalar" and model.head == "lm":
-        raise InputError(f"{directory}: a scalar-head checkpoint cannot initialise an LM head")
     missing, unexpected = model.load_state_dict(dist_ckpt.load(directory, sharded), strict=False)
     if unexpected or any(not k.startswith(("scalar_head.", "output_layer.")) for k in missing):
         raise InputError(f"{directory}: trunk tensors missing {missing} / unexpected {unexpected}")

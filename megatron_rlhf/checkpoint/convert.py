@@ -11,6 +11,12 @@ the model. Padded vocab rows are dropped; rank 0 writes the index, config and to
 ``train-ppo`` checkpoint holds two models: ``--role actor`` (the default) exports the trained
 policy as a ``BloomForCausalLM``, ``--role critic`` the value model as a 1-label
 ``BloomForSequenceClassification`` (as a reward-model export).
+A ``train-reward backend=deepspeed`` checkpoint already holds HF safetensors: megatron-to-hf
+copies them out, and hf-to-megatron reads it like any HF directory.
+
+Scalar heads (reward, advantage and value models) travel as ``BloomForSequenceClassification``'s
+``score.weight`` plus a ``score.bias``; hf-to-megatron takes the head type and width from
+``config.json`` (``architectures``, ``num_labels``) unless --head is given.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ def hf_to_megatron(args) -> int:
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, validate
     from megatron_rlhf.models.bloom import BloomModel
 
+    _default_head(args)
     reader = HFReader(args.load, head=args.head)
     arch = reader.arch
     parallel = ParallelConfig(tp=args.tp, pp=args.pp)
@@ -72,6 +79,18 @@ def hf_to_megatron(args) -> int:
         seconds=round(time.time() - start, 2),
     )
     return 0
+
+
+def _default_head(args) -> None:
+    """--head / --num-scalar-outputs from the HF config when not given (a sequence classifier
+    is a scalar head with ``num_labels`` outputs)."""
+    config_path = Path(args.load) / "config.json"
+    hf_config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    classifier = "BloomForSequenceClassification" in hf_config.get("architectures", [])
+    if args.head is None:
+        args.head = "scalar" if classifier else "lm"
+    if args.num_scalar_outputs is None:
+        args.num_scalar_outputs = hf_config.get("num_labels", 1) if classifier else 1
 
 
 def _check_tokenizer_vocab(directory, vocab_size: int) -> None:
@@ -119,14 +138,17 @@ def megatron_to_hf(args) -> int:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
+    from megatron_rlhf.checkpoint import HF_FORMAT, role_view
     from megatron_rlhf.checkpoint import dist as dist_ckpt
-    from megatron_rlhf.checkpoint import role_view
     from megatron_rlhf.checkpoint.hf_io import INDEX_FILE, stage_layer_offset
     from megatron_rlhf.checkpoint.hf_names import full_hf_name, mapping_for
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, validate
     from megatron_rlhf.models.bloom import BloomModel
 
-    meta, prefix = role_view(dist_ckpt.read_metadata(args.load), args.role, args.load)
+    saved = dist_ckpt.read_metadata(args.load)
+    if saved.get("format") == HF_FORMAT:
+        return _copy_hf_format(args)
+    meta, prefix = role_view(saved, args.role, args.load)
     arch, head = dist_ckpt.architecture_of(args.load), meta["head"]
     validate(ParallelConfig(pp=args.pp), args.pp, arch.num_heads, arch.num_layers)
     _check_save(args)
@@ -195,6 +217,24 @@ def megatron_to_hf(args) -> int:
     return 0
 
 
+def _copy_hf_format(args) -> int:
+    """megatron-to-hf of a checkpoint already in HF safetensors: copy the model files out."""
+    from megatron_rlhf.checkpoint.dist import copy_tokenizer_files
+
+    _check_save(args)
+    start = time.time()
+    source, partial = Path(args.load), Path(args.save + ".tmp-partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for file in [source / "config.json", *source.glob("model*.safetensors*")]:
+        shutil.copy2(file, partial / file.name)
+    copy_tokenizer_files(source, partial)
+    partial.rename(args.save)
+    print_summary("megatron-to-hf", save=args.save, copied="hf-format checkpoint",
+                  seconds=round(time.time() - start, 2))  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tools/convert_checkpoint.py",
@@ -206,9 +246,17 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--save", required=True, help="output checkpoint directory (new)")
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert at")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline stages to convert at")
-    to_mcore.add_argument("--head", choices=("lm", "scalar"), default="lm")
     to_mcore.add_argument(
-        "--num-scalar-outputs", type=int, default=1, help="scalar head width (AM: 2)"
+        "--head",
+        choices=("lm", "scalar"),
+        default=None,
+        help="default: scalar for a BloomForSequenceClassification config.json, else lm",
+    )
+    to_mcore.add_argument(
+        "--num-scalar-outputs",
+        type=int,
+        default=None,
+        help="scalar head width (AM: 2); default: config.json's num_labels, else 1",
     )
     to_mcore.add_argument("--overwrite", action="store_true", help="replace an existing --save")
     to_hf = sub.add_parser("megatron-to-hf", help="Megatron dist checkpoint -> HF safetensors")

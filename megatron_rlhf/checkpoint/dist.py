@@ -207,7 +207,7 @@ def model_metadata(model, **extra) -> dict:
         "head": model.head,
         "num_scalar_outputs": model.num_scalar_outputs,
         "padded_vocab_size": model.vocab_size,
-        "dtype": str(model.config.params_dtype).removeprefix("torch."),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }
     meta.update(extra)
     return meta

@@ -116,8 +116,9 @@ class HFReader:
         return [self.directory / n for n in names if (self.directory / n).exists()]
 
 
-def load_hf_into_model(model, reader: HFReader) -> None:
-    """Copy this rank's slice of every HF tensor into ``model`` (any TP/PP layout)."""
+def load_hf_into_model(model, reader: HFReader, skip_head: bool = False) -> None:
+    """Copy this rank's slice of every HF tensor into ``model`` (any TP/PP layout);
+    ``skip_head``: leave the scalar head as initialised (a critic from an AM's trunk)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     layer_offset = stage_layer_offset(model.arch.num_layers)
@@ -125,7 +126,7 @@ def load_hf_into_model(model, reader: HFReader) -> None:
         if name == "output_layer.weight":  # tied to the embedding on the last PP stage
             name = "embedding.word_embeddings.weight"
         mapping = mapping_for(name, model.head, layer_offset)
-        if mapping.hf_name.startswith("score.") and not reader.has(mapping.hf_name):
+        if mapping.hf_name.startswith("score.") and (skip_head or not reader.has(mapping.hf_name)):
             continue  # a fresh scalar head on a converted trunk keeps its initialisation
         if mapping.is_vocab:
             tensor = _vocab_rows(reader, mapping.hf_name, param.shape[0], tp_rank)

@@ -16,6 +16,11 @@ written to ``train.output_dir/step_N`` that resumes exactly (model, optimizer, L
 data position) and is also a model checkpoint for ``score`` and PPO; its ``megatron_rlhf.json``
 holds the resolved config. TensorBoard scalars go to ``train.output_dir/tensorboard``.
 
+``backend: deepspeed`` trains the same model the DeepSpeed-Chat way instead: transformers'
+BLOOM trunk with the same scalar head under DeepSpeed ZeRO stage ``deepspeed.zero_stage``
+(1-3, optional ``deepspeed.offload_optimizer``), data parallel only, with everything above
+shared; its checkpoints are read wherever a reward checkpoint is (reward/train_deepspeed.py).
+
 Importance weights (Eq. 8): with ``am.policy_column: k``, column k of the preference data's
 behaviour log-probs is taken as π_φ(y|x), the policy whose expected reward e_τ models (e.g. the
 SFT model that sampled the comparisons), and all K columns are the collecting policies π'_k;
@@ -43,6 +48,7 @@ from megatron_rlhf.training.command import (
     to_device,
     tokenizer_dir,
 )
+from megatron_rlhf.training.deepspeed_engine import DeepSpeedConfig
 from megatron_rlhf.training.engine import OptimConfig, optim_problems
 from megatron_rlhf.training.throughput import train_step_throughput
 from megatron_rlhf.utils import InputError, is_rank0, write_json
@@ -91,11 +97,16 @@ class RewardTrainConfig:
 
     loss: Literal["am", "rm"] = "am"
     """am: Advantage Model (Eq. 6); rm: Reward Model (Eq. 1)."""
+    backend: Literal["megatron", "deepspeed"] = "megatron"
+    """megatron: Megatron-Core BLOOM, any TP/PP/DP; deepspeed: transformers' BLOOM under
+    DeepSpeed ZeRO, data parallel only (reward/train_deepspeed.py)."""
     model: ModelConfig
     data: DataConfig
     am: AMConfig = field(default_factory=AMConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """ZeRO settings (``backend: deepspeed`` only)."""
 
 
 def main(argv: list[str]) -> int:
@@ -122,10 +133,8 @@ def train(
     final checkpoint. ``overwrite`` / ``force_config_change``: see training/run_dir.py.
     Collective over every rank of the launch."""
     from megatron_rlhf.checkpoint import checkpoint_architecture
-    from megatron_rlhf.checkpoint.dist import model_metadata
     from megatron_rlhf.config import to_dict
     from megatron_rlhf.distributed import ParallelConfig, initialize
-    from megatron_rlhf.training.checkpointing import save_training_checkpoint
     from megatron_rlhf.training.guards import NonFiniteGuard
 
     start_time = time.time()
@@ -157,18 +166,25 @@ def train(
     from megatron_rlhf.reward.model import NUM_OUTPUTS
 
     guard = NonFiniteGuard(config.train.max_nonfinite_skips)
-    engine, step, consumed, checkpoint = command.build_engine(
-        "train-reward",
-        config,
-        arch,
-        total_steps,
-        check_saved=_check_saved_loss(config),
-        guard=guard,
-        overwrite=overwrite,
-        force_config_change=force_config_change,
-        head="scalar",
-        num_scalar_outputs=NUM_OUTPUTS[config.loss],
-    )
+    if config.backend == "deepspeed":
+        from megatron_rlhf.reward import train_deepspeed
+
+        engine, step, consumed, checkpoint = train_deepspeed.build_engine(
+            config, total_steps, batches.num_microbatches, guard, overwrite, force_config_change
+        )
+    else:
+        engine, step, consumed, checkpoint = command.build_engine(
+            "train-reward",
+            config,
+            arch,
+            total_steps,
+            check_saved=_check_saved_loss(config),
+            guard=guard,
+            overwrite=overwrite,
+            force_config_change=force_config_change,
+            head="scalar",
+            num_scalar_outputs=NUM_OUTPUTS[config.loss],
+        )
     if is_rank0():
         write_json(output_dir / "config.json", to_dict(config))
 
@@ -197,14 +213,13 @@ def train(
                 last_eval = evaluate(engine, eval_set, config, batches)
                 logger.write("eval", step, eval_scalars(last_eval))
             if last or every(step, config.train.save_interval):
-                meta = model_metadata(engine.module, **metadata, step=step, eval=last_eval)
-                checkpoint = save_training_checkpoint(
+                checkpoint = _save(
+                    config,
+                    engine,
                     output_dir,
-                    step,
-                    {"model": engine},
-                    meta,
+                    {**metadata, "step": step, "eval": last_eval},
                     {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
-                    tokenizer_dir=tokenizer_source,
+                    tokenizer_source,
                 )
     finally:
         logger.close()
@@ -414,8 +429,34 @@ def _check_saved_loss(config: RewardTrainConfig):
                 f"{directory}: was trained with loss={saved.get('loss')!r}, but loss="
                 f"{config.loss!r} was asked for; choose another train.output_dir"
             )
+        if saved.get("backend", "megatron") != config.backend:
+            raise InputError(
+                f"{directory}: was written by backend={saved.get('backend', 'megatron')!r}, "
+                f"which backend={config.backend} cannot resume; choose another train.output_dir"
+            )
 
     return check
+
+
+def _save(config, engine, output_dir: Path, metadata: dict, trainer_state: dict, tokenizer):
+    """``output_dir/step_N`` written by the configured backend; returns its path."""
+    if config.backend == "deepspeed":
+        from megatron_rlhf.reward import train_deepspeed
+
+        return train_deepspeed.save_checkpoint(
+            engine, output_dir, metadata, trainer_state, tokenizer
+        )
+    from megatron_rlhf.checkpoint.dist import model_metadata
+    from megatron_rlhf.training.checkpointing import save_training_checkpoint
+
+    return save_training_checkpoint(
+        output_dir,
+        metadata["step"],
+        {"model": engine},
+        model_metadata(engine.module, **metadata),
+        trainer_state,
+        tokenizer_dir=tokenizer,
+    )
 
 
 def _check_config(config: RewardTrainConfig) -> None:
@@ -423,6 +464,10 @@ def _check_config(config: RewardTrainConfig) -> None:
     if config.am.margin <= 0:
         problems.append(f"am.margin={config.am.margin} must be > 0")
     problems += optim_problems(config.optim, "optim")
+    if config.backend == "deepspeed":
+        from megatron_rlhf.reward.train_deepspeed import config_problems
+
+        problems += config_problems(config)
     if problems:
         raise InputError("invalid train-reward config: " + "; ".join(problems))
 

@@ -49,6 +49,15 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
+def point_latest(run_dir: str | Path, directory: Path) -> None:
+    """Point ``run_dir/latest_checkpoint.txt`` at ``directory`` (rank 0, atomically)."""
+    if dist_ckpt._rank() == 0:
+        tmp = Path(run_dir) / (LATEST_FILE + ".tmp")
+        tmp.write_text(directory.name + "\n")
+        tmp.replace(Path(run_dir) / LATEST_FILE)
+    dist_ckpt._barrier()
+
+
 def save_training_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -74,11 +83,7 @@ def save_training_checkpoint(
         overwrite=True,
         rank_state=rank_state,
     )
-    if dist_ckpt._rank() == 0:
-        tmp = Path(run_dir) / (LATEST_FILE + ".tmp")
-        tmp.write_text(directory.name + "\n")
-        tmp.replace(Path(run_dir) / LATEST_FILE)
-    dist_ckpt._barrier()
+    point_latest(run_dir, directory)
     return directory
 
 

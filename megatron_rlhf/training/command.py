@@ -156,20 +156,11 @@ def build_engine(
     first; ``guard``, a NonFiniteGuard, gets its saved count). ``model_kwargs``: the head."""
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.checkpoint.dist import read_metadata
-    from megatron_rlhf.config import to_dict
     from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.training import TrainEngine
     from megatron_rlhf.training.checkpointing import load_training_checkpoint
-    from megatron_rlhf.training.run_dir import open_run
 
-    resume_from = open_run(
-        config.train.output_dir,
-        to_dict(config),
-        resume=config.train.resume,
-        overwrite=overwrite,
-        force_config_change=force_config_change,
-        allowed=RESUMABLE_CHANGES,
-    )
+    resume_from = resume_point(config, overwrite, force_config_change)
     model_kwargs.update(
         params_dtype=torch.bfloat16 if use_bf16(config.model.bf16) else torch.float32,
         sequence_parallel=config.model.sequence_parallel,
@@ -187,6 +178,22 @@ def build_engine(
         guard.load_state_dict(state.get("nonfinite", {}))
     log(command, f"resumed from {resume_from} at step {state.get('step', 0)}")
     return engine, state.get("step", 0), state.get("consumed_samples", 0), resume_from
+
+
+def resume_point(config, overwrite: bool = False, force_config_change: bool = False):
+    """The checkpoint ``training/run_dir.open_run`` picks in ``config.train.output_dir`` to
+    resume from, or None for a fresh run."""
+    from megatron_rlhf.config import to_dict
+    from megatron_rlhf.training.run_dir import open_run
+
+    return open_run(
+        config.train.output_dir,
+        to_dict(config),
+        resume=config.train.resume,
+        overwrite=overwrite,
+        force_config_change=force_config_change,
+        allowed=RESUMABLE_CHANGES,
+    )
 
 
 def use_bf16(setting) -> bool:

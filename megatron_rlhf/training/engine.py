@@ -110,20 +110,7 @@ class TrainEngine:
             ),
             [self.model],
         )
-        warmup = int(math.ceil(optim.warmup_fraction * total_steps))
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0,
-            max_lr=optim.lr,
-            min_lr=optim.lr * optim.min_lr_ratio,
-            lr_warmup_steps=warmup,
-            lr_decay_steps=max(total_steps, warmup + 1),
-            lr_decay_style="cosine",
-            start_wd=optim.weight_decay,
-            end_wd=optim.weight_decay,
-            wd_incr_steps=max(total_steps, 1),
-            wd_incr_style="constant",
-        )
+        self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
         self.steps_done = 0
         self.clip_grad = optim.clip_grad
 
@@ -150,7 +137,7 @@ class TrainEngine:
             micro_batch_size=batch,
             forward_only=forward_only,
         )
-        metrics = _average(losses)
+        metrics = average_metrics(losses)
         if not forward_only:
             metrics |= self._update(metrics.get("loss"))
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -201,6 +188,25 @@ class TrainEngine:
         self.steps_done = state["steps_done"]
 
 
+def build_lr_scheduler(optimizer, optim: OptimConfig, total_steps: int):
+    """Megatron's ``OptimizerParamScheduler`` on ``optimizer``'s param groups: linear warm-up
+    from 0 over ``optim.warmup_fraction`` of the steps, then cosine to ``min_lr_ratio * lr``."""
+    warmup = int(math.ceil(optim.warmup_fraction * total_steps))
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=optim.lr,
+        min_lr=optim.lr * optim.min_lr_ratio,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_steps, warmup + 1),
+        lr_decay_style="cosine",
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )
+
+
 def _forward_step(loss_fn, data_iterator, model):
     device = next(model.parameters()).device
     microbatch = {
@@ -218,7 +224,8 @@ def _loss_on_last_stage(loss_fn, microbatch, output):
     return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in metrics.items()}}
 
 
-def _average(per_microbatch: list[dict]) -> dict:
+def average_metrics(per_microbatch: list[dict]) -> dict:
+    """Mean of each metric over the microbatches (last pipeline stage; empty elsewhere)."""
     if not per_microbatch or not parallel_state.is_pipeline_last_stage():
         return {}
     keys = per_microbatch[0].keys()

@@ -109,7 +109,7 @@ class BloomModel(GPTModel):
                 config, arch.hidden_size, eps=arch.layer_norm_epsilon
             )
             self.scalar_head = torch.nn.Linear(arch.hidden_size, num_scalar_outputs)
-            _init_replicated_head(self.scalar_head, std=config.init_method_std)
+            init_replicated_head(self.scalar_head, std=config.init_method_std)
             self.scalar_head.to(params_dtype)
         if post_process and head == "lm":
             vocab_start = self.vocab_size // tp * parallel_state.get_tensor_model_parallel_rank()
@@ -174,7 +174,7 @@ class BloomModel(GPTModel):
         return logits
 
 
-def _init_replicated_head(linear: torch.nn.Linear, std: float) -> None:
+def init_replicated_head(linear: torch.nn.Linear, std: float) -> None:
     """Initialise a TP-replicated head identically on every rank (its own fixed-seed RNG)."""
     generator = torch.Generator().manual_seed(20230918)
     with torch.no_grad():
