@@ -21,25 +21,25 @@ gathers every layer's parameters before using them (an all-gather per layer forw
 backward) and reduce-scatters gradients, which costs more than Megatron DDP's one all-reduce on
 a model this small.
 
-Choosing at 7B1 (BLOOMZ-7B1: 7.07e9 parameters, 30 layers, hidden 4096; one node of 8×80 GB; bf16
-weights with fp32 master weights and Adam moments, i.e. 2 + 4 + 4 + 4 = 14 B/param of
-model/optimizer state, plus gradients):
+Choosing at 7B1: ``python benchmarks/bench_reward_backends.py --only-7b1`` prints the memory per
+GPU of one AM training step on BLOOMZ-7B1 over 8 GPUs; the Megatron rows come from the planner
+(megatron_rlhf/planning/memory.py), the ZeRO rows apply ZeRO's partitioning to the same parameter
+count (bf16 weights 2 B/param, /8 at stage 3; bf16 grads 2 B/param, /8 from stage 2; fp32
+master + Adam moments 12 B/param /8, in host memory with offload) and the planner's TP=1
+activations (one 2,048-token pair, two sequences, full recompute):
 
-    layout (8 GPUs)                         weights  grads  fp32 optim  total/GPU (+ activations)
-    Megatron TP=2, DP=4, distributed optim   7.1 GB  14.1 GB  10.6 GB   31.8 GB
-        (bf16 weights /TP; fp32 grad buffer /TP, grad_reduce_in_fp32; 12 B/param /(TP·DP))
-    Megatron TP=1, DP=8, distributed optim  14.1 GB  28.3 GB   10.6 GB   53.0 GB
-    DeepSpeed ZeRO-1, DP=8                  14.1 GB  14.1 GB   10.6 GB   38.9 GB
-    DeepSpeed ZeRO-2, DP=8                  14.1 GB   1.8 GB   10.6 GB   26.5 GB
-    DeepSpeed ZeRO-3, DP=8                   1.8 GB   1.8 GB   10.6 GB   14.1 GB (+ ~0.5 GB of
-        one gathered layer in flight, 2 × 0.24e9 params × 2 B with prefetch)
-    DeepSpeed ZeRO-3 + optimizer offload     1.8 GB   1.8 GB    (host)    3.5 GB; 85 GB of host RAM
+    BLOOMZ-7B1 AM (7.07e9 params), 8 GPUs; GB per GPU
+    layout                             weights   grads   optim  activ.   total
+    Megatron TP=2 DP=4 dist. optim         7.1    14.1    10.6     4.1    35.9
+    Megatron TP=1 DP=8 dist. optim        14.1    28.3    10.6     8.2    61.2
+    DeepSpeed ZeRO-1 DP=8                 14.1    14.1    10.6     8.2    47.1
+    DeepSpeed ZeRO-2 DP=8                 14.1     1.8    10.6     8.2    34.7
+    DeepSpeed ZeRO-3 DP=8                  1.8     1.8    10.6     8.2    22.4
+    DeepSpeed ZeRO-3 DP=8 + offload        1.8     1.8     0.0     8.2    11.8
 
-(ZeRO figures: bf16 weights 2 B and bf16 grads 2 B per param, replicated or /8 by stage; the
-fp32 master + two Adam moments, 12 B/param, /8 from stage 1.) Activations of one 2,048-token
-pair (two sequences) with full recomputation: the layer inputs, 30 × 2 × 2048 × 4096 × 2 B =
-1 GB, plus one layer's working set (attention scores 32 heads × 2048² × 2 B × 2 = 0.5 GB) on
-either backend; Megatron TP=2 with sequence parallelism halves both.
+(ZeRO-3 also holds the layers it has gathered in flight, ~0.5 GB: one 0.24e9-parameter layer
+in bf16 and the one prefetched; offload needs 12 B/param = 85 GB of host memory per node.)
+Megatron keeps an fp32 gradient buffer (``grad_reduce_in_fp32``), hence its larger grads.
 
 So every layout fits 80 GB at 7B1; what decides is communication and the pipeline downstream.
 Per optimizer step ZeRO-3 moves ~3× the parameter bytes per GPU (two all-gathers and a
@@ -156,13 +156,56 @@ def launch(config: Path, work: Path, backend: str, stage: int) -> dict:
     return json.loads(report.read_text())
 
 
+def choice_at_7b1(gpus: int = 8) -> list[str]:
+    """Per-GPU memory of one AM training step on BLOOMZ-7B1 for each layout of ``gpus`` GPUs.
+
+    Megatron rows come from the planner (megatron_rlhf/planning/memory.py: bf16 weights /TP,
+    fp32 grad buffer /TP, fp32 master + Adam /(TP·DP), activations of one 2,048-token pair
+    with full recompute). ZeRO rows use the same parameter count and activations (the same
+    layers, TP=1) with ZeRO's partitioning: bf16 weights (/N at stage 3), bf16 grads (/N from
+    stage 2), fp32 master + Adam 12 B/param /N (host memory with offload).
+    """
+    from megatron_rlhf.distributed.layouts import Layout
+    from megatron_rlhf.planning.memory import Workload, train_memory
+    from megatron_rlhf.planning.shapes import model_params, model_shape
+
+    shape = model_shape("bloom-7b1")
+    params = model_params(shape, "scalar", 2)
+    work = Workload(micro_batch=2, seq_len=2048, num_microbatches=1, recompute=True)
+    rows = [f"BLOOMZ-7B1 AM ({params / 1e9:.2f}e9 params), {gpus} GPUs, one 2,048-token pair "
+            "per microbatch, full recompute; GB per GPU"]  # fmt: skip
+    rows.append(f"{'layout':<34}{'weights':>8}{'grads':>8}{'optim':>8}{'activ.':>8}{'total':>8}")
+    single = None
+    for tp in (2, 1):
+        memory = train_memory(shape, Layout(tp=tp, pp=1, dp=gpus // tp), "scalar", work)
+        single = memory if tp == 1 else single
+        parts = (memory.weights, memory.grads, memory.optimizer, memory.activations)
+        rows.append(_row(f"Megatron TP={tp} DP={gpus // tp} dist. optim", parts))
+    for stage, offload in ((1, False), (2, False), (3, False), (3, True)):
+        weights = 2 * params / (gpus if stage == 3 else 1)
+        grads = 2 * params / (gpus if stage >= 2 else 1)
+        optim = 0.0 if offload else 12 * params / gpus
+        name = f"DeepSpeed ZeRO-{stage} DP={gpus}" + (" + offload" if offload else "")
+        rows.append(_row(name, (weights, grads, optim, single.activations)))
+    return rows
+
+
+def _row(name: str, parts: tuple) -> str:
+    cells = "".join(f"{value / 1e9:>8.1f}" for value in (*parts, sum(parts)))
+    return f"{name:<34}{cells}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3))
     parser.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--only-7b1", action="store_true", help="print the 7B1 table and exit")
     args = parser.parse_args(argv)
+    if args.only_7b1:
+        print("\n".join(choice_at_7b1()))
+        return 0
     if args.one:
         config, output, backend, stage, report = args.one
         one_run(config, output, backend, int(stage), report)
@@ -190,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     speed = medians["deepspeed"][0] / medians["megatron"][0]
     memory = medians["deepspeed"][1] / medians["megatron"][1]
     print(f"ratio of medians deepspeed/megatron: pairs/s {speed:.2f}, peak RSS {memory:.2f}")
+    print("\n".join(choice_at_7b1()))
     return 0
 
 

@@ -1,8 +1,9 @@
 """Worker for test_reward_deepspeed.py: ``train-reward backend=deepspeed`` on 2 gloo ranks.
 
 One launch (a launch costs 10-15 s of imports):
-- the AM trained under ZeRO stage 1, 2 and 3 (``train.output_dir`` = WORK/zero{1,2,3}); the
-  test compares their metrics.jsonl with the Megatron path's on one process;
+- the AM trained under ZeRO stage 1 (with activation checkpointing), 2 and 3
+  (``train.output_dir`` = WORK/zero{1,2,3}); the test compares their metrics.jsonl with the
+  Megatron path's on one process;
 - ZeRO-3 killed during step 3 and resumed from its step-2 checkpoint repeats the uninterrupted
   losses and final evaluation bit for bit;
 - ``score`` of the preference pairs with the ZeRO-3 checkpoint at TP=2 and at TP=1 (DP=2)
@@ -57,7 +58,9 @@ def train(args, output_dir: Path, *extra: str):
 def stage_checks(args, work: Path) -> dict:
     checks = {}
     for stage in STAGES:
-        result = train(args, work / f"zero{stage}", f"deepspeed.zero_stage={stage}")
+        # ZeRO-1 with transformers' gradient checkpointing: recomputation must not change a loss
+        extra = ["model.recompute_activations=true"] if stage == 1 else []
+        result = train(args, work / f"zero{stage}", f"deepspeed.zero_stage={stage}", *extra)
         losses = [m["loss"] for m in result["history"]]
         checks[f"zero{stage}_trains"] = (
             len(losses) == 4 and all(map(torch.isfinite, torch.tensor(losses))),

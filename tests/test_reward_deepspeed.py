@@ -191,3 +191,38 @@ def test_checkpoints_convert_both_ways(runs, tmp_path):
         == 0
     )
     assert (tmp_path / "copy" / "model.safetensors").exists()
+
+
+def test_zero3_example_keeps_the_paper_settings():
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.reward.train import RewardTrainConfig
+
+    config = load_config(RewardTrainConfig, REPO / "examples/reward/bloomz_7b1_am_zero3.yaml")
+    megatron = load_config(RewardTrainConfig, REPO / "examples/reward/bloomz_7b1_am.yaml")
+    assert config.backend == "deepspeed" and config.deepspeed.zero_stage == 3
+    assert config.optim == megatron.optim and config.am == megatron.am
+    assert config.train.global_batch_size == megatron.train.global_batch_size == 180
+    script = (REPO / "examples/reward/train_bloomz_7b1_am_zero3.sh").read_text()
+    assert "GPUS_PER_NODE:-6" in script and 180 % 6 == 0
+
+
+def test_deepspeed_backend_refuses_model_parallel_layouts(tmp_path):
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.reward.train import RewardTrainConfig, train
+    from megatron_rlhf.utils import InputError
+
+    config = load_config(
+        RewardTrainConfig,
+        None,
+        [
+            "backend=deepspeed",
+            "model.load=/nonexistent",
+            "model.tp=2",
+            "deepspeed.zero_stage=4",
+            "data.train=/nonexistent",
+            f"train.output_dir={tmp_path}",
+        ],
+    )
+    with pytest.raises(InputError, match="model.tp=1 model.pp=1") as error:
+        train(config)
+    assert "deepspeed.zero_stage=4 must be 1, 2 or 3" in str(error.value)
