@@ -156,7 +156,6 @@ def save_checkpoint(
     (partial / "rank_state").mkdir(exist_ok=True)
     write_json(partial / "rank_state" / f"{dist.get_rank():05d}.json", rng_state())
     weights = engine.consolidated_state_dict()  # collective; rank 0 only
-    dist.barrier()  # every rank's files are in partial/ before rank 0 renames it
     if is_rank0():
         from safetensors.torch import save_file
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlhf.training.engine import OptimConfig, average_metrics, build_lr_scheduler
+from megatron_rlhf.training.guards import UPDATE_SKIPPED, NonFiniteError
 
 
 @dataclass(kw_only=True)
@@ -158,7 +159,10 @@ class DeepSpeedTrainEngine:
             per_microbatch.append({"loss": loss.detach().clone(), **metrics})
             if not forward_only:
                 if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite loss {float(loss)}: no update made")
+                    raise NonFiniteError(
+                        f"non-finite loss {float(loss)} on rank {self.engine.global_rank}: the "
+                        "run stops before any update (lower optim.lr or check the data)"
+                    )
                 self.engine.backward(loss)  # scaled by 1 / num_microbatches by DeepSpeed
                 self.engine.step()  # the optimizer steps at the last microbatch only
         metrics = average_metrics(per_microbatch)
@@ -166,10 +170,13 @@ class DeepSpeedTrainEngine:
             grad_norm = self.engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None else 0.0
             if not torch.isfinite(torch.tensor(grad_norm)):
-                raise FloatingPointError(f"non-finite gradient norm {grad_norm}")
+                raise NonFiniteError(
+                    f"non-finite gradient norm {grad_norm}: the run stops (lower optim.lr)"
+                )
             self.scheduler.step(increment=1)
             self.steps_done += 1
             metrics["grad_norm"] = grad_norm
+            metrics[UPDATE_SKIPPED] = 0.0  # a non-finite step raises above instead
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
 
