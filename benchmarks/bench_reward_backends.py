@@ -88,7 +88,9 @@ def make_inputs(root: Path, seed: int) -> Path:
     examples = [
         Example(tokens(32), (tokens(48 + i % 16), tokens(40 + i % 24)), None) for i in range(64)
     ]
-    write_preference_dataset(root / "pairs", examples, vocab_size=ARCH["vocab_size"], pad_id=3)
+    write_preference_dataset(
+        root / "pairs", examples, vocab_size=ARCH["vocab_size"], pad_id=3, append_eos=False
+    )
     config = {
         "loss": "am",
         "model": {"load": str(root / "hf")},
