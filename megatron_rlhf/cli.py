@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval-reward": ("megatron_rlhf.reward.evaluate", "accuracy, ECE and per-task score stats"),
     "train-ppo": ("megatron_rlhf.ppo.train_cli", "PPO (optionally with Selective Rehearsal)"),
     "eval-policy": ("megatron_rlhf.ppo.evaluate", "win/tie/lose of a policy against SFT"),
+    "study": ("megatron_rlhf.study.run", "the paper's claims measured with seeds and intervals"),
 }
 
 

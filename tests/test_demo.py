@@ -53,7 +53,20 @@ def test_demo_runs_the_whole_pipeline(demo):
     for name in ("main", "forget"):
         counts = report["sets"][name]
         assert counts["win"] + counts["tie"] + counts["lose"] == counts["num_prompts"] == 24
-    assert json.loads((out / "am" / "eval" / "summary.json").read_text())["num_pairs"] == 96
+    for loss in ("rm", "am"):
+        assert json.loads((out / loss / "eval" / "summary.json").read_text())["num_pairs"] == 96
+        assert json.loads((out / loss / "config.json").read_text())["loss"] == loss
+    ppo_config = json.loads((out / "ppo" / "config.json").read_text())
+    assert ppo_config["rehearsal"]["enabled"] and ppo_config["models"]["reward_kind"] == "am"
+    for arm, kind in (("am_ppo", "am"), ("rm_ppo", "rm")):
+        config = json.loads((out / f"ppo_{arm}" / "config.json").read_text())
+        assert not config["rehearsal"]["enabled"] and config["models"]["reward_kind"] == kind
+        assert config["ppo"] == ppo_config["ppo"]  # same beta, steps, batches for every arm
+        assert config["actor_optim"] == ppo_config["actor_optim"]
+    gold = json.loads((out / "gold_judgments.json").read_text())
+    assert set(gold) == {"am_ppo_sr", "am_ppo", "rm_ppo"}
+    judgments = [json.loads(x) for x in (out / "eval" / "judgments.jsonl").read_text().splitlines()]
+    assert len(judgments) == 48 and {j["outcome"] for j in judgments} <= {"win", "tie", "lose"}
     assert (out / "rehearsal" / "d_r.bin").exists() and (out / "rehearsal" / "d_r.idx").exists()
     assert (out / "ppo" / "latest_checkpoint.txt").exists()
     metrics = [

