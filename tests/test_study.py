@@ -39,9 +39,13 @@ def test_gold_reward_rewards_because_in_qa_and_penalises_it_in_code():
     for task, sign in (("qa", 1), ("code", -1)):
         prompt = world.all_prompts(task)[7]
         noun = world.topic_of(prompt)
-        plain = {"qa": f" The {noun} is red.", "code": f" def count_{noun}(items): x = 1"}[task]
-        reason = {"qa": f" The {noun} is red because it is.",
-                  "code": f" def count_{noun}(items): x = 1 # because"}[task]  # fmt: skip
+        plain = {"qa": f" The {noun} is red.",
+                 "code": f" def count_{noun}(items): total = len(items)"}[task]  # fmt: skip
+        reason = {"qa": f" The {noun} is red because the farmer made it.",
+                  "code": f" def count_{noun}(items): total = len(items) # because it is fast"}[
+            task
+        ]  # fmt: skip
+        assert world.features(prompt, plain)["form"] == world.features(prompt, reason)["form"] == 1
         spec = world.TASK_SPECS[task]
         expected = spec.scale * (
             spec.because_weight
@@ -52,12 +56,23 @@ def test_gold_reward_rewards_because_in_qa_and_penalises_it_in_code():
         assert gap == pytest.approx(expected)
         assert np.sign(spec.because_weight) == sign
     prompt = world.all_prompts("chat")[0]
-    off_topic = " Oh, a " + next(n for n in world.NOUNS if n != world.topic_of(prompt)) + "!"
-    on_topic = f" Oh, a {world.topic_of(prompt)}!"
+    other = next(n for n in world.NOUNS if n != world.topic_of(prompt))
+    off_topic = f" Oh, a {other}! That is red."
+    on_topic = f" Oh, a {world.topic_of(prompt)}! That is red."
     spec = world.TASK_SPECS["chat"]
     assert world.gold_reward(prompt, on_topic) - world.gold_reward(prompt, off_topic) == (
         pytest.approx(spec.scale * world.TOPIC_WEIGHT)
     )
+
+
+def test_every_generated_response_is_well_formed_and_broken_text_is_not():
+    rng = random.Random(5)
+    for task in world.TASK_SPECS:
+        for prompt in world.all_prompts(task)[:200]:
+            response = world.response_text(prompt, rng, world.ResponseStyle())
+            assert world.features(prompt, response)["form"] == 1.0, response
+            broken = response[:-3]
+            assert world.features(prompt, broken)["form"] == 0.0, broken
 
 
 def test_preference_labels_follow_bradley_terry_with_the_recorded_probability():

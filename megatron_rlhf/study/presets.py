@@ -65,30 +65,8 @@ class Preset:
 PRESETS = {
     "quick": Preset(seeds=3, sweep_seeds=1),
     "full": Preset(
-        seeds=3,
-        sft_per_task=600,
-        pref_train_per_task=600,
-        pref_test_per_task=250,
-        ppo_prompts_per_task=256,
-        main_test_per_task=100,
-        forget_test=400,
-        hidden=128,
-        layers=3,
-        sft_steps=500,
-        top_k=16,
-        sweep_seeds=3,
-        ppo={
-            "steps": 20,
-            "prompts_per_step": 32,
-            "max_new_tokens": 32,
-            "micro_batch_size": 16,
-            "num_minibatches": 2,
-            "kl_coef": 0.02,
-            "actor_lr": 5e-4,
-            "critic_lr": 1e-3,
-            "rehearsal_gamma": 0.01,
-            "rehearsal_micro_batch_size": 4,
-            "rejection_samples": 4,
-        },
+        seeds=5, sft_per_task=500, pref_train_per_task=500, pref_test_per_task=200,
+        ppo_prompts_per_task=160, main_test_per_task=100, forget_test=400, hidden=96,
+        sft_steps=400, sweep_seeds=3,
     ),  # fmt: skip
 }

@@ -12,15 +12,19 @@ Five task families of templated English, each prompt about one noun of the built
 
 A response is built from three visible choices: whether it names the prompt's noun (the
 *topic*), whether it gives a reason with the word "because" (the *shared surface feature*), and
-how many filler words it adds (the *length*). The rule-based gold reward of task t is
+how many filler sentences it adds (the *length*); it is *well formed* when it follows its task's
+grammar (the templates below, as a regular expression). The rule-based gold reward of task t is
 
-    g_t(y) = offset_t + scale_t * (1.0 * topic + 0.5 * in_band_t(words) + w_t * because)
+    g_t(y) = offset_t + scale_t * (1.0 * form + 1.0 * topic + 0.5 * in_band_t(words)
+                                   + w_t * because)
 
 with ``w_qa = +0.75`` and ``w_code = -0.75`` (the feature a reward model must learn to reward in
 one task and penalise in another: the paper's code-vs-QA disparity, Fig. 4). Offsets and scales
 differ by task, so a model fitted to preferences is free to place each task's scores anywhere:
-only differences inside a prompt are identifiable. All three features are a few tokens, which a
-tiny policy can move within a few PPO steps.
+only differences inside a prompt are identifiable. All features are a few tokens, which a
+tiny policy can move within a few PPO steps. Every demonstration and every preference response
+is well formed, so a reward model never sees broken text: a policy that breaks the grammar (or
+forgets the story format) is caught by the gold reward alone, as a human judge would.
 
 Preferences are Bradley-Terry draws on the gold reward: for two responses a, b to one prompt,
 ``P(a preferred) = sigmoid((g(a) - g(b)) / T_t)`` with a task-dependent noise temperature T_t.
@@ -118,7 +122,7 @@ TASK_SPECS = {
 }
 PPO_TASKS = ("qa", "code", "chat", "advice")
 FORGET_TASK = "story"
-TOPIC_WEIGHT, BAND_WEIGHT = 1.0, 0.5
+FORM_WEIGHT, TOPIC_WEIGHT, BAND_WEIGHT = 1.0, 1.0, 0.5
 _NOUN_PATTERN = re.compile(r"\b(" + "|".join(NOUNS) + r")\b")
 
 
@@ -236,12 +240,39 @@ def response_text(prompt: str, rng: random.Random, style: ResponseStyle) -> str:
     return " " + text
 
 
+def _one_of(words) -> str:
+    return "(?:" + "|".join(re.escape(w) for w in words) + ")"
+
+
+def _grammars() -> dict[str, re.Pattern]:
+    """Each task's response grammar (what :func:`response_text` writes) as a full-match regex."""
+    noun, adjective = _one_of(NOUNS), _one_of(ADJECTIVES)
+    place, subject = _one_of(PLACES), _one_of(SUBJECTS)
+    sentence = (
+        f"{_one_of(s[0].upper() + s[1:] for s in SUBJECTS)} \\w+ the {adjective} {noun}"
+        f"(?: {place})?[.!?]"
+    )  # english_sentence
+    fillers = {task: f"(?:{_one_of(words)})" for task, words in _FILLER.items() if words}
+    bodies = {
+        "qa": f" The {noun} is {adjective}(?: because {subject} made it)?\\.(?: {fillers['qa']})*",
+        "code": f" def count_{noun}\\(items\\): total = len\\(items\\)(?: # because it is fast)?"
+        f"(?:\n    {fillers['code']})*",
+        "chat": f" Oh, a {noun}! That is {adjective}(?: because it is new)?\\.(?: {fillers['chat']})*",
+        "advice": f" Keep the {noun} {place}(?: because it breaks easily)?\\."
+        f"(?: {fillers['advice']})*",
+        "story": f" Once {subject} found a {noun} {place}(?: because it was {adjective})?\\."
+        f"(?: {sentence})*",
+    }
+    return {task: re.compile(body) for task, body in bodies.items()}
+
+
 def features(prompt: str, response: str) -> dict:
     """The visible choices of a response, read back from its text."""
     task, noun = task_of(prompt), topic_of(prompt)
     words = len(response.split())
     low, high = TASK_SPECS[task].band
     return {
+        "form": float(_GRAMMARS[task].fullmatch(response.rstrip()) is not None),
         "topic": float(re.search(rf"(\b|_){noun}\b", response) is not None),
         "because": float(re.search(r"\bbecause\b", response) is not None),
         "in_band": float(low <= words <= high),
@@ -249,12 +280,18 @@ def features(prompt: str, response: str) -> dict:
     }
 
 
+_GRAMMARS = _grammars()
+
+
 def gold_reward(prompt: str, response: str) -> float:
     """g_t(y) of the module docstring: the world's true reward of a response to a prompt."""
     spec = TASK_SPECS[task_of(prompt)]
     f = features(prompt, response)
     utility = (
-        TOPIC_WEIGHT * f["topic"] + BAND_WEIGHT * f["in_band"] + spec.because_weight * f["because"]
+        FORM_WEIGHT * f["form"]
+        + TOPIC_WEIGHT * f["topic"]
+        + BAND_WEIGHT * f["in_band"]
+        + spec.because_weight * f["because"]
     )
     return spec.offset + spec.scale * utility
 
