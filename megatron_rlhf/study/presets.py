@@ -63,10 +63,17 @@ class Preset:
 
 
 PRESETS = {
-    "quick": Preset(seeds=3, sweep_seeds=1),
+    "quick": Preset(seeds=3, sweep_seeds=1, ppo={**Preset().ppo, "steps": 8}),
     "full": Preset(
-        seeds=5, sft_per_task=500, pref_train_per_task=500, pref_test_per_task=200,
-        ppo_prompts_per_task=160, main_test_per_task=100, forget_test=400, hidden=96,
-        sft_steps=400, sweep_seeds=3,
+        seeds=5,
+        sft_per_task=500,
+        pref_train_per_task=500,
+        pref_test_per_task=200,
+        ppo_prompts_per_task=160,
+        main_test_per_task=100,
+        forget_test=400,
+        hidden=96,
+        sft_steps=400,
+        sweep_seeds=3,
     ),  # fmt: skip
 }

@@ -170,12 +170,31 @@ def sweep_md(results: dict, settings: dict) -> list[str]:
     return lines
 
 
+def verdict_summary(checked: list[tuple[str, str, str]]) -> list[str]:
+    """One line per verdict: which claims reproduced, which the study contradicts."""
+    lines = []
+    for verdict in ("reproduced", "contradicted", "inconclusive"):
+        texts = [text for text, v, _ in checked if v == verdict]
+        if texts:
+            lines.append(f"- **{verdict.capitalize()}** ({len(texts)}): " + "; ".join(texts) + ".")
+    return lines
+
+
+def run_time(settings: dict) -> list[str]:
+    if "cpu_seconds" not in settings:
+        return []
+    return [f"Run: {settings['seconds'] / 60:.1f} min wall, {settings['cpu_seconds'] / 60:.1f} "
+            "min CPU (one process, one torch thread: the CPU time is about what an idle machine "
+            "takes).", ""]  # fmt: skip
+
+
 def write_report(out: Path, results: dict) -> None:
     settings = results["settings"]
     write_plots(out, results)
     main_arms = [a for a in ("rm_ppo", "rm_ppo_ma", "am_ppo", "am_ppo_sr", "rm_ppo_sr",
                              "rejection_sampling", "am_ppo_rr") if a in results["table2"]]  # fmt: skip
     data = settings["data"]
+    checked = claims(results)
     lines = [
         f"# Study: the paper's claims measured (preset `{settings['preset']}`, "
         f"{settings['seeds']} seeds)",
@@ -187,6 +206,7 @@ def write_report(out: Path, results: dict) -> None:
         f"(hidden {settings['hidden']}, {settings['layers']} layers) trained on CPU: the point "
         "is the *direction and size of the differences* with their intervals, not the levels.",
         "",
+        *run_time(settings),
         "Intervals: `mean [low, high]` is a 95 % Student-t interval across seeds; within-seed "
         "bootstrap intervals (over pairs / prompts) are in results.json (`reward_bootstrap`, "
         "`arms.*.net_win_bootstrap`).",
@@ -205,7 +225,9 @@ def write_report(out: Path, results: dict) -> None:
         "",
         "| claim (paper's direction) | verdict | difference [95 % CI] |",
         "|---|---|---|",
-        *[f"| {text} | {verdict} | {diff} |" for text, verdict, diff in claims(results)],
+        *[f"| {text} | {verdict} | {diff} |" for text, verdict, diff in checked],
+        "",
+        *verdict_summary(checked),
         "",
         "## Table 1 / Fig. 2: reward vs advantage model on held-out pairs",
         "",

@@ -112,7 +112,7 @@ class Progress:
 def run_study(out: Path, preset: Preset, preset_name: str) -> dict:
     from megatron_rlhf.study.report import write_report
 
-    progress = Progress()
+    progress, cpu_started = Progress(), time.process_time()
     progress.stage("data: world prompts, tokenizer, indexed files")
     data = prepare_data(out, preset)
     progress.stage("SFT policy (shared by every seed)")
@@ -137,7 +137,8 @@ def run_study(out: Path, preset: Preset, preset_name: str) -> dict:
     progress.stage("report")
     results = compute_results(out)
     results["settings"] = {"preset": preset_name, **asdict(preset), "sft_losses": sft_losses,
-                           "data": data["summary"]}  # fmt: skip
+                           "data": data["summary"], "seconds": time.time() - progress.started,
+                           "cpu_seconds": time.process_time() - cpu_started}  # fmt: skip
     write_json(out / "results.json", results)
     write_report(out, results)
     return results
