@@ -87,9 +87,9 @@ def main(argv: list[str]) -> int:
     table = stage_evaluation(demo, runs, sft, rewards, data)
     print_summary(
         "demo",
-        am_ppo_sr_main_net_win=table["am_ppo_sr"]["main"]["net_win"],
-        am_ppo_sr_forget_net_win=table["am_ppo_sr"]["forget"]["net_win"],
         seconds=round(time.time() - demo.started, 1),
+        am_ppo_sr_main_net_win=round(table["am_ppo_sr"]["main"]["net_win"], 1),
+        am_ppo_sr_forget_net_win=round(table["am_ppo_sr"]["forget"]["net_win"], 1),
         outputs=str(out),
         report=str(out / "gold_judgments.md"),
     )
