@@ -39,29 +39,29 @@ def fmt(cell: dict, digits: int = 2) -> str:
     return f"{cell['mean']:.{digits}f} [{cell['ci_low']:.{digits}f}, {cell['ci_high']:.{digits}f}]"
 
 
-def paired_claim(better: list[float], worse: list[float]) -> tuple[str, str]:
+def paired_claim(better: list[float], worse: list[float], digits: int = 2) -> tuple[str, str]:
     """(verdict, "mean diff [ci]") for the claim ``better > worse`` on paired seeds."""
     diffs = [b - w for b, w in zip(better, worse)]
     mean, low, high = t_interval(diffs)
     if low is None:
         verdict = "direction only (1 seed)" + (" ✓" if mean > 0 else " ✗")
-        return verdict, f"{mean:+.2f}"
+        return verdict, f"{mean:+.{digits}f}"
     verdict = "reproduced" if low > 0 else "contradicted" if high < 0 else "inconclusive"
-    return verdict, f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]"
+    return verdict, f"{mean:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
 
 
 def claims(results: dict) -> list[tuple[str, str, str]]:
     t1, t2, arms = results["table1"], results["table2"], results["arms"]
     rows = []
 
-    def add(text, better, worse):
-        rows.append((text, *paired_claim(better, worse)))
+    def add(text, better, worse, digits=2):
+        rows.append((text, *paired_claim(better, worse, digits)))
 
     neg = lambda values: [-v for v in values]  # noqa: E731  (lower is better)
     add("AM is better calibrated than RM (ECE lower)", neg(t1["am"]["ece"]["per_seed"]),
         neg(t1["rm"]["ece"]["per_seed"]))  # fmt: skip
     add("AM is closer to the true preference probability (Brier lower)",
-        neg(t1["am"]["brier"]["per_seed"]), neg(t1["rm"]["brier"]["per_seed"]))  # fmt: skip
+        neg(t1["am"]["brier"]["per_seed"]), neg(t1["rm"]["brier"]["per_seed"]), 4)  # fmt: skip
     add("AM keeps RM's ranking accuracy (AM - RM accuracy > 0)",
         t1["am"]["accuracy"]["per_seed"], t1["rm"]["accuracy"]["per_seed"])  # fmt: skip
     models = results["reward_models"]
@@ -103,8 +103,8 @@ def table1_md(results: dict) -> list[str]:
                   for k in ("accuracy", "ece")]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     oracle = results["oracle_accuracy"]
-    lines += ["", f"Oracle accuracy (ranking by the gold reward, in expectation over the labels' "
-              f"noise): {fmt(oracle)} %."]  # fmt: skip
+    lines += ["", "Oracle accuracy (ranking by the gold reward, in expectation over the labels' "
+              f"noise; the held-out pairs are the same for every seed): {oracle['mean']:.2f} %."]  # fmt: skip
     return lines
 
 
