@@ -11,15 +11,18 @@ Megatron at DP=2 against DeepSpeed ZeRO-``--zero-stage`` at DP=2. The sides alte
 ranks' peak resident memory (imports included: ~0.5 GB of it is megatron-core and torch).
 
 Measured on the 2-core CPU VM of this project (torch 2.13.0+cpu, deepspeed 0.19.8, megatron-core
-0.16.1), shared with other jobs (load ~8-15 on 2 cores, so absolute figures are inflated and
-noisy), ``python benchmarks/bench_reward_backends.py`` (3 reps × 2 seeds, ZeRO-3):
+0.16.1) while other jobs ran (load average 13.4 on 2 CPUs: absolute figures are inflated and the
+spread is wide), ``python benchmarks/bench_reward_backends.py`` (3 reps × seeds 0 and 1, ZeRO-3):
 
-    (table below)
+    backend                pairs/s min   median      max  peak RSS MB min   median      max
+    megatron                      3.77     5.26     9.91              583      587      594
+    deepspeed ZeRO-3              3.69     5.70     8.55              806      823      851
+    ratio of medians deepspeed/megatron: pairs/s 1.08, peak RSS 1.40
 
-At this size the comparison is of framework overheads, not of memory partitioning: ZeRO-3
-gathers every layer's parameters before using them (an all-gather per layer forward and
-backward) and reduce-scatters gradients, which costs more than Megatron DDP's one all-reduce on
-a model this small.
+At this size the throughputs are indistinguishable within the noise (the ranges overlap almost
+entirely); the DeepSpeed processes hold ~0.24 GB more, mostly the deepspeed and transformers
+modules they import beside megatron-core (which the shared trainer code imports on both
+sides). Memory partitioning only pays at sizes where the model state dominates: see below.
 
 Choosing at 7B1: ``python benchmarks/bench_reward_backends.py --only-7b1`` prints the memory per
 GPU of one AM training step on BLOOMZ-7B1 over 8 GPUs; the Megatron rows come from the planner
