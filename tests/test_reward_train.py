@@ -381,7 +381,9 @@ def test_score_refuses_models_without_a_trained_head(fig4, tmp_path, capsys):
     hf = fig4["root"] / "hf"
     argv = ["--load", str(hf), "--input", str(fig4["data"]), "--output", str(tmp_path / "o")]
     assert score.main(argv) == 2
-    assert f"{hf}: a Hugging Face model has no trained reward head" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--load: {hf} is a Hugging Face BloomForCausalLM, not a reward model" in err
+    assert "train one with `train-reward`" in err
     assert not (tmp_path / "o").exists()
 
 
