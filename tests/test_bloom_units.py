@@ -293,3 +293,24 @@ def test_architecture_from_hf_reads_bigscience_legacy_keys():
     assert BloomArchitecture.from_hf(ARCH_B.to_hf_dict()) == ARCH_B
     with pytest.raises(InputError, match=r"none of \['n_head', 'num_attention_heads'\]"):
         BloomArchitecture.from_hf({"vocab_size": 10, "hidden_size": 8, "n_layer": 1})
+
+
+def test_loaded_models_mark_their_tensor_parallel_weights(single_process):
+    """A model built to be loaded (no init) carries the same TP attributes on every parameter
+    as an initialised one: Megatron-Core sets them only while initialising, and the optimizer's
+    gradient norm (hence clipping) at TP > 1 counts unmarked sharded weights on TP rank 0 only."""
+    from megatron_rlhf.models.bloom import BloomModel
+
+    def attributes(model):
+        return {
+            name: tuple(getattr(p, key, None) for key in
+                        ("tensor_model_parallel", "partition_dim", "partition_stride"))
+            for name, p in model.named_parameters()
+        }  # fmt: skip
+
+    for head in ("lm", "scalar"):
+        initialised = attributes(BloomModel(ARCH_A, head=head, init_weights=True))
+        loaded = attributes(BloomModel(ARCH_A, head=head, init_weights=False))
+        assert loaded == initialised
+        assert loaded["embedding.word_embeddings.weight"] == (True, 0, 1)
+        assert loaded["decoder.layers.0.mlp.linear_fc2.weight"] == (True, 1, 1)

@@ -88,6 +88,8 @@ class BloomModel(GPTModel):
                 share_embeddings_and_output_weights=head == "lm",  # no LM head to tie to otherwise
                 position_embedding_type="none",
             )
+        if not init_weights:
+            mark_tensor_parallel_weights(self)
         self.arch = arch
         self.head = head
         self.register_buffer(  # this rank's heads; also says where the model lives
@@ -172,6 +174,38 @@ class BloomModel(GPTModel):
                 logits = logits.clone()
             logits[..., valid:] = torch.finfo(logits.dtype).min
         return logits
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Give every tensor-parallel layer's weight its TP attributes (``tensor_model_parallel``,
+    ``partition_dim``, ``partition_stride``).
+
+    Megatron-Core 0.16.1 sets them only inside the weight initialisers
+    (tensor_parallel/layers.py:244, 265, 855, 877), so a model built with
+    ``perform_initialization=False`` (every model loaded from a checkpoint) has TP-sharded weights
+    that look replicated: the optimizer's gradient norm then counts TP rank 0's shard only, and
+    gradient clipping at TP > 1 differs from TP = 1.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    partition_dims = (
+        (ColumnParallelLinear, 0),  # output features (the weight is stored transposed)
+        (VocabParallelEmbedding, 0),  # vocabulary rows
+        (RowParallelLinear, 1),  # input features
+    )
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        for kind, dim in partition_dims:
+            if isinstance(module, kind):
+                set_tensor_model_parallel_attributes(weight, True, dim, 1)
+                break
 
 
 def init_replicated_head(linear: torch.nn.Linear, std: float) -> None:
