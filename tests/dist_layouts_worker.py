@@ -64,6 +64,9 @@ def rollouts(groups, hf_dir, sampling):
         "resharded": build_rollout_engine(
             actor, groups["actor"], groups["rollout"], lambda: BloomModel(arch, init_weights=False)
         ),
+        "resharded_tp1": build_rollout_engine(
+            actor, groups["actor"], groups["single"], lambda: BloomModel(arch, init_weights=False)
+        ),
     }
     with active(groups["single"]):
         engines["single"] = build_rollout_engine(
@@ -82,17 +85,21 @@ def check_rollouts(groups, hf_dir, greedy: bool) -> str:
     sampling = SamplingConfig(max_new_tokens=6, greedy=greedy, eos_id=2, pad_id=3)
     out = rollouts(groups, hf_dir, sampling)
     reference = out["single"]
-    for name in ("training", "resharded"):
+    for name in ("training", "resharded", "resharded_tp1"):
         assert torch.equal(out[name].sequences, reference.sequences), name
         assert torch.equal(out[name].response_mask, reference.response_mask), name
     kind = "greedy" if greedy else "sampled (row seeds)"
-    return f"{kind} tokens of TP2xPP2, resharded TP2/DP2 and TP1/DP4 identical: {tuple(reference.sequences.shape)}"
+    shape = tuple(reference.sequences.shape)
+    return f"{kind} tokens of TP2xPP2, resharded to TP2/DP2 and to TP1/DP4, TP1 equal: {shape}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--hf", required=True)
+    parser.add_argument(
+        "--train-ppo", nargs="*", default=None, help="then run train-ppo with these arguments"
+    )
     args = parser.parse_args()
     from megatron.core import tensor_parallel
 
@@ -127,7 +134,12 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w", encoding="utf-8") as handle:
             json.dump(merged, handle, indent=2)
-    dist.destroy_process_group()
+    if args.train_ppo is None:
+        dist.destroy_process_group()
+        return
+    from megatron_rlhf.ppo.train import main as train_ppo
+
+    train_ppo(args.train_ppo)  # same launch: saves the 15 s of another torchrun start
 
 
 if __name__ == "__main__":

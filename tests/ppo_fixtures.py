@@ -46,3 +46,27 @@ def make_ppo_setup(root: Path, vocab_size: int = VOCAB) -> dict:
     }
     (root / "ppo.yaml").write_text(yaml.safe_dump(config))
     return {"root": root, "config": root / "ppo.yaml", "arch": arch}
+
+
+def make_advantage_model(root: Path, hf_dir: Path) -> Path:
+    """A 2-output (r, e_tau) scalar-head checkpoint on the HF trunk: a stand-in for a trained
+    Advantage Model (its head is the model's seeded random init). Saved in a child process, so
+    the caller's torch.distributed state is untouched."""
+    import subprocess
+    import sys
+
+    target = root / "am"
+    script = (
+        "from megatron_rlhf.checkpoint import load_bloom\n"
+        "from megatron_rlhf.checkpoint import dist as ckpt\n"
+        "from megatron_rlhf.distributed import ParallelConfig, initialize, destroy\n"
+        "if __name__ == '__main__':\n"
+        "    initialize(ParallelConfig())\n"
+        f"    model = load_bloom({str(hf_dir)!r}, head='scalar', num_scalar_outputs=2)\n"
+        f"    ckpt.save({str(target)!r}, model.sharded_state_dict(), ckpt.model_metadata(model))\n"
+        "    destroy()\n"
+    )
+    script_path = root / "make_am.py"
+    script_path.write_text(script)
+    subprocess.run([sys.executable, str(script_path)], check=True, capture_output=True)
+    return target

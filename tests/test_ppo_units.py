@@ -68,12 +68,19 @@ def test_sft_rehearsal_term_is_exactly_gamma_nll(reduction):
         "old_logprobs": -torch.rand(ppo_rows, response, generator=g),
         "advantages": torch.randn(ppo_rows, response, generator=g),
         "response_mask": _ragged_mask(ppo_rows, response, g),
+        "loss_scale": 1,
     }
+    base["tokens"] = float(base["response_mask"].sum())  # this microbatch is the global batch
     rehearsal_mask = torch.zeros(rehearsal_rows, width)
     rehearsal_mask[:, 3:7] = 1
     rehearsal_mask[1, 6] = 0
     off = dict(base, input_ids=input_ids[:ppo_rows])
-    on = dict(base, input_ids=input_ids, rehearsal_loss_mask=rehearsal_mask)
+    on = dict(
+        base,
+        input_ids=input_ids,
+        rehearsal_loss_mask=rehearsal_mask,
+        rehearsal_tokens=float(rehearsal_mask[:, 1:].sum()),
+    )
     gamma = 0.01
     loss_off, _ = actor_loss(0.2, gamma, 1.0, logits[:ppo_rows], off)
     loss_on, metrics = actor_loss(0.2, gamma, 1.0, logits, on, reduction)

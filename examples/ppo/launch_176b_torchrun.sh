@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# AM-PPO-SR, BLOOMZ-176B policy + BLOOMZ-7B1 AM, on 10 nodes x 8 GPUs (TP=8, PP=10, DP=1).
+# AM-PPO-SR, BLOOMZ-176B policy + BLOOMZ-7B1 AM, on 20 nodes x 8 GPUs (per-role layouts in the YAML).
 # Run this same script on every node (e.g. with pdsh); MASTER_ADDR is the first node.
-#   NNODES=10 MASTER_ADDR=node001 bash examples/ppo/launch_176b_torchrun.sh
+#   NNODES=20 MASTER_ADDR=node001 bash examples/ppo/launch_176b_torchrun.sh
 set -euo pipefail
-NNODES=${NNODES:-10}
+NNODES=${NNODES:-20}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 MASTER_ADDR=${MASTER_ADDR:?set MASTER_ADDR to the first node}
 MASTER_PORT=${MASTER_PORT:-29500}

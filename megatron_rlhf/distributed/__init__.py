@@ -6,6 +6,7 @@ from megatron_rlhf.distributed.parallel import (
     destroy,
     init_process_group,
     initialize,
+    initialize_layouts,
     validate,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "destroy",
     "init_process_group",
     "initialize",
+    "initialize_layouts",
     "validate",
 ]

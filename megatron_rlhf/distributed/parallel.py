@@ -118,6 +118,23 @@ def initialize(
     return data_parallel_size
 
 
+def initialize_layouts(layouts: dict, seed: int = 1234) -> dict:
+    """torch.distributed plus every role's Megatron-Core groups (``role_groups``); the
+    model-parallel RNG is seeded on the first role's layout. Returns {role: LayoutGroups}."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_rlhf.distributed.role_groups import active, build_layout_groups
+
+    cpu_compat.install()
+    init_process_group()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    groups = build_layout_groups(layouts)
+    with active(next(iter(groups.values()))):
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return groups
+
+
 def destroy() -> None:
     """Tear down Megatron-Core's groups and torch.distributed (end of a command or a test)."""
     from megatron.core import parallel_state

@@ -1,24 +1,18 @@
 """Stage 3, advantages: score normalisation, KL-shaped rewards (Eq. 2), GAE, whitening.
 
-All per-token math runs in the fused kernels; mean/variance reductions span the data-parallel
-group, so every replica whitens with the same global statistics.
+All per-token math runs in the fused kernels. ``train-ppo`` holds the global batch on every
+rank, so statistics are global; with a batch split over a data-parallel group, pass the group
+and the mean/variance reductions span it.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_rlhf.kernels import gae, kl_penalty, masked_whiten, shaped_rewards
 from megatron_rlhf.ppo.control import KLController, RewardNormalizer
 from megatron_rlhf.ppo.experience import Experience
-
-
-def dp_group_or_none():
-    if parallel_state.get_data_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_data_parallel_group()
 
 
 def global_mean_var(x: torch.Tensor, group) -> tuple[float, float]:
@@ -51,8 +45,10 @@ def compute_advantages(
     gamma: float,
     lam: float,
     whiten: bool = True,
+    group=None,
 ) -> Experience:
-    group = dp_group_or_none()
+    """Fill kl, rewards, advantages and returns. ``group``: the DP group whose ranks each hold
+    a part of the batch (None: this rank holds the whole batch)."""
     shift, scale = normalizer(*global_mean_var(experience.scores, group))
     scores = (experience.scores - shift) / scale  # (B,)
     mask = experience.response_mask

@@ -158,6 +158,10 @@ class TrainSection:
     reward normaliser unchanged) before the run stops with an error; 0: the first one stops it."""
     bf16: bool = False
     """bf16 parameters (GPU); CPU runs stay fp32."""
+    recompute_activations: bool = False
+    """Recompute the actor's and critic's layers in the backward pass (full, one layer at a
+    time) instead of keeping their activations: what makes a 176B PPO step fit (see
+    examples/ppo/bloomz_176b_am_ppo_sr.yaml)."""
 
 
 @dataclass(kw_only=True)

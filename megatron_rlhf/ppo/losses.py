@@ -15,10 +15,15 @@ from __future__ import annotations
 import torch
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` over the entries where ``mask`` is 1 (0 when the mask is empty)."""
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, count=None) -> torch.Tensor:
+    """Mean of ``x`` over the entries where ``mask`` is 1 (0 when the mask is empty).
+
+    ``count``: divide the masked sum by this instead (the token count of the global batch
+    that this microbatch is a part of: the parts then add up to the global token mean).
+    """
     mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    denominator = mask.sum().clamp(min=1.0) if count is None else max(float(count), 1.0)
+    return (x * mask).sum() / denominator
 
 
 def policy_loss(
@@ -27,18 +32,20 @@ def policy_loss(
     advantages: torch.Tensor,  # (B, N)
     mask: torch.Tensor,  # (B, N) response mask
     clip_ratio: float = 0.2,
+    count=None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate objective (Schulman et al., 2017), negated to a loss."""
+    """Clipped surrogate objective (Schulman et al., 2017), negated to a loss; token means
+    over ``mask`` (or sums divided by ``count``, see :func:`masked_mean`)."""
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask, count)
     with torch.no_grad():
         metrics = {
-            "clip_fraction": masked_mean((clipped > unclipped).float(), mask),
+            "clip_fraction": masked_mean((clipped > unclipped).float(), mask, count),
             # Schulman's k3 estimator of KL(pi_old || pi_theta): non-negative, low variance.
-            "approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask),
+            "approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask, count),
         }
     return loss, metrics
 
@@ -49,15 +56,19 @@ def value_loss(
     returns: torch.Tensor,  # (B, N) GAE returns
     mask: torch.Tensor,  # (B, N)
     clip_range: float = 0.2,
+    count=None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss: ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)``."""
+    """Clipped value loss: ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)``, a token
+    mean over ``mask`` (or divided by ``count``)."""
     clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
     unclipped_error = (values - returns).square()
     clipped_error = (clipped_values - returns).square()
-    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask)
+    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask, count)
     with torch.no_grad():
         metrics = {
-            "value_clip_fraction": masked_mean((clipped_error > unclipped_error).float(), mask)
+            "value_clip_fraction": masked_mean(
+                (clipped_error > unclipped_error).float(), mask, count
+            )
         }
     return loss, metrics
 
@@ -66,18 +77,23 @@ def sft_nll(
     logprobs: torch.Tensor,  # (B, T) log pi(x_t | x_<t) of each target token
     loss_mask: torch.Tensor,  # (B, T) 1 on response tokens of the rehearsal pair
     reduction: str,
+    count=None,
 ) -> torch.Tensor:
     """Negative log-likelihood of a supervised (rehearsal) batch.
 
     ``sum`` (Eq. 9 as written: ``E_(x,y)~D_R Σ_t``): summed over each sequence's response
     tokens, averaged over the sequences. ``mean``: averaged over every response token of the
-    batch (a per-token NLL, independent of response lengths).
+    batch (a per-token NLL, independent of response lengths). ``count``: the number of
+    sequences (``sum``) or response tokens (``mean``) of the global batch this microbatch is a
+    part of, to divide by instead of this microbatch's: the parts then add up to the global
+    value.
     """
+    mask = loss_mask.to(logprobs.dtype)
     if reduction == "sum":
-        mask = loss_mask.to(logprobs.dtype)
-        return -(logprobs * mask).sum(dim=1).mean()
+        total = (logprobs * mask).sum()
+        return -total / (max(float(count), 1.0) if count is not None else max(mask.shape[0], 1))
     if reduction == "mean":
-        return -masked_mean(logprobs, loss_mask)
+        return -masked_mean(logprobs, loss_mask, count)
     raise ValueError(f"reduction must be sum or mean, got {reduction!r}")
 
 

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state
 
 from megatron_rlhf.config import to_dict
 from megatron_rlhf.generation.cli import resolve_tokenizer
@@ -14,28 +13,29 @@ from megatron_rlhf.utils import is_rank0
 
 
 class RunData:
-    """Prompt and rehearsal streams (DP-sharded, seeded, resumable) and the tokenizer."""
+    """Prompt and rehearsal streams and the tokenizer.
+
+    The streams are global (every rank reads the same rows; the roles' layouts split them), so
+    their position is a count of global samples: a run resumes at any world size or layout.
+    """
 
     def __init__(self, config, consumed_prompts: int, consumed_rehearsal: int):
         from megatron_rlhf.data import PromptDataset, SFTDataset, ShardedSampler
 
         self.config = config
-        dp_rank = parallel_state.get_data_parallel_rank()
-        dp_size = parallel_state.get_data_parallel_world_size()
         self.prompts = PromptDataset(config.data.prompts)
         self.eos_id = self.prompts.eos_id if self.prompts.eos_id is not None else 2
         self.pad_id = self.prompts.pad_id if self.prompts.pad_id is not None else 3
         self.prompt_sampler = ShardedSampler(
             len(self.prompts),
-            dp_rank,
-            dp_size,
+            0,  # one global stream: rank 0 of 1
+            1,
             seed=config.train.seed,
             consumed_samples=consumed_prompts,
-            micro_batch_size=config.rollout.prompts_per_step // dp_size,
+            micro_batch_size=config.rollout.prompts_per_step,
         )
         self._prompt_indices = iter(self.prompt_sampler)
         self.consumed_prompts = consumed_prompts
-        self.dp_size = dp_size
         self.rehearsal = None
         self.consumed_rehearsal = consumed_rehearsal
         self.rehearsal_rows_cut = 0
@@ -44,8 +44,8 @@ class RunData:
             self._rehearsal_indices = iter(
                 ShardedSampler(
                     len(self.rehearsal),
-                    dp_rank,
-                    dp_size,
+                    0,
+                    1,
                     seed=config.train.seed + 1,
                     consumed_samples=consumed_rehearsal,
                     micro_batch_size=config.rehearsal.micro_batch_size,
@@ -59,23 +59,30 @@ class RunData:
         self.tokenizer = resolve_tokenizer(config.models.tokenizer, config.models.actor)
 
     def next_prompts(self) -> dict:
-        """This rank's prompts of the next step, left-padded, truncated to max_prompt_length."""
+        """The next step's global batch of prompts, left-padded, truncated to
+        max_prompt_length."""
         from megatron_rlhf.data import collate_prompts
 
-        count = self.config.rollout.prompts_per_step // self.dp_size
+        count = self.config.rollout.prompts_per_step
         samples = []
         for _ in range(count):
             sample = self.prompts[next(self._prompt_indices)]
             sample["input_ids"] = sample["input_ids"][-self.config.data.max_prompt_length :]
             samples.append(sample)
-        self.consumed_prompts += count * self.dp_size
+        self.consumed_prompts += count
         batch = collate_prompts(samples, self.pad_id)
         return {key: batch[key] for key in ("input_ids", "attention_mask", "index")}
+
+    def rehearsal_minibatches(self, microbatches: int):
+        """Endless lists of ``microbatches`` rehearsal microbatches (one PPO minibatch's)."""
+        batches = self.rehearsal_batches()
+        while True:
+            yield [next(batches) for _ in range(microbatches)]
 
     def rehearsal_batches(self):
         """Endless rehearsal microbatches (collate_sft) of rows that fit rehearsal.max_length:
         a longer row loses prompt tokens from the left, never its response (counted in
-        ``rehearsal_rows_cut``, this rank's rows)."""
+        ``rehearsal_rows_cut``; the stream is global, every rank reads it)."""
         from megatron_rlhf.data import collate_sft, cut_prompt_to_fit
 
         size, limit = self.config.rehearsal.micro_batch_size, self.config.rehearsal.max_length
@@ -87,11 +94,11 @@ class RunData:
                 )
                 self.rehearsal_rows_cut += cut
                 samples.append(sample)
-            self.consumed_rehearsal += size * self.dp_size
+            self.consumed_rehearsal += size
             yield collate_sft(samples, self.pad_id)
 
     def per_cluster_rewards(self, experience) -> dict:
-        """Mean score per prompt cluster over this step (all DP ranks): an early warning of
+        """Mean score per prompt cluster over this step's global batch: an early warning of
         reward hacking when one skill's reward runs away from the others."""
         if self.clusters is None:
             return {}
@@ -100,12 +107,6 @@ class RunData:
         )
         scores = experience.scores.double()
         pairs = torch.stack([clusters.to(scores.device).double(), scores], dim=1)
-        if self.dp_size > 1:
-            gathered = [torch.empty_like(pairs) for _ in range(self.dp_size)]
-            torch.distributed.all_gather(
-                gathered, pairs, group=parallel_state.get_data_parallel_group()
-            )
-            pairs = torch.cat(gathered)
         metrics = {}
         for cluster in pairs[:, 0].unique().tolist():
             scores = pairs[pairs[:, 0] == cluster, 1]

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 
+from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
 from megatron_rlhf.distributed.pipeline import broadcast_from_last_stage, pipeline_forward
+from megatron_rlhf.distributed.role_groups import active
 from megatron_rlhf.kernels import token_logprobs
 from megatron_rlhf.ppo.experience import Experience
 from megatron_rlhf.reward.model import NUM_OUTPUTS, advantage_scores, read_scalars
@@ -107,6 +109,48 @@ def score(
         setattr(experience, name, torch.cat(chunks))
     if experience.values is not None:
         experience.values = experience.values * experience.response_mask
+    return experience
+
+
+FIELD_OF_ROLE = {
+    "actor": "logprobs",
+    "reference": "ref_logprobs",
+    "critic": "values",
+    "reward": "scores",
+}
+
+
+def score_in_layouts(
+    experience: Experience,
+    models: dict,
+    groups: dict,
+    reward_kind: str,
+    temperature: float,
+    micro_batch_size: int,
+    reward_fn=None,
+) -> Experience:
+    """:func:`score` with every role in its own layout, on the global batch held by every rank.
+
+    Each role's DP rank scores its rows of the batch (``handoff.dp_rows``) on its layout's
+    groups; the role's field is then gathered over its DP group, so every rank of the world
+    ends with the global ``logprobs``, ``ref_logprobs``, ``values`` and ``scores``.
+    """
+    batch = experience.sequences.shape[0]
+    for role, model in models.items():
+        role_groups = groups[role]
+        with active(role_groups):
+            rows = dp_rows(batch, role_groups.layout.dp, role_groups.dp_rank)
+            part = score(
+                experience.select(torch.arange(batch)[rows]),
+                {role: model},
+                reward_kind,
+                temperature,
+                micro_batch_size,
+            )
+            name = FIELD_OF_ROLE[role]
+            setattr(experience, name, gather_rows(getattr(part, name), role_groups.dp_group))
+    if reward_fn is not None:
+        experience.scores = function_scores(reward_fn, experience)
     return experience
 
 

@@ -168,34 +168,59 @@ class Roles:
     reward: torch.nn.Module | None
 
 
-def build_roles(config: TrainPPOConfig) -> Roles:
-    """Load the four models for this rank's TP/PP slice."""
+def build_roles(config: TrainPPOConfig, groups: dict) -> Roles:
+    """Load the four models, each on its own layout's groups (``role_groups.active``)."""
+    from megatron_rlhf.distributed.role_groups import active
+
     dtype = torch.bfloat16 if (config.train.bf16 and torch.cuda.is_available()) else torch.float32
     paths = role_paths(config)
     common = dict(params_dtype=dtype, sequence_parallel=config.parallel.sequence_parallel)
-    actor = load_bloom(paths["actor"], head="lm", init_weights=False, **common)
-    reference = load_bloom(paths["reference"], head="lm", init_weights=False, **common).eval()
+    trained = dict(common, recompute_activations=config.train.recompute_activations)
+    with active(groups["actor"]):
+        actor = load_bloom(paths["actor"], head="lm", init_weights=False, **trained)
+    with active(groups["reference"]):
+        reference = load_bloom(paths["reference"], head="lm", init_weights=False, **common).eval()
     critic_is_value_model = (
         not is_hf_checkpoint(paths["critic"])
         and read_metadata(paths["critic"]).get("num_scalar_outputs") == 1
     )
-    critic = load_bloom(
-        paths["critic"],
-        head="scalar",
-        num_scalar_outputs=1,
-        trunk_only=not critic_is_value_model,
-        **common,
-    )
+    with active(groups["critic"]):
+        critic = load_bloom(
+            paths["critic"],
+            head="scalar",
+            num_scalar_outputs=1,
+            trunk_only=not critic_is_value_model,
+            **trained,
+        )
     reward = None
     if "reward" in paths:
         outputs = 2 if config.models.reward_kind == "am" else 1
-        reward = load_bloom(
-            paths["reward"], head="scalar", num_scalar_outputs=outputs, init_weights=False, **common
-        ).eval()
+        with active(groups["reward"]):
+            reward = load_bloom(
+                paths["reward"],
+                head="scalar",
+                num_scalar_outputs=outputs,
+                init_weights=False,
+                **common,
+            ).eval()
     for frozen in (reference, reward):
         if frozen is not None:
             frozen.requires_grad_(False)
     return Roles(actor=actor, reference=reference, critic=critic, reward=reward)
+
+
+def build_actor_copy(config: TrainPPOConfig):
+    """An unloaded actor (the rollout layout's copy, filled by resharding before each use)."""
+    from megatron_rlhf.models.bloom import BloomModel
+
+    dtype = torch.bfloat16 if (config.train.bf16 and torch.cuda.is_available()) else torch.float32
+    return BloomModel(
+        checkpoint_architecture(config.models.actor),
+        head="lm",
+        params_dtype=dtype,
+        sequence_parallel=config.parallel.sequence_parallel,
+        init_weights=False,
+    )
 
 
 def import_reward_fn(spec: str, key: str = "models.reward_fn"):

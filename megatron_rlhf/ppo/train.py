@@ -17,25 +17,29 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatron_rlhf.config import describe_config, load_config, to_dict
 from megatron_rlhf.distributed import destroy
+from megatron_rlhf.distributed.handoff import dp_rows
+from megatron_rlhf.distributed.layouts import resolve_layouts
 from megatron_rlhf.generation import SamplingConfig
-from megatron_rlhf.ppo.advantages import (
-    compute_advantages,
-    dp_group_or_none,
-    global_mean_var,
-    global_moments,
-)
+from megatron_rlhf.ppo.advantages import compute_advantages, global_mean_var, global_moments
 from megatron_rlhf.ppo.config import TrainPPOConfig
 from megatron_rlhf.ppo.control import KLController, RewardNormalizer
 from megatron_rlhf.ppo.losses import explained_variance
 from megatron_rlhf.ppo.rejection import rejection_update, repeat_prompts, select_best
-from megatron_rlhf.ppo.rollout import rollout
+from megatron_rlhf.ppo.rollout import rollout_global, step_row_seeds
+from megatron_rlhf.ppo.rollout_engine import build_rollout_engine
 from megatron_rlhf.ppo.run_io import RunData, RunLogger
-from megatron_rlhf.ppo.scoring import score
-from megatron_rlhf.ppo.setup import build_roles, import_reward_fn, validate_config, world_size
+from megatron_rlhf.ppo.scoring import score_in_layouts
+from megatron_rlhf.ppo.setup import (
+    build_actor_copy,
+    build_roles,
+    import_reward_fn,
+    layout_roles,
+    validate_config,
+    world_size,
+)
 from megatron_rlhf.ppo.train_cli import build_parser
 from megatron_rlhf.ppo.update import ppo_update
 from megatron_rlhf.training.guards import NonFiniteGuard
@@ -65,7 +69,6 @@ def main(argv: list[str]) -> int:
 def train(args) -> int:
     config = load_config(TrainPPOConfig, args.config, args.overrides)
     validate_config(config, world_size())
-    parallel_config(config)
     return PPOTrainer(config, args.overwrite, args.force_config_change).fit()
 
 
@@ -75,19 +78,30 @@ class PPOTrainer:
     def __init__(
         self, config: TrainPPOConfig, overwrite: bool = False, force_config_change: bool = False
     ):
-        from megatron_rlhf.distributed import initialize
+        from megatron_rlhf.distributed import initialize_layouts
         from megatron_rlhf.training import TrainEngine
 
         self.config = config
         train = config.train
-        initialize(parallel_config(config))
-        self.roles = build_roles(config)
+        self.layouts = resolve_layouts(config.parallel, world_size(), roles=layout_roles(config))
+        self.groups = initialize_layouts(self.layouts, seed=train.seed)
+        self.roles = build_roles(config, self.groups)
         self.reward_fn = (
             import_reward_fn(config.models.reward_fn) if config.models.reward_fn else None
         )
         updates = train.steps * config.ppo.epochs * config.ppo.num_minibatches
-        self.actor = TrainEngine(self.roles.actor, config.actor_optim, updates, "actor.")
-        self.critic = TrainEngine(self.roles.critic, config.critic_optim, updates, "critic.")
+        self.actor = TrainEngine(
+            self.roles.actor, config.actor_optim, updates, "actor.", self.groups["actor"]
+        )
+        self.critic = TrainEngine(
+            self.roles.critic, config.critic_optim, updates, "critic.", self.groups["critic"]
+        )
+        self.rollout_engine = build_rollout_engine(
+            self.roles.actor,
+            self.groups["actor"],
+            self.groups["rollout"],
+            lambda: build_actor_copy(config),
+        )
         self.kl = KLController(
             config.ppo.kl.coef, config.ppo.kl.adaptive, config.ppo.kl.target, config.ppo.kl.horizon
         )
@@ -114,11 +128,19 @@ class PPOTrainer:
             prompts = self.data.next_prompts()
             if config.ppo.algorithm == "rejection_sampling":
                 prompts = repeat_prompts(prompts, config.ppo.rejection_samples_per_prompt)
-            experience = rollout(self.roles.actor, prompts, self.sampling())
+            self.rollout_engine.refresh()
+            rows = prompts["input_ids"].shape[0]
+            experience = rollout_global(
+                self.rollout_engine,
+                prompts,
+                self.sampling(),
+                step_row_seeds(config.train.seed, self.step, rows),
+            )
             timings["rollout"], t0 = time.time() - t0, time.time()
-            experience = score(
+            experience = score_in_layouts(
                 experience,
                 self.scoring_models(),
+                self.groups,
                 config.models.reward_kind,
                 config.rollout.temperature,
                 config.ppo.micro_batch_size,
@@ -141,7 +163,7 @@ class PPOTrainer:
                     config.ppo,
                     config.rollout.temperature,
                     torch.Generator().manual_seed(config.train.seed * 100003 + self.step),
-                    self.data.rehearsal_batches() if config.rehearsal.enabled else None,
+                    self.rehearsal_minibatches(),
                     config.rehearsal.gamma,
                     self.data.pad_id,
                     config.rehearsal.nll_reduction,
@@ -186,6 +208,13 @@ class PPOTrainer:
             pad_id=self.data.pad_id,
         )
 
+    def rehearsal_minibatches(self):
+        """The rehearsal microbatches of each global PPO minibatch (one per actor microbatch)."""
+        if not self.config.rehearsal.enabled:
+            return None
+        ppo, batch = self.config.ppo, self.config.rollout.prompts_per_step
+        return self.data.rehearsal_minibatches(batch // ppo.num_minibatches // ppo.micro_batch_size)
+
     def scoring_models(self) -> dict:
         if self.config.ppo.algorithm == "rejection_sampling":
             return {} if self.roles.reward is None else {"reward": self.roles.reward}
@@ -199,29 +228,23 @@ class PPOTrainer:
         return models
 
     def rejection_step(self, experience) -> dict:
-        ppo = self.config.ppo
+        ppo, groups = self.config.ppo, self.groups["actor"]
         kept = select_best(
             experience.scores, ppo.rejection_samples_per_prompt, ppo.rejection_threshold
         )
-        usable = torch.tensor(
-            [len(kept) - len(kept) % ppo.micro_batch_size], device=experience.scores.device
-        )
-        group = dp_group_or_none()
-        if group is not None:  # every replica must run the same number of microbatches
-            dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)
-        return rejection_update(
-            experience.select(kept[: int(usable)]), self.actor, ppo.micro_batch_size
-        )
+        usable = len(kept) - len(kept) % (ppo.micro_batch_size * groups.layout.dp)
+        mine = kept[:usable][dp_rows(usable, groups.layout.dp, groups.dp_rank)]
+        return rejection_update(experience.select(mine), self.actor, ppo.micro_batch_size)
 
     def rollout_metrics(self, experience, timings: dict) -> dict:
-        group = dp_group_or_none()
-        mean, var = global_mean_var(experience.scores, group)
+        """Statistics of the step's global batch (every rank holds it)."""
+        mean, var = global_mean_var(experience.scores, None)
         mask = experience.response_mask
         lengths = mask.sum(dim=1).float()
         metrics = {
             "reward/mean": mean,
             "reward/std": var**0.5,
-            "response/length": global_mean_var(lengths, group)[0],
+            "response/length": global_mean_var(lengths, None)[0],
             "kl/coef": self.kl.coef,
         }
         if experience.kl is not None:
@@ -233,9 +256,7 @@ class PPOTrainer:
         metrics |= self.throughput(experience, sum(timings.values()))
         metrics |= self.data.per_cluster_rewards(experience)
         if self.data.rehearsal is not None:  # rows of D_R cut to rehearsal.max_length so far
-            cut = torch.tensor([float(self.data.rehearsal_rows_cut)], device=mask.device)
-            cut_mean, _, ranks = global_moments(cut, group)
-            metrics["rehearsal/rows_prompt_cut"] = cut_mean * ranks
+            metrics["rehearsal/rows_prompt_cut"] = float(self.data.rehearsal_rows_cut)
         return metrics
 
     def throughput(self, experience, seconds: float) -> dict:
@@ -246,8 +267,8 @@ class PPOTrainer:
             step_throughput,
         )
 
-        tokens = global_token_count(experience.attention_mask, dp_group_or_none())
-        responses = global_token_count(experience.response_mask, dp_group_or_none())
+        tokens = global_token_count(experience.attention_mask, None)
+        responses = global_token_count(experience.response_mask, None)
         width, epochs = experience.sequences.shape[1], self.config.ppo.epochs
         metrics = step_throughput(
             seconds, tokens, ppo_step_flops(self.roles, tokens, width, epochs)
@@ -270,7 +291,19 @@ class PPOTrainer:
             "actor": {"head": "lm", "num_scalar_outputs": 0, "prefix": "actor."},
             "critic": {"head": "scalar", "num_scalar_outputs": 1, "prefix": "critic."},
         }
-        metadata = model_metadata(self.roles.actor, roles=roles, config=to_dict(self.config))
+        # The trainer state is global (positions count global samples): kept in the metadata
+        # too, so a run resumes at another world size or layout.
+        schedulers = {
+            "actor": self.actor.scheduler_state(),
+            "critic": self.critic.scheduler_state(),
+        }
+        metadata = model_metadata(
+            self.roles.actor,
+            roles=roles,
+            config=to_dict(self.config),
+            trainer_state=state,
+            schedulers=schedulers,
+        )
         save_training_checkpoint(
             self.output_dir,
             step,
@@ -293,9 +326,20 @@ class PPOTrainer:
         )
         if latest is None:
             return
-        state = load_training_checkpoint(latest, {"actor": self.actor, "critic": self.critic})
-        if not state:
-            raise InputError(f"{latest}: saved at another world size; resume with the same launch")
+        engines = {"actor": self.actor, "critic": self.critic}
+        state = load_training_checkpoint(latest, engines)
+        if not state:  # saved at another world size: the global state from the metadata
+            from megatron_rlhf.checkpoint.dist import read_metadata
+
+            meta = read_metadata(latest)
+            if "trainer_state" not in meta:
+                raise InputError(
+                    f"{latest}: saved at another world size by a version without a global "
+                    "trainer state; resume with the same launch"
+                )
+            state = meta["trainer_state"]
+            for role, engine in engines.items():
+                engine.load_scheduler_state(meta["schedulers"][role])
         self.step = state["step"]
         self.consumed_prompts, self.consumed_rehearsal = (
             state["consumed_prompts"],
@@ -309,24 +353,7 @@ class PPOTrainer:
 
 
 def observed_kl(experience) -> tuple[float, int]:
-    """What the adaptive KL controller observes in one step, over every data-parallel rank: the
-    mean per-sequence KL (summed over tokens) and the number of rollouts it averages."""
-    mean, _, count = global_moments(experience.kl.sum(dim=1), dp_group_or_none())
+    """What the adaptive KL controller observes in one step: the mean per-sequence KL (summed
+    over tokens) over the global batch (every rank holds it) and the number of rollouts."""
+    mean, _, count = global_moments(experience.kl.sum(dim=1), None)
     return mean, count
-
-
-def parallel_config(config: TrainPPOConfig):
-    from megatron_rlhf.distributed import ParallelConfig
-    from megatron_rlhf.distributed.layouts import resolve_tp_pp
-    from megatron_rlhf.ppo.setup import layout_roles
-
-    shapes = {role: resolve_tp_pp(config.parallel, role) for role in layout_roles(config)}
-    if len(set(shapes.values())) > 1:
-        raise InputError(
-            f"per-role layouts {shapes}: this build runs every role in one layout; set only "
-            "parallel.tp/pp"
-        )
-    tp, pp = shapes["actor"]
-    return ParallelConfig(
-        tp=tp, pp=pp, sequence_parallel=config.parallel.sequence_parallel, seed=config.train.seed
-    )

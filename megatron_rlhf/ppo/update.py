@@ -12,7 +12,10 @@ from collections.abc import Iterator
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
+from megatron_rlhf.distributed.handoff import dp_rows
+from megatron_rlhf.distributed.parallel import compute_device
 from megatron_rlhf.kernels import token_logprobs
 from megatron_rlhf.ppo.experience import Experience
 from megatron_rlhf.ppo.losses import masked_mean, policy_loss, ppo_sr_loss, sft_nll, value_loss
@@ -55,7 +58,13 @@ def actor_loss(
     mb: dict,
     rehearsal_nll_reduction: str = "sum",
 ):
-    """The actor's loss on one microbatch from its vocab-sharded logits (B, S, V/tp)."""
+    """The actor's loss on one microbatch from its vocab-sharded logits (B, S, V/tp).
+
+    Token sums divided by the global minibatch's token counts (``mb["tokens"]``, and
+    ``mb["rehearsal_rows"]`` or ``mb["rehearsal_tokens"]`` by the NLL's reduction): the microbatches of every DP rank add up to the global token
+    means. The returned loss is multiplied by ``mb["loss_scale"]`` (microbatches x DP ranks) to
+    undo the schedule's and DDP's averaging; the metrics are each microbatch's share.
+    """
     ppo_rows = mb["num_ppo_rows"]
     logprobs, entropy = response_logprobs(
         logits[:ppo_rows],
@@ -66,29 +75,49 @@ def actor_loss(
         return_entropy=True,
     )
     loss_ppo, metrics = policy_loss(
-        logprobs, mb["old_logprobs"], mb["advantages"], mb["response_mask"], clip_ratio
+        logprobs,
+        mb["old_logprobs"],
+        mb["advantages"],
+        mb["response_mask"],
+        clip_ratio,
+        count=mb["tokens"],
     )
     metrics["policy_loss"] = loss_ppo.detach()
-    metrics["entropy"] = masked_mean(entropy, mb["response_mask"]).detach()
+    metrics["entropy"] = masked_mean(entropy, mb["response_mask"], mb["tokens"]).detach()
     nll = None
     if "rehearsal_loss_mask" in mb:
         rehearsal_logits = logits[ppo_rows:, :-1]  # (R, S - 1, V/tp)
         targets = mb["input_ids"][ppo_rows:, 1:]  # (R, S - 1)
         rehearsal_logprobs = token_logprobs(rehearsal_logits, targets, 1.0, tp_group_or_none())
-        nll = sft_nll(rehearsal_logprobs, mb["rehearsal_loss_mask"][:, 1:], rehearsal_nll_reduction)
+        nll = sft_nll(
+            rehearsal_logprobs,
+            mb["rehearsal_loss_mask"][:, 1:],
+            rehearsal_nll_reduction,
+            count=mb["rehearsal_rows" if rehearsal_nll_reduction == "sum" else "rehearsal_tokens"],
+        )
         metrics["rehearsal_nll"] = nll.detach()
-    return ppo_sr_loss(loss_ppo, nll, rehearsal_gamma), metrics
+    return ppo_sr_loss(loss_ppo, nll, rehearsal_gamma) * mb["loss_scale"], metrics
 
 
 def critic_loss(value_clip: float, values: torch.Tensor, mb: dict):
-    """The critic's clipped value loss from its (B, S, 1) outputs."""
+    """The critic's clipped value loss from its (B, S, 1) outputs (token sums over the global
+    minibatch's token count, scaled like :func:`actor_loss`)."""
     p, n = mb["prompt_length"], mb["response_mask"].shape[1]
     predicted = values[:, p - 1 : p - 1 + n, 0]  # (B, N) V(s_t)
     loss, metrics = value_loss(
-        predicted, mb["old_values"], mb["returns"], mb["response_mask"], value_clip
+        predicted,
+        mb["old_values"],
+        mb["returns"],
+        mb["response_mask"],
+        value_clip,
+        count=mb["tokens"],
     )
     metrics["value_loss"] = loss.detach()
-    return loss, metrics
+    return loss * mb["loss_scale"], metrics
+
+
+ACTOR_METRICS = ("policy_loss", "clip_fraction", "approx_kl", "entropy")
+CRITIC_METRICS = ("value_loss", "value_clip_fraction")
 
 
 def ppo_update(
@@ -98,33 +127,32 @@ def ppo_update(
     ppo,
     temperature: float,
     generator: torch.Generator,
-    rehearsal_batches: Iterator[dict] | None = None,
+    rehearsal_minibatches: Iterator[list[dict]] | None = None,
     rehearsal_gamma: float = 0.0,
     pad_id: int = 3,
     rehearsal_nll_reduction: str = "sum",
 ) -> dict:
-    """Run ``ppo.epochs`` epochs of ``ppo.num_minibatches`` optimizer steps; mean metrics."""
+    """``ppo.epochs`` epochs of ``ppo.num_minibatches`` optimizer steps over the global batch.
+
+    ``experience`` is the global batch (every rank holds it). Each global minibatch is split
+    over each engine's data-parallel ranks (``engine.groups``); losses are token means over
+    the global minibatch, so any mix of layouts takes the single-process step. With
+    rehearsal, ``rehearsal_minibatches`` yields the global minibatch's rehearsal microbatches
+    (one per global actor microbatch). Returns metrics averaged over minibatches, summed over
+    the DP ranks (every rank gets them).
+    """
     batch = experience.sequences.shape[0]
-    if batch % (ppo.num_minibatches * ppo.micro_batch_size):
-        raise ValueError(
-            f"rollout batch {batch} is not divisible by ppo.num_minibatches * "
-            f"ppo.micro_batch_size = {ppo.num_minibatches} * {ppo.micro_batch_size}"
-        )
-    totals: dict[str, list[float]] = {}
     minibatch_size = batch // ppo.num_minibatches
+    totals: dict[str, list[float]] = {}
     for _ in range(ppo.epochs):
         order = torch.randperm(batch, generator=generator)
         for start in range(0, batch, minibatch_size):
             rows = order[start : start + minibatch_size]
-            micro = [
-                experience.select(rows[i : i + ppo.micro_batch_size])
-                for i in range(0, minibatch_size, ppo.micro_batch_size)
-            ]
-            actor_mbs = [
-                actor_microbatch(m, next(rehearsal_batches) if rehearsal_batches else None, pad_id)
-                for m in micro
-            ]
-            _pad_to_common_width(actor_mbs, pad_id)
+            tokens = float(experience.response_mask[rows].sum())
+            rehearsal = next(rehearsal_minibatches) if rehearsal_minibatches else None
+            actor_mbs = _actor_microbatches(
+                experience, rows, actor_engine, ppo.micro_batch_size, tokens, rehearsal, pad_id
+            )
             loss_fn = partial(
                 actor_loss,
                 ppo.clip_ratio,
@@ -141,14 +169,76 @@ def ppo_update(
                     "old_values": m.values,
                     "returns": m.returns,
                     "response_mask": m.response_mask,
+                    "tokens": tokens,
                 }
-                for m in micro
+                for m in _my_microbatches(experience, rows, critic_engine, ppo.micro_batch_size)
             ]
+            _set_loss_scale(critic_mbs, critic_engine)
             critic_metrics = critic_engine.step(critic_mbs, partial(critic_loss, ppo.value_clip))
-            for prefix, metrics in (("actor", actor_metrics), ("critic", critic_metrics)):
-                for key, value in metrics.items():
+            actor_keys = ACTOR_METRICS + (("rehearsal_nll",) if rehearsal else ())
+            for prefix, engine, metrics, keys, count in (
+                ("actor", actor_engine, actor_metrics, actor_keys, len(actor_mbs)),
+                ("critic", critic_engine, critic_metrics, CRITIC_METRICS, len(critic_mbs)),
+            ):
+                summed = _sum_over_replicas(engine, metrics, keys, count)
+                summed |= {k: metrics[k] for k in ("lr", "grad_norm") if k in metrics}
+                for key, value in summed.items():
                     totals.setdefault(f"{prefix}/{key}", []).append(value)
     return {key: sum(values) / len(values) for key, values in totals.items()}
+
+
+def _my_microbatches(experience, rows, engine, micro_batch_size: int) -> list[Experience]:
+    """This DP rank's microbatches of the global minibatch ``rows``."""
+    groups = engine.groups
+    mine = rows[dp_rows(rows.shape[0], groups.layout.dp, groups.dp_rank)]
+    return [
+        experience.select(mine[i : i + micro_batch_size])
+        for i in range(0, mine.shape[0], micro_batch_size)
+    ]
+
+
+def _actor_microbatches(
+    experience, rows, engine, micro_batch_size, tokens, rehearsal, pad_id
+) -> list[dict]:
+    micro = _my_microbatches(experience, rows, engine, micro_batch_size)
+    mine = rehearsal
+    if rehearsal is not None:  # this rank's share of the global rehearsal microbatches
+        mine = rehearsal[dp_rows(len(rehearsal), engine.groups.layout.dp, engine.groups.dp_rank)]
+    mbs = [actor_microbatch(m, mine[i] if mine else None, pad_id) for i, m in enumerate(micro)]
+    rehearsal_tokens = sum(float(r["loss_mask"][:, 1:].sum()) for r in rehearsal or [])
+    rehearsal_rows = sum(r["loss_mask"].shape[0] for r in rehearsal or [])
+    for mb in mbs:
+        mb["tokens"], mb["rehearsal_tokens"] = tokens, rehearsal_tokens
+        mb["rehearsal_rows"] = rehearsal_rows
+    _pad_to_common_width(mbs, pad_id)
+    _set_loss_scale(mbs, engine)
+    return mbs
+
+
+def _set_loss_scale(microbatches: list[dict], engine) -> None:
+    scale = len(microbatches) * engine.groups.layout.dp
+    for mb in microbatches:
+        mb["loss_scale"] = scale
+
+
+def _sum_over_replicas(engine, metrics: dict, keys, num_microbatches: int) -> dict:
+    """Each metric summed over microbatches and DP replicas (one contribution per replica:
+    its last pipeline stage, TP rank 0), then handed to every rank of the world."""
+    from megatron.core import parallel_state
+
+    with engine.on_groups():
+        contributes = (
+            parallel_state.is_pipeline_last_stage()
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+        )
+    values = torch.tensor(
+        [metrics[k] * num_microbatches if contributes else 0.0 for k in keys],
+        dtype=torch.float64,
+        device=compute_device(),
+    )
+    if dist.is_initialized():
+        dist.all_reduce(values)
+    return dict(zip(keys, values.tolist()))
 
 
 def _pad_to_common_width(microbatches: list[dict], pad_id: int) -> None:

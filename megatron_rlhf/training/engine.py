@@ -15,6 +15,7 @@ of each microbatch is averaged over microbatches (and data-parallel replicas, by
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -80,9 +81,30 @@ def optim_problems(optim: OptimConfig, section: str) -> list[str]:
 class TrainEngine:
     """A model, its DDP wrapper, optimizer and LR schedule, and a pipelined train step."""
 
-    def __init__(self, model, optim: OptimConfig, total_steps: int, checkpoint_prefix: str = ""):
+    def __init__(
+        self,
+        model,
+        optim: OptimConfig,
+        total_steps: int,
+        checkpoint_prefix: str = "",
+        groups=None,
+    ):
+        """``groups``: the model's :class:`~megatron_rlhf.distributed.role_groups.LayoutGroups`
+        when several layouts share the world (every call then runs on them); None: the
+        process-wide Megatron-Core state."""
         self.module = model
         self.checkpoint_prefix = checkpoint_prefix  # e.g. "critic." when roles share a checkpoint
+        self.groups = groups
+        with self.on_groups():
+            self._build(model, optim, total_steps)
+
+    def on_groups(self):
+        """The context in which this engine's collectives run (its layout's groups)."""
+        from megatron_rlhf.distributed.role_groups import active
+
+        return contextlib.nullcontext() if self.groups is None else active(self.groups)
+
+    def _build(self, model, optim: OptimConfig, total_steps: int) -> None:
         config = model.config
         use_distributed_optimizer = torch.cuda.is_available()
         ddp_config = DistributedDataParallelConfig(
@@ -115,6 +137,10 @@ class TrainEngine:
         self.clip_grad = optim.clip_grad
 
     def step(self, microbatches: list[dict], loss_fn, forward_only: bool = False) -> dict:
+        with self.on_groups():
+            return self._step(microbatches, loss_fn, forward_only)
+
+    def _step(self, microbatches: list[dict], loss_fn, forward_only: bool = False) -> dict:
         """Forward/backward over ``microbatches`` (same shapes), then one optimizer step.
 
         Each microbatch holds ``input_ids`` (B, S) and ``padding_mask`` (B, S) plus whatever
@@ -169,16 +195,20 @@ class TrainEngine:
         """Model and optimizer state for Megatron's dist_checkpointing (any layout for the
         model; the optimizer state follows the model's sharding). ``is_loading`` allocates
         the optimizer state first so that it can be loaded into."""
-        model_state = self.module.sharded_state_dict(prefix=self.checkpoint_prefix)
-        return {
-            "model": model_state,
-            "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
-        }
+        with self.on_groups():
+            model_state = self.module.sharded_state_dict(prefix=self.checkpoint_prefix)
+            return {
+                "model": model_state,
+                "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+            }
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         prefix = self.checkpoint_prefix
-        self.module.load_state_dict({k.removeprefix(prefix): v for k, v in loaded["model"].items()})
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        with self.on_groups():
+            self.module.load_state_dict(
+                {k.removeprefix(prefix): v for k, v in loaded["model"].items()}
+            )
+            self.optimizer.load_state_dict(loaded["optimizer"])
 
     def scheduler_state(self) -> dict:
         return {"scheduler": self.scheduler.state_dict(), "steps_done": self.steps_done}
