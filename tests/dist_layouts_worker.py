@@ -98,9 +98,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--hf", required=True)
     parser.add_argument(
-        "--train-ppo", nargs="*", default=None, help="then run train-ppo with these arguments"
+        "--train-ppo", action="store_true", help="then run train-ppo with the other arguments"
     )
-    args = parser.parse_args()
+    args, train_ppo_args = parser.parse_known_args()
     from megatron.core import tensor_parallel
 
     from megatron_rlhf.distributed import cpu_compat, init_process_group
@@ -134,12 +134,12 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w", encoding="utf-8") as handle:
             json.dump(merged, handle, indent=2)
-    if args.train_ppo is None:
+    if not args.train_ppo:
         dist.destroy_process_group()
         return
     from megatron_rlhf.ppo.train import main as train_ppo
 
-    train_ppo(args.train_ppo)  # same launch: saves the 15 s of another torchrun start
+    train_ppo(train_ppo_args)  # same launch: saves the 15 s of another torchrun start
 
 
 if __name__ == "__main__":
