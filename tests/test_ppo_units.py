@@ -80,6 +80,7 @@ def test_sft_rehearsal_term_is_exactly_gamma_nll(reduction):
         input_ids=input_ids,
         rehearsal_loss_mask=rehearsal_mask,
         rehearsal_tokens=float(rehearsal_mask[:, 1:].sum()),
+        rehearsal_rows=rehearsal_rows,
     )
     gamma = 0.01
     loss_off, _ = actor_loss(0.2, gamma, 1.0, logits[:ppo_rows], off)
