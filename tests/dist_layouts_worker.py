@@ -64,6 +64,9 @@ def rollouts(groups, hf_dir, sampling):
         "resharded": build_rollout_engine(
             actor, groups["actor"], groups["rollout"], lambda: BloomModel(arch, init_weights=False)
         ),
+        "resharded_tp1": build_rollout_engine(
+            actor, groups["actor"], groups["single"], lambda: BloomModel(arch, init_weights=False)
+        ),
     }
     with active(groups["single"]):
         engines["single"] = build_rollout_engine(
@@ -82,12 +85,12 @@ def check_rollouts(groups, hf_dir, greedy: bool) -> str:
     sampling = SamplingConfig(max_new_tokens=6, greedy=greedy, eos_id=2, pad_id=3)
     out = rollouts(groups, hf_dir, sampling)
     reference = out["single"]
-    for name in ("training", "resharded"):
+    for name in ("training", "resharded", "resharded_tp1"):
         assert torch.equal(out[name].sequences, reference.sequences), name
         assert torch.equal(out[name].response_mask, reference.response_mask), name
     kind = "greedy" if greedy else "sampled (row seeds)"
     shape = tuple(reference.sequences.shape)
-    return f"{kind} tokens of TP2xPP2, resharded to TP2/DP2 and TP1/DP4 equal: {shape}"
+    return f"{kind} tokens of TP2xPP2, resharded to TP2/DP2 and to TP1/DP4, TP1 equal: {shape}"
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -74,3 +75,26 @@ def test_global_batch_must_split_over_every_role():
     check_global_batch(8, "rollout.prompts_per_step", layouts)
     with pytest.raises(InputError, match="reward dp=4.*multiple of 4"):
         check_global_batch(6, "rollout.prompts_per_step", layouts)
+
+
+def test_the_176b_example_is_a_valid_per_role_layout():
+    """examples/ppo/bloomz_176b_am_ppo_sr.yaml at its 160 GPUs: every role divides the world,
+    its model's heads and layers (176B actor/reference/rollout, 7B1 critic/AM), and the global
+    batch splits over every DP size into whole micro-batches."""
+    from megatron_rlhf.planning.shapes import model_shape
+    from megatron_rlhf.ppo.config import TrainPPOConfig
+    from megatron_rlhf.ppo.setup import layout_roles
+
+    path = Path(__file__).resolve().parents[1] / "examples/ppo/bloomz_176b_am_ppo_sr.yaml"
+    config = load_config(TrainPPOConfig, str(path), [])
+    big, small = model_shape("bloomz-176b"), model_shape("bloomz-7b1")
+    archs = {"actor": big, "reference": big, "critic": small, "reward": small}
+    layouts = resolve_layouts(config.parallel, 160, archs, roles=layout_roles(config))
+    assert {role: (lay.tp, lay.pp, lay.dp) for role, lay in layouts.items()} == {
+        "actor": (8, 10, 2), "reference": (8, 10, 2), "critic": (8, 5, 4),
+        "reward": (8, 5, 4), "rollout": (8, 5, 4),
+    }  # fmt: skip
+    check_global_batch(config.rollout.prompts_per_step, "rollout.prompts_per_step", layouts)
+    minibatch = config.rollout.prompts_per_step // config.ppo.num_minibatches
+    for role in ("actor", "critic"):
+        assert (minibatch // layouts[role].dp) % config.ppo.micro_batch_size == 0

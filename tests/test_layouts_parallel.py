@@ -45,6 +45,9 @@ def _overrides(root: Path, output_dir: Path, steps: int) -> list[str]:
         f"train.steps={steps}", "train.save_interval=1", "rollout.prompts_per_step=8",
         "ppo.micro_batch_size=2", "ppo.num_minibatches=2", "ppo.epochs=1",
         f"train.output_dir={output_dir}",
+        # constant LR: the 4-rank run stops at step 1 and the single process runs 2 steps, so a
+        # cosine schedule over train.steps would give them different step-1 learning rates
+        "actor_optim.min_lr_ratio=1.0", "critic_optim.min_lr_ratio=1.0",
     ]  # fmt: skip
 
 

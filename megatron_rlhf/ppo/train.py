@@ -54,8 +54,10 @@ RESUMABLE_CHANGES = (
     "train.resume",
     "train.max_nonfinite_skips",
     "train.output_dir",
+    "parallel.",
 )
-"""Config keys that may differ when a run resumes (training/run_dir.py)."""
+"""Config keys that may differ when a run resumes (training/run_dir.py): the layouts too, since
+the checkpoint and the trainer state are layout-independent."""
 
 
 def main(argv: list[str]) -> int:
