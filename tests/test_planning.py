@@ -105,6 +105,23 @@ def test_cpu_peak_subtracts_frees_on_other_threads():
     assert tracker.peak_bytes == 4 * numel
 
 
+def test_pipelined_generation_plans_one_micro_batch_of_rows():
+    """At PP=2 the rollout's rows travel in two pieces: a stage's prefill temporaries and the
+    logits are one piece's; the KV cache is every row's."""
+    from megatron_rlhf.distributed.layouts import Layout
+    from megatron_rlhf.planning import memory
+
+    shape = ModelShape(name="t", num_layers=2, hidden_size=64, num_heads=4, vocab_size=1024)
+    pp2 = memory.generate_memory(shape, Layout(tp=1, pp=2, dp=1), 4, 32, 32, 4)
+    whole = memory.generate_memory(shape, Layout(tp=1, pp=2, dp=1), 4, 32, 32, 4, micro_batches=1)
+    assert pp2.activations == memory.layer_forward_bytes(shape, Layout(tp=1, pp=2, dp=1), 2, 32, 4)
+    assert whole.activations == memory.layer_forward_bytes(
+        shape, Layout(tp=1, pp=2, dp=1), 4, 32, 4
+    )
+    assert pp2.logits == 2 * 1024 * 4 * 3 and whole.logits == 2 * pp2.logits
+    assert pp2.kv_cache == whole.kv_cache == 2 * 1 * 4 * 64 * 64 * 4
+
+
 def test_megatron_model_holds_the_planned_parameters():
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
     from megatron_rlhf.models.bloom.config import BloomArchitecture
