@@ -270,7 +270,8 @@ class _CudaWindow:
 def count_frees_on_every_thread() -> None:
     """Set c10's ``caffe2_report_cpu_memory_usage`` flag: the CPU allocator then keeps its running
     total on every thread (without it, only on profiled ones, so a tensor freed by gloo's worker
-    thread is never subtracted). The flag has no Python binding; it is a global in libc10."""
+    thread is never subtracted). The flag has no Python binding; it is a global in libc10, left
+    on for the rest of the process (a mutex and a size-table entry per CPU allocation)."""
     import ctypes
     import os
 
