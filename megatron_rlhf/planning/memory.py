@@ -25,7 +25,8 @@ vocabulary, ``t`` TP, ``e`` bytes per activation element (bf16 2 on GPUs, fp32 4
 - KV cache (generation): ``StaticInferenceContext`` keys and values for the rollout's sequences
   at their full length: ``2 * (l/pp) * rows * (prompt + response) * h/t`` x e, plus the prefill's
   layer temporaries. Megatron-Core computes (and gathers over TP) the logits of the last
-  position only.
+  position only. At PP > 1 the prefill and the logits are those of one pipelined micro-batch
+  (``rows / pp`` rows by default).
 """
 
 from __future__ import annotations
@@ -229,18 +230,25 @@ def generate_memory(
     new_tokens: int,
     e: int,
     fused_attention: bool = False,
+    micro_batches: int = 0,
 ) -> Memory:
-    """KV-cached generation of ``rows`` sequences on one rollout replica (weights included)."""
+    """KV-cached generation of ``rows`` sequences on one rollout replica (weights included).
+
+    At PP > 1 the rows travel the pipeline in ``micro_batches`` pieces (generation/pipelined.py;
+    0: its default, PP), so a stage's layer temporaries and the last stage's logits are those of
+    one piece; the KV cache still holds every row."""
     stages = []
+    pieces = (micro_batches or layout.pp) if layout.pp > 1 else 1
+    piece_rows = -(-rows // min(pieces, rows))
     for stage in range(layout.pp):
         memory = Memory(weights=rank_params(shape, layout.tp, layout.pp, stage, "lm") * e)
         memory.kv_cache = kv_cache_bytes(shape, layout, rows, prompt_len + new_tokens, e)
         memory.activations = layer_forward_bytes(
-            shape, layout, rows, prompt_len, e, fused_attention
+            shape, layout, piece_rows, prompt_len, e, fused_attention
         )
         if stage == layout.pp - 1:  # only the last position's logits are computed, gathered
             vocab = padded_vocab(shape.vocab_size, layout.tp)
-            memory.logits = rows * vocab * e * (2 + 1 / layout.tp)
+            memory.logits = piece_rows * vocab * e * (2 + 1 / layout.tp)
         stages.append(memory)
     return fullest_stage(stages)
 

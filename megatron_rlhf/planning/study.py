@@ -11,7 +11,12 @@ Peak memory on the CPU comes from the torch profiler's allocator tracking
 (``profile_memory=True``): every CPU allocation and free from the model's construction on,
 with the allocator's running total; the peak of the measured step is the highest running total
 inside its ``record_function`` window (so weights, gradients and Adam state built before the
-step count, and nothing outside torch's allocator does). On a GPU:
+step count, and nothing outside torch's allocator does). The profiler subtracts a free from that
+total only on a thread it profiles, and gloo's worker thread often drops the last reference to a
+collective's tensors (every TP all-reduce and all-gather, every PP send), so those bytes would
+stay counted for the rest of the profile (0.1-47 MB on the TP=2 rows, growing with the number of
+collectives); :func:`count_frees_on_every_thread` switches c10's allocator to count every
+thread's frees. On a GPU:
 ``torch.cuda.max_memory_allocated`` over the step. The first step is a warm-up (Adam state is
 allocated there); the timed step runs after, outside the profiler. Every rank measures its own
 peak; a row reports the largest.
@@ -228,6 +233,7 @@ class _memory_tracker:
             return self
         from torch.profiler import ProfilerActivity, profile
 
+        count_frees_on_every_thread()
         self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self.profiler.__enter__()
         return self
@@ -259,6 +265,25 @@ class _CudaWindow:
         torch.cuda.synchronize()
         self.tracker.peak_bytes = torch.cuda.max_memory_allocated()
         return False
+
+
+def count_frees_on_every_thread() -> None:
+    """Set c10's ``caffe2_report_cpu_memory_usage`` flag: the CPU allocator then keeps its running
+    total on every thread (without it, only on profiled ones, so a tensor freed by gloo's worker
+    thread is never subtracted). The flag has no Python binding; it is a global in libc10, left
+    on for the rest of the process (a mutex and a size-table entry per CPU allocation)."""
+    import ctypes
+    import os
+
+    library = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    try:
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(library), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError) as err:
+        raise RuntimeError(
+            f"{library}: no FLAGS_caffe2_report_cpu_memory_usage ({err}); without it the CPU "
+            "peak counts tensors that gloo's threads freed"
+        ) from err
+    flag.value = True
 
 
 def cpu_window_peak(profiler) -> int:
