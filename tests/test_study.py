@@ -1,7 +1,7 @@
 """The study: the text world's gold reward and labels, the aggregation math, and the quick run.
 
-The quick run (slow) checks that ``study --preset quick`` writes every output the issue names
-and that results.json is exactly what ``stats.results_from_records`` computes from the raw
+The quick run (slow) checks that ``study --preset quick --jobs 2`` writes every output the issue
+names and that results.json is exactly what ``stats.results_from_records`` computes from the raw
 records it wrote.
 """
 
@@ -144,7 +144,7 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
     out = tmp_path / "study"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
     command = [sys.executable, "-m", "megatron_rlhf", "study", "--preset", "quick",
-               "--output-dir", str(out)]  # fmt: skip
+               "--output-dir", str(out), "--jobs", "2"]  # fmt: skip
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("[study] done:")
@@ -169,6 +169,7 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
         if name != "ppo_prompts":
             assert len(rows) >= 300
     assert any(arm.startswith("am_ppo_sr_c") for arm in results["table2"])
+    assert results["settings"]["jobs"] == 2
     assert results["settings"]["data"]["held_out_overlap"] == {"main_test": 0, "forget_test": 0}
     recomputed = json.loads(json.dumps(compute_results(out)))
     for key in ("table1", "table2", "reward_models", "arms", "per_task"):

@@ -183,9 +183,11 @@ def verdict_summary(checked: list[tuple[str, str, str]]) -> list[str]:
 def run_time(settings: dict) -> list[str]:
     if "cpu_seconds" not in settings:
         return []
+    jobs = settings.get("jobs", 1)
+    processes = "one process" if jobs == 1 else f"{jobs} worker processes for the per-seed stages"
     return [f"Run: {settings['seconds'] / 60:.1f} min wall, {settings['cpu_seconds'] / 60:.1f} "
-            "min CPU (one process, one torch thread: the CPU time is about what an idle machine "
-            "takes).", ""]  # fmt: skip
+            f"min CPU ({processes}, one torch thread each: the CPU time is about what an idle "
+            "machine takes).", ""]  # fmt: skip
 
 
 def write_report(out: Path, results: dict) -> None:

@@ -1,7 +1,8 @@
-"""``python -m megatron_rlhf study --preset quick|full --output-dir DIR [--seeds N]``.
+"""``python -m megatron_rlhf study --preset quick|full --output-dir DIR [--seeds N] [--jobs N]``.
 
 The paper's claims measured in a text world with a known gold reward (``study/world.py``), every
-stage a real command run in this one process:
+stage a real command run in-process (world size 1); the per-seed stages run in --jobs worker
+processes:
 
   data        world prompts, disjoint train / held-out sets, BPE tokenizer, indexed files
   SFT         one tiny BLOOM fine-tuned on all five task families (shared by every seed)
@@ -24,11 +25,16 @@ from are shared (they are the "given" of the paper's recipe).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import resource
 import shutil
+import signal
 import sys
 import time
-from dataclasses import asdict, replace
+import traceback
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from megatron_rlhf.study import stages, world
@@ -54,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--output-dir", required=True, help="where everything goes")
     parser.add_argument("--seeds", type=int, help="number of seeds (default: the preset's, 3)")
+    parser.add_argument("--jobs", type=int,
+                        help="worker processes for the per-seed stages (default: min(seeds, "
+                             "CPUs)); the results do not depend on it")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace --output-dir")
     return parser
 
@@ -66,6 +75,10 @@ def main(argv: list[str]) -> int:
             print("study: error: --seeds must be >= 1", file=sys.stderr)
             return 2
         preset = replace(preset, seeds=args.seeds, sweep_seeds=min(preset.sweep_seeds, args.seeds))
+    jobs = args.jobs if args.jobs is not None else min(preset.seeds, os.cpu_count() or 1)
+    if jobs < 1:
+        print("study: error: --jobs must be >= 1", file=sys.stderr)
+        return 2
     out = Path(args.output_dir)
     if out.exists():
         if not args.overwrite:
@@ -75,8 +88,8 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(out)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     set_threads(preset.threads)
-    started, cpu_started = time.time(), time.process_time()
-    results = run_study(out, preset, args.preset)
+    started, cpu_started = time.time(), cpu_seconds()
+    results = run_study(out, preset, args.preset, jobs)
     table2 = results["table2"]
     print_summary(
         "study",
@@ -87,7 +100,8 @@ def main(argv: list[str]) -> int:
         am_ppo_sr_net_win_main=round(table2["am_ppo_sr"]["main"]["net_win"], 1),
         am_ppo_sr_net_win_forget=round(table2["am_ppo_sr"]["forget"]["net_win"], 1),
         seconds=round(time.time() - started, 1),
-        cpu_seconds=round(time.process_time() - cpu_started, 1),
+        cpu_seconds=round(cpu_seconds() - cpu_started, 1),
+        jobs=jobs,
         report=str(out / "report.md"),
     )
     return 0
@@ -101,18 +115,24 @@ def set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (the --jobs workers)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 class Progress:
-    def __init__(self):
-        self.started = time.time()
+    def __init__(self, started: float | None = None):
+        self.started = time.time() if started is None else started
 
     def stage(self, title: str) -> None:
         print(f"\n=== study [{time.time() - self.started:7.1f} s] {title}", flush=True)
 
 
-def run_study(out: Path, preset: Preset, preset_name: str) -> dict:
+def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dict:
     from megatron_rlhf.study.report import write_report
 
-    progress, cpu_started = Progress(), time.process_time()
+    progress, cpu_started = Progress(), cpu_seconds()
     progress.stage("data: world prompts, tokenizer, indexed files")
     data = prepare_data(out, preset)
     progress.stage("SFT policy (shared by every seed)")
@@ -125,23 +145,134 @@ def run_study(out: Path, preset: Preset, preset_name: str) -> dict:
     sft_responses = stages.generate_responses(sft, data["raw"] / "ppo_prompts.jsonl",
                                               out / "rehearsal" / "sft_responses.jsonl",
                                               preset.ppo["max_new_tokens"], seed=0)  # fmt: skip
-    for seed in range(preset.seeds):
-        progress.stage(f"seed {seed}: reward models")
-        rewards = reward_stage(out, preset, data, sft, seed)
-        progress.stage(f"seed {seed}: curation (D_R)")
-        rehearsal = curation_stage(out, preset, data, sft_responses, rewards["am"], seed)
-        for arm, (reward_name, options) in arms_of(preset, seed).items():
-            progress.stage(f"seed {seed}: PPO arm {arm}")
-            run_arm(out, preset, data, sft, rewards[reward_name], reward_name, rehearsal,
-                    arm, options, seed)  # fmt: skip
+    shared = Shared(out=out, preset=preset, data=data, sft=sft, sft_responses=sft_responses,
+                    started=progress.started)  # fmt: skip
+    run_tasks(shared, seed_tasks(preset), jobs)
     progress.stage("report")
     results = compute_results(out)
     results["settings"] = {"preset": preset_name, **asdict(preset), "sft_losses": sft_losses,
-                           "data": data["summary"], "seconds": time.time() - progress.started,
-                           "cpu_seconds": time.process_time() - cpu_started}  # fmt: skip
+                           "data": data["summary"], "jobs": jobs,
+                           "seconds": time.time() - progress.started,
+                           "cpu_seconds": cpu_seconds() - cpu_started}  # fmt: skip
     write_json(out / "results.json", results)
     write_report(out, results)
     return results
+
+
+# ---------------------------------------------------------------- per-seed tasks
+
+Task = tuple[str, int, str]
+"""``("reward", seed, model)``, ``("curation", seed, "")`` or ``("arm", seed, arm)``."""
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What every per-seed task reads: the shared stages' outputs."""
+
+    out: Path
+    preset: Preset
+    data: dict
+    sft: Path
+    sft_responses: Path
+    started: float
+    """The study's start (progress lines count from it)."""
+
+
+def seed_tasks(preset: Preset) -> dict[Task, tuple[Task, ...]]:
+    """Every per-seed task -> the tasks whose results it needs, in an order that runs."""
+    tasks = {}
+    for seed in range(preset.seeds):
+        for name in reward_models(preset):
+            tasks[("reward", seed, name)] = ()
+        tasks[("curation", seed, "")] = (("reward", seed, "am"),)
+        for arm, (reward_name, options) in arms_of(preset, seed).items():
+            needs = (("reward", seed, reward_name),)
+            if "rehearsal" in options:
+                needs += (("curation", seed, ""),)
+            tasks[("arm", seed, arm)] = needs
+    return tasks
+
+
+def task_title(task: Task) -> str:
+    kind, seed, name = task
+    what = {
+        "reward": f"reward model {name}",
+        "curation": "curation (D_R)",
+        "arm": f"PPO arm {name}",
+    }
+    return f"seed {seed}: {what[kind]}"
+
+
+def run_task(shared: Shared, task: Task, inputs: dict):
+    """One task (in this process or a worker); ``inputs`` are the results of its needs."""
+    kind, seed, name = task
+    Progress(shared.started).stage(task_title(task))
+    out, preset, data, sft = shared.out, shared.preset, shared.data, shared.sft
+    if kind == "reward":
+        return reward_stage(out, preset, data, sft, seed, name)
+    if kind == "curation":
+        am = inputs[("reward", seed, "am")]
+        return curation_stage(out, preset, data, shared.sft_responses, am, seed)
+    reward_name, options = arms_of(preset, seed)[name]
+    rehearsal = inputs.get(("curation", seed, ""))
+    run_arm(out, preset, data, sft, inputs[("reward", seed, reward_name)], reward_name,
+            rehearsal, name, options, seed)  # fmt: skip
+    return None
+
+
+def run_tasks(shared: Shared, tasks: dict[Task, tuple[Task, ...]], jobs: int) -> dict:
+    """Run ``tasks`` in order here (jobs=1) or, each as soon as its needs are done, in ``jobs``
+    spawned workers. Seeds are independent and every command seeds itself, so the records do
+    not depend on ``jobs``. A failing task stops the study with its error."""
+    results = {}
+    if jobs == 1:
+        for task, needs in tasks.items():
+            results[task] = run_task(shared, task, {need: results[need] for need in needs})
+        return results
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=start_worker, initargs=(shared.preset.threads,))  # fmt: skip
+    waiting, running = dict(tasks), {}
+    try:
+        while waiting or running:
+            ready = [task for task, needs in waiting.items() if all(n in results for n in needs)]
+            for task in ready:
+                inputs = {need: results[need] for need in waiting.pop(task)}
+                running[pool.submit(run_task, shared, task, inputs)] = task
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                task = running.pop(future)
+                if future.exception() is not None:
+                    error = future.exception()
+                    traceback.print_exception(error)
+                    raise SystemExit(f"study: {task_title(task)} failed: {error}")
+                results[task] = future.result()
+    except BaseException:
+        stop_workers(pool)
+        raise
+    pool.shutdown()
+    return results
+
+
+def start_worker(threads: int) -> None:
+    """A worker runs its commands as the single process of fresh 1-process groups: nothing of
+    this process's rendezvous may leak in. It leads its own process group, so that stopping it
+    also stops what it forked (the checkpoint writer's ``Manager`` would otherwise outlive it
+    and hold the pipe the pool watches for the worker's exit)."""
+    os.setpgrp()
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                 "TORCHELASTIC_RUN_ID"):  # fmt: skip
+        os.environ.pop(name, None)
+    set_threads(threads)
+
+
+def stop_workers(pool: ProcessPoolExecutor) -> None:
+    """End the workers now: ``shutdown`` alone would wait for the running tasks to finish."""
+    for process in list((pool._processes or {}).values()):  # no public way before Python 3.14
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ---------------------------------------------------------------- data
@@ -202,18 +333,18 @@ def reward_models(preset: Preset) -> dict:
     return models
 
 
-def reward_stage(out: Path, preset: Preset, data: dict, sft: Path, seed: int) -> dict:
-    checkpoints = {}
-    for name, (loss, epochs, margin) in reward_models(preset).items():
-        run_dir = out / "reward" / name / f"seed{seed}"
-        checkpoints[name] = stages.train_reward_model(
-            loss=loss, sft=sft, train_prefix=data["indexed"] / "pref_train", out=run_dir,
-            epochs=epochs, lr=preset.reward_lr, global_batch_size=preset.reward_batch,
-            seed=seed, margin=margin,
-        )  # fmt: skip
-        stages.score_pairs(checkpoints[name], data["raw"] / "pref_test.jsonl", data["tokenizer"],
-                           run_dir / "pairs.jsonl")  # fmt: skip
-    return checkpoints
+def reward_stage(out: Path, preset: Preset, data: dict, sft: Path, seed: int, name: str) -> Path:
+    """Train reward model ``name`` of ``seed`` and score the held-out pairs; its checkpoint."""
+    loss, epochs, margin = reward_models(preset)[name]
+    run_dir = out / "reward" / name / f"seed{seed}"
+    checkpoint = stages.train_reward_model(
+        loss=loss, sft=sft, train_prefix=data["indexed"] / "pref_train", out=run_dir,
+        epochs=epochs, lr=preset.reward_lr, global_batch_size=preset.reward_batch,
+        seed=seed, margin=margin,
+    )  # fmt: skip
+    stages.score_pairs(checkpoint, data["raw"] / "pref_test.jsonl", data["tokenizer"],
+                       run_dir / "pairs.jsonl")  # fmt: skip
+    return checkpoint
 
 
 # ---------------------------------------------------------------- curation and arms
@@ -233,9 +364,10 @@ def curation_stage(out: Path, preset: Preset, data: dict, sft_responses: Path, a
                                                    c * k, seed)  # fmt: skip
     if seed < preset.sweep_seeds and preset.sweep_clusters:
         others = [count for count in preset.sweep_clusters if count != c]
-        stages.build_rehearsal(scored, prefix=work / "fixed_k", clusters=others, top_k=k, **build)
-        for count in others:
-            sets[(count, k)] = work / f"fixed_k_c{count}"
+        fixed_k = stages.build_rehearsal(scored, prefix=work / "fixed_k", clusters=others,
+                                         top_k=k, **build)  # fmt: skip
+        for count in others:  # a sweep of one count is a plain run at the prefix itself
+            sets[(count, k)] = work / f"fixed_k_c{count}" if len(others) > 1 else fixed_k
             per_cluster = max(1, c * k // count)
             sets[(count, per_cluster)] = stages.build_rehearsal(
                 scored, prefix=work / f"fixed_ck_c{count}", clusters=count, top_k=per_cluster,
