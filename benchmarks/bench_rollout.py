@@ -18,15 +18,18 @@ timed on its own and included in the resharded row. Tokens of all three are comp
 
 tokens/s = new tokens of the whole batch / wall seconds; min / median / max over reps x seeds.
 
-Not yet run to completion: on the session that wrote it the shared 2-core machine stayed at
-load average 20-68 and the heavy-job queue did not free a slot in time, so there is no table
-from this script yet. Development measurements of part 1's first row (tiny 4 x 128, vocab
-1000, B=8, prompts <= 32, greedy, 1 thread, CPU seconds of this process, 7 interleaved reps, one
-seed, load average ~9): before the lean inference forward (issue 11, item 6) our engine ran at
-0.66-0.69x transformers' tokens/s (~1,530 vs ~2,250 tok/s), after it at 1.12-1.29x (ratio of
-medians, two runs each of 32 and 128 new tokens; e.g. 2,262 vs 1,997 tok/s), greedy tokens
-identical. Part 2
-has only been run as the tests' correctness checks (``tests/test_bloom_parallel.py``).
+Part 1, measured (``--skip-pp --threads 1 --reps 3 --seeds 0 1``; 2-core VM shared with a
+2-process study run, load 5-13; min / median / max tok/s, ratio of medians):
+
+    tiny 4x128, 32 new     ours 1844 / 2023 / 2209   transformers 1608 / 1723 / 1845   1.17x
+    tiny 4x128, 128 new    ours 1410 / 2086 / 2169   transformers 1539 / 1772 / 1786   1.18x
+    base 12x768, 32 new    ours   28 /   34 /   44   transformers   30 /   32 /   38   1.07x
+    base 12x768, 128 new   ours   20 /   26 /   40   transformers   24 /   29 /   39   0.90x
+
+Greedy tokens equal in every run. An earlier run at load 20-45 gave 1.12x / 1.16x (tiny) and
+0.84x / 1.09x (base): the tiny model's lead holds in both, the 124M rows are level within noise.
+Before the lean inference forward the tiny rows were 0.57-0.69x. Part 2 has only been run as the
+tests' correctness checks (``tests/test_bloom_parallel.py``).
 """
 
 from __future__ import annotations
