@@ -107,8 +107,9 @@ def main() -> None:
 
 
 def kl_controller_check() -> dict:
-    """The adaptive KL controller at DP=2 (each rank its own rollouts) moves exactly as at DP=1
-    on all of them: the observation is the global mean KL over the global rollout count."""
+    """The adaptive KL controller at DP=2 moves exactly as at DP=1: ``train-ppo`` gives every
+    rank the step's global batch, and the observation is its mean KL over the global rollout
+    count (neither one rank's share of the rollouts nor a sum of the replicas' copies)."""
     from types import SimpleNamespace
 
     from megatron_rlhf.distributed import ParallelConfig, initialize
@@ -122,7 +123,7 @@ def kl_controller_check() -> dict:
     distributed, serial = KLController(**settings), KLController(**settings)
     local_count = KLController(**settings)
     for _ in range(3):
-        distributed.update(*observed_kl(SimpleNamespace(kl=kl[dist.get_rank()])))
+        distributed.update(*observed_kl(SimpleNamespace(kl=torch.cat(kl))))  # the global batch
         per_sequence = torch.cat(kl).double().sum(dim=1)
         serial.update(float(per_sequence.mean()), len(per_sequence))
         local_count.update(float(per_sequence.mean()), 6)  # the old rule: one rank's batch
