@@ -28,8 +28,17 @@ Part 1, measured (``--skip-pp --threads 1 --reps 3 --seeds 0 1``; 2-core VM shar
 
 Greedy tokens equal in every run. An earlier run at load 20-45 gave 1.12x / 1.16x (tiny) and
 0.84x / 1.09x (base): the tiny model's lead holds in both, the 124M rows are level within noise.
-Before the lean inference forward the tiny rows were 0.57-0.69x. Part 2 has only been run as the
-tests' correctness checks (``tests/test_bloom_parallel.py``).
+Before the lean inference forward the tiny rows were 0.57-0.69x.
+
+Part 2, measured (``--skip-single --reps 3 --seeds 0 1``, idle machine, load 0.5-3.1; tokens of
+the three equal; refit 0.75 / 0.82 / 0.88 s):
+
+    PP=2, whole batch stage after stage           73 / 88 / 102 tok/s   1.00x
+    PP=2, pipelined (2 micro-batches)              61 / 70 /  76 tok/s   0.80x
+    resharded to PP=1 x DP=2 (refit included)      86 / 91 /  97 tok/s   1.04x
+
+On 2 CPU cores over gloo the pipelined ring is slower: half-size micro-batches cost more per
+token than the idle stage, and each token makes twice the sends.
 """
 
 from __future__ import annotations
