@@ -1,7 +1,7 @@
 """The rollout seam: which model, in which layout, generates a PPO step's responses.
 
 The PPO loop only sees :class:`RolloutEngine`: before each rollout it calls ``refresh()`` (bring
-the generation weights up to date with the actor's last update), then ``ppo.rollout.rollout``
+the generation weights up to date with the actor's last update), then ``ppo.rollout.rollout_global``
 calls ``generate(...)`` inside ``active(engine.groups)`` on every rank of the world with this
 rank's data-parallel share of the global prompts, and hands the responses back to every rank
 (``distributed/handoff.py``). Two engines today:

@@ -200,12 +200,12 @@ class PPOTrainer:
         return 0
 
     def sampling(self) -> SamplingConfig:
+        """The step's sampling settings; each row's seed comes from ``step_row_seeds``."""
         rollout_config = self.config.rollout
         return SamplingConfig(
             max_new_tokens=rollout_config.max_new_tokens,
             temperature=rollout_config.temperature,
             top_p=rollout_config.top_p,
-            seed=self.config.train.seed * 1000003 + self.step * 101,
             eos_id=self.data.eos_id,
             pad_id=self.data.pad_id,
         )
