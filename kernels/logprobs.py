@@ -120,8 +120,8 @@ def shard_targets(targets: torch.Tensor, vocab_start: int, vocab_local: int) -> 
 
 
 def check_targets(name: str, targets: torch.Tensor, vocab: int) -> None:
-    """Raise unless every id lies in ``[0, vocab)`` (one device sync)."""
-    if targets.numel() == 0:
+    """Raise unless every id lies in ``[0, vocab)`` (one device sync; no data on ``meta``)."""
+    if targets.numel() == 0 or targets.is_meta:
         return
     low, high = torch.stack(torch.aminmax(targets)).tolist()
     if low < 0 or high >= vocab:

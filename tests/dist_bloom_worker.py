@@ -7,7 +7,9 @@ Check groups: ``logits`` (LM logits at every layout, with sequence parallelism a
 ``checkpoints`` (LM and scalar heads saved at TP2xPP2, loaded at the other layouts),
 ``generation`` (greedy with/without KV cache, EOS, seeded sampling across layouts; at PP=2 and
 PP=4 pipelined with one micro-batch per stage, unpipelined, and 3 uneven micro-batches) and
-``gradients`` (backward at TP=2, with and without sequence parallelism, equals TP=1).
+``gradients`` (backward at TP=2, with and without sequence parallelism, equals TP=1) and
+``placement`` (bf16 LM and scalar models built on the ``meta`` device at every layout: every
+parameter and buffer there, every parameter bf16, only the ALiBi slopes fp32).
 
 Every rank builds the transformers reference itself (tiny models), switches Megatron-Core's
 layout between checks, and records ``{check: (ok, detail)}`` for the checks it can judge (the
@@ -307,6 +309,24 @@ def check_gradients(hf_a: str) -> None:
             record(name, ok, f"worst relative diff {worst:.2e} at {where}")
 
 
+def check_placement() -> None:
+    from megatron_rlhf.models.bloom import BloomModel
+
+    for tp, pp in LAYOUTS:
+        use_layout(tp, pp, ARCH_B)
+        for head in ("lm", "scalar"):
+            model = BloomModel(
+                ARCH_B, head=head, num_scalar_outputs=2, params_dtype=torch.bfloat16,
+                device="meta",
+            )  # fmt: skip
+            tensors = list(model.named_parameters()) + list(model.named_buffers())
+            off = [n for n, t in tensors if t.device.type != "meta"]
+            fp32 = {n for n, t in tensors if t.dtype != torch.bfloat16}
+            slopes = {n for n, _ in model.named_buffers() if n.endswith("core_attention.slopes")}
+            ok = not off and fp32 == slopes and len(slopes) == ARCH_B.num_layers // pp
+            record(f"meta_bf16_{head}_tp{tp}pp{pp}", ok, f"off meta {off}, not bf16 {fp32}")
+
+
 def run_checks(args) -> None:
     use_layout(1, 1, ARCH_A)
     work = Path(args.work)
@@ -315,6 +335,7 @@ def run_checks(args) -> None:
         "checkpoints": lambda: check_checkpoints(args.hf_a, work),
         "generation": lambda: check_generation(args.hf_a),
         "gradients": lambda: check_gradients(args.hf_a),
+        "placement": check_placement,
     }
     for name in args.groups or groups:
         check = groups[name]

@@ -55,6 +55,7 @@ CHECKS = [
         for head in ("lm", "scalar")
         for sp in ("", "_sequence_parallel")
     ),
+    *(f"meta_bf16_{head}_{layout}" for head in ("lm", "scalar") for layout in LAYOUTS),
 ]
 
 

@@ -16,7 +16,10 @@ from megatron_rlhf.distributed.parallel import compute_device
 
 
 def pipeline_forward(model, input_ids: torch.Tensor, padding_mask: torch.Tensor, **kwargs):
-    """Run ``model`` across the pipeline; the last stage returns its output, others None."""
+    """Run ``model`` across the pipeline; the last stage returns its output, others None.
+    Inputs are moved to the compute device first (the model's forward takes them there)."""
+    device = compute_device()
+    input_ids, padding_mask = input_ids.to(device), padding_mask.to(device)
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return model(input_ids, padding_mask, **kwargs)
     config = model.config

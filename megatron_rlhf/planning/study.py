@@ -82,9 +82,9 @@ def planned_bytes(shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work
 
 def _uses_te_attention() -> bool:
     """Whether BloomModel picks TransformerEngine's fused attention here (spec.py's rule)."""
-    from megatron_rlhf.models.bloom.attention import _te_attention_class
+    from megatron_rlhf.models.bloom.attention import te_attention_class
 
-    return torch.cuda.is_available() and _te_attention_class() is not None
+    return torch.cuda.is_available() and te_attention_class() is not None
 
 
 def run_row(shape: ModelShape, stage: str, work: StudyWork, seed: int = 0) -> dict:
@@ -164,11 +164,10 @@ def _build(shape: ModelShape, stage: str, work: StudyWork):
     )
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     head = "scalar" if stage == "critic_train" else "lm"
-    model = BloomModel(arch, head=head, params_dtype=dtype)
-    if torch.cuda.is_available():
-        model = model.cuda()
+    model = BloomModel(arch, head=head, params_dtype=dtype)  # on the compute device
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(4, shape.vocab_size, (work.micro_batch, work.seq_len), generator=generator)
+    ids = ids.to(model.device)
     mask = torch.ones_like(ids)
     if stage == "generate":
         return _generate_step(model, ids[:, : work.prompt_len], mask[:, : work.prompt_len], work)

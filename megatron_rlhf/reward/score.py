@@ -199,6 +199,7 @@ def score_batch(model, scoring: ScoringInput, batch: list[int]) -> dict:
 def _score_batch(model, scoring: ScoringInput, batch: list[int]) -> dict:
     import torch
 
+    from megatron_rlhf.distributed.parallel import compute_device
     from megatron_rlhf.distributed.pipeline import pipeline_forward
     from megatron_rlhf.reward.model import advantage_scores, read_scalars
 
@@ -210,9 +211,9 @@ def _score_batch(model, scoring: ScoringInput, batch: list[int]) -> dict:
         input_ids[row, : len(ids)] = torch.tensor(ids)
         padding_mask[row, : len(ids)] = 1
     prompt_lengths = torch.tensor([len(scoring.prompts[i]) for i in batch])  # (B,)
-    if torch.cuda.is_available():
-        input_ids, padding_mask = input_ids.cuda(), padding_mask.cuda()
-        prompt_lengths = prompt_lengths.cuda()
+    device = compute_device()
+    input_ids, padding_mask = input_ids.to(device), padding_mask.to(device)
+    prompt_lengths = prompt_lengths.to(device)
     output = pipeline_forward(model, input_ids, padding_mask)  # (B, S, n) on the last stage
     if output is None:
         return {}

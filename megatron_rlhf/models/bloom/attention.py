@@ -2,25 +2,35 @@
 
 Megatron-Core 0.16.1 has no ALiBi: its local ``DotProductAttention`` asserts ``attention_bias is
 None`` and ``TEDotProductAttention`` never passes ``"alibi"``. :class:`AlibiDotProductAttention`
-is a pure-PyTorch core attention computing what transformers' ``BloomAttention`` computes:
+is a pure-PyTorch core attention computing the attention of transformers' ``BloomAttention``:
 
-    scores = slope_h * pos_k + (q . k) / sqrt(d)        (pos_k from the padding mask)
+    scores = (q . k) / sqrt(d) + slope_h * (pos_k - pos_q)     (fp32; positions from the mask)
     probs  = softmax_fp32(scores masked with the causal + padding mask)
     out    = probs @ v
 
-Key positions come from the padding mask, so left-padded rows see the same biases as their
-unpadded selves. ``BloomModel`` builds this rank's ``slope_h * pos_k`` once per forward and
-passes it as Megatron's ``attention_bias`` (B, H/tp, 1, Sk) to every layer; the mask is
-Megatron's boolean convention (True = masked), shape (B, 1, Sq, Sk). With a KV cache
-(Sq = 1, Sk = cached + 1) the same holds.
+How this departs from transformers: BLOOM adds ``slope_h * pos_k`` (the key's absolute position)
+in the model's dtype. A softmax row does not change when a constant is added to it, so the bias
+relative to the query, ``slope_h * (pos_k - pos_q)``, gives the same probabilities; it is small
+for the near keys that carry the weight, and it is added in fp32 to fp32 scores. In bf16 the
+absolute bias of a key 1,000 tokens in is ~700 for the steepest head, where one bf16 step is 4:
+logits drift with length (max error 3.3 at 1,024 tokens against 0.3 at 64). TransformerEngine's
+fused ALiBi is relative and fp32 too, so training (TE) and generation (this path) agree.
+
+Key positions come from the padding mask (``BloomModel`` passes them as Megatron's
+``attention_bias``, fp32 (B, Sk)), so left-padded rows see the same biases as their unpadded
+selves; queries are the last Sq keys (all of them, or the new ones after a KV cache). The mask is
+Megatron's boolean convention (True = masked), shape (B, 1, Sq, Sk).
 
 :class:`TEAlibiDotProductAttention` (GPU, when transformer-engine imports) runs TE's fused
-attention with ``core_attention_bias_type="alibi"`` and this rank's slopes passed explicitly.
+attention with ``core_attention_bias_type="alibi"`` and this rank's slopes passed explicitly,
+for full-length right-padded batches (``BloomModel`` decides once per forward and then passes no
+positions); everything else takes the PyTorch path.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from megatron.core import parallel_state
@@ -35,6 +45,43 @@ def _tp_rank_and_size() -> tuple[int, int]:
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_world_size(),
     )
+
+
+def _register_rank_slopes(module: torch.nn.Module, num_heads: int) -> None:
+    """``module.slopes``: this TP rank's ALiBi slopes, fp32, a non-persistent buffer created on
+    the default device (``BloomModel`` builds under ``torch.device(compute device)``)."""
+    tp_rank, tp_size = _tp_rank_and_size()
+    module.register_buffer(
+        "slopes", alibi_slopes_for_rank(num_heads, tp_rank, tp_size), persistent=False
+    )
+
+
+def alibi_attention(
+    query: torch.Tensor,  # (Sq, B, H, D)
+    key: torch.Tensor,  # (Sk, B, H, D)
+    value: torch.Tensor,  # (Sk, B, H, D)
+    attention_mask: torch.Tensor,  # (B, 1, Sq, Sk) bool, True = masked
+    key_positions: torch.Tensor,  # (B, Sk) fp32, counted from each row's first real token
+    slopes: torch.Tensor,  # (H,) fp32
+    softmax_scale: float,
+    dropout: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """ALiBi attention with the bias relative to the query, in fp32; returns (Sq, B, H*D)."""
+    sq, batch, heads, dim = query.shape
+    sk = key.shape[0]
+    q = query.permute(1, 2, 0, 3).reshape(batch * heads, sq, dim)
+    k = key.permute(1, 2, 3, 0).reshape(batch * heads, dim, sk)
+    v = value.permute(1, 2, 0, 3).reshape(batch * heads, sk, dim)
+    scores = torch.bmm(q, k).view(batch, heads, sq, sk).float().mul_(softmax_scale)
+    key_positions = key_positions.float()
+    relative = key_positions[:, None, :] - key_positions[:, sk - sq :, None]  # (B, Sq, Sk)
+    scores = scores.addcmul_(slopes.float().view(1, heads, 1, 1), relative[:, None])
+    scores = scores.masked_fill_(attention_mask, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)  # (B, H, Sq, Sk)
+    if dropout is not None:
+        probs = dropout(probs)
+    context = torch.bmm(probs.view(batch * heads, sq, sk), v)  # (B*H, Sq, D)
+    return context.view(batch, heads, sq, dim).permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
 
 class AlibiDotProductAttention(MegatronModule):
@@ -57,6 +104,7 @@ class AlibiDotProductAttention(MegatronModule):
         self.dropout = torch.nn.Dropout(
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        _register_rank_slopes(self, config.num_attention_heads)
 
     def forward(
         self,
@@ -65,37 +113,26 @@ class AlibiDotProductAttention(MegatronModule):
         value: torch.Tensor,  # (Sk, B, H/tp, D)
         attention_mask: torch.Tensor,  # (B, 1, Sq, Sk) bool, True = masked
         attn_mask_type=None,
-        attention_bias=None,  # (B, H/tp, 1, Sk) this rank's ALiBi, from BloomModel
+        attention_bias=None,  # (B, Sk) fp32 key positions, from BloomModel
         packed_seq_params=None,
     ) -> torch.Tensor:
         if packed_seq_params is not None:
             raise NotImplementedError("ALiBi attention does not take packed sequences")
         if attention_mask is None or attention_bias is None:
             raise ValueError(
-                "BLOOM attention needs the causal+padding mask and the ALiBi bias (BloomModel "
+                "BLOOM attention needs the causal+padding mask and the key positions (BloomModel "
                 "passes both)"
             )
-        sq, batch, heads, dim = query.shape
-        sk = key.shape[0]
-        q = query.permute(1, 2, 0, 3).reshape(batch * heads, sq, dim)
-        k = key.permute(1, 2, 3, 0).reshape(batch * heads, dim, sk)
-        v = value.permute(1, 2, 0, 3).reshape(batch * heads, sk, dim)
-        alibi = attention_bias.to(q.dtype).reshape(batch * heads, 1, sk)
-        # slope * pos_k + (q . k) * scale in one call, as transformers' BloomAttention.
-        scores = torch.baddbmm(alibi, q, k, alpha=self.softmax_scale)  # (B*H, Sq, Sk)
-        scores = scores.view(batch, heads, sq, sk).masked_fill(
-            attention_mask, torch.finfo(scores.dtype).min
-        )
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-        probs = self.dropout(probs)
-        context = torch.bmm(probs.view(batch * heads, sq, sk), v)  # (B*H, Sq, D)
-        return context.view(batch, heads, sq, dim).permute(2, 0, 1, 3).reshape(sq, batch, -1)
+        return alibi_attention(
+            query, key, value, attention_mask, attention_bias, self.slopes,
+            self.softmax_scale, self.dropout,
+        )  # fmt: skip
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         return {}
 
 
-def _te_attention_class():
+def te_attention_class():
     """TransformerEngine's DotProductAttention, or None when TE is not importable."""
     try:
         from transformer_engine.pytorch import DotProductAttention
@@ -104,30 +141,52 @@ def _te_attention_class():
     return DotProductAttention
 
 
+def drop_missing_extra_state(module: torch.nn.Module) -> None:
+    """Let strict loads pass without the ``_extra_state`` of ``module``'s submodules.
+
+    TransformerEngine modules carry ``_extra_state`` in their ``state_dict`` (FP8 scaling
+    metadata). Our checkpoints do not save it: core attention has no weights, its
+    ``sharded_state_dict`` is empty, and no FP8 recipe is used, so TE's freshly built state is
+    the right one after a load. This post-hook removes those keys from a load's missing keys,
+    so every strict ``load_state_dict`` (checkpoints, resume, conversion, evaluation) passes.
+    """
+
+    def hook(_module, incompatible_keys):
+        missing = incompatible_keys.missing_keys
+        missing[:] = [name for name in missing if not name.endswith("._extra_state")]
+
+    module.register_load_state_dict_post_hook(hook)
+
+
+def te_alibi_cache(te_attention: torch.nn.Module) -> dict | None:
+    """TransformerEngine's process-wide ALiBi cache (``_alibi_cache`` of the module that defines
+    its DotProductAttention), or None when this TE version keeps it elsewhere."""
+    module = sys.modules.get(type(te_attention).__module__)
+    cache = getattr(module, "_alibi_cache", None)
+    return cache if isinstance(cache, dict) and "_alibi_slopes" in cache else None
+
+
 class TEAlibiDotProductAttention(MegatronModule):
     """GPU path: TE fused attention with ALiBi and this TP rank's slopes passed explicitly.
 
-    TE's default slopes come from the *local* head count, which is wrong under TP, so the slice
-    of the global slopes is passed on every call. TE's fused kernels reduce a padding mask to
-    per-row valid-token counts (right-padding semantics), so left-padded batches (generation)
-    take :class:`AlibiDotProductAttention`; training batches here are right-padded.
+    TE's default slopes come from the *local* head count, which is wrong under TP, so this rank's
+    slice of the global slopes is passed on every call. TE keeps one ALiBi cache per process and
+    refreshes it only in its layer number 1: when the cached slopes are not this module's (another
+    model with as many heads per rank, a later pipeline stage), the refresh is forced. TE's fused
+    kernels reduce a padding mask to per-row valid-token counts (right-padding semantics), so
+    ``BloomModel`` passes key positions (``attention_bias``) for batches TE cannot take (left
+    padding, a KV cache), which then run :func:`alibi_attention`.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs):
         super().__init__(config=config)
-        te_attention = _te_attention_class()
+        te_attention = te_attention_class()
         if te_attention is None:
             raise ImportError("transformer-engine is not importable")
-        tp_rank, tp_size = _tp_rank_and_size()
+        _tp_rank, tp_size = _tp_rank_and_size()
         self.heads_per_rank = divide(config.num_attention_heads, tp_size)
-        self.register_buffer(
-            "slopes",
-            alibi_slopes_for_rank(config.num_attention_heads, tp_rank, tp_size),
-            persistent=False,
-        )
-        self.fallback = AlibiDotProductAttention(
-            config, layer_number, attn_mask_type, attention_type
-        )
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
+        _register_rank_slopes(self, config.num_attention_heads)
         self.te_attention = te_attention(
             num_attention_heads=self.heads_per_rank,
             kv_channels=config.kv_channels,
@@ -136,14 +195,19 @@ class TEAlibiDotProductAttention(MegatronModule):
             attn_mask_type="padding_causal",
             layer_number=layer_number,
         )
+        drop_missing_extra_state(self)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, **kwargs):
-        key_valid = ~attention_mask[:, 0, -1, :]  # (B, Sk)
-        right_padded = bool((key_valid[:, :-1] >= key_valid[:, 1:]).all())
-        if query.shape[0] != key.shape[0] or not right_padded:
-            return self.fallback(
-                query, key, value, attention_mask, attention_bias=kwargs.get("attention_bias")
+        key_positions = kwargs.get("attention_bias")
+        if key_positions is not None:  # left padding or a KV cache: not for TE's kernels
+            return alibi_attention(
+                query, key, value, attention_mask, key_positions, self.slopes, self.softmax_scale
             )
+        cache = te_alibi_cache(self.te_attention)
+        if cache is not None and cache["_alibi_slopes"] is not self.slopes:
+            cache["_alibi_slopes_require_update"] = True
+            cache["_alibi_bias_require_update"] = True
+        key_valid = ~attention_mask[:, 0, -1, :]  # (B, Sk)
         te_mask = ~key_valid[:, None, None, :]  # TE: True = masked, (B, 1, 1, Sk)
         context = self.te_attention(
             query,
@@ -151,7 +215,7 @@ class TEAlibiDotProductAttention(MegatronModule):
             value,
             attention_mask=te_mask,
             core_attention_bias_type="alibi",
-            alibi_slopes=self.slopes.float(),
+            alibi_slopes=self.slopes,
         )
         return context.reshape(query.shape[0], query.shape[1], -1)
 

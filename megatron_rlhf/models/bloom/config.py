@@ -104,14 +104,16 @@ def transformer_config(
     sequence_parallel: bool = False,
     params_dtype: torch.dtype = torch.float32,
     recompute_activations: bool = False,
+    device: torch.device | None = None,
 ) -> TransformerConfig:
     """Megatron-Core settings that reproduce transformers' BLOOM numerics.
 
-    Dropouts are 0 (BLOOM's released configs), GELU is the tanh form, the softmax runs in fp32,
-    and parameters are initialised on the CPU when there is no GPU (so TP=2 builds exactly the
-    slices of the TP=1 weights for a seed).
+    Dropouts are 0 (BLOOM's released configs), GELU is the tanh form, the softmax runs in fp32.
+    Parameters are initialised on the GPU when ``device`` is one (default: when there is one),
+    otherwise through Megatron's CPU initialisation on the default device (so TP=2 builds
+    exactly the slices of the TP=1 weights for a seed; ``BloomModel`` sets the default device).
     """
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,

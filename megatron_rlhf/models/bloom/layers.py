@@ -12,7 +12,8 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class BloomLayerNorm(torch.nn.LayerNorm):
-    """``torch.nn.LayerNorm`` with Megatron's norm constructor signature.
+    """``torch.nn.LayerNorm`` with Megatron's norm constructor signature, in
+    ``config.params_dtype`` (CUDA's layer_norm wants the weights in the input's dtype).
 
     Megatron's ``WrappedTorchNorm`` refuses sequence parallelism; a LayerNorm works per token,
     so under SP it only needs its parameters tagged ``sequence_parallel`` (their gradients are
@@ -20,6 +21,6 @@ class BloomLayerNorm(torch.nn.LayerNorm):
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         for param in self.parameters():
             param.sequence_parallel = bool(config.sequence_parallel)

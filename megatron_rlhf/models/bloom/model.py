@@ -8,6 +8,13 @@
 
 BLOOM specifics on top of ``GPTModel``: no position embedding (ALiBi lives in the core
 attention), a LayerNorm right after the word embedding, and the BLOOM layer spec.
+
+Device and dtype: every parameter and buffer is created on ``device`` (default: the compute
+device, this process's GPU or the CPU) in ``params_dtype``, the LayerNorms and the scalar head
+included; nothing is moved afterwards. fp32 by design in a bf16 model: the ALiBi slopes (buffers,
+so the bias is exact), the attention scores and softmax, and the scalar head's outputs (cast to
+fp32 after the bf16 matmul, so losses and rewards are reduced in fp32). ``forward`` takes its
+inputs on the model's device and refuses others; callers place batches with ``compute_device()``.
 """
 
 from __future__ import annotations
@@ -18,14 +25,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from megatron_rlhf.distributed.cpu_compat import tensor_cuda_is_identity
-from megatron_rlhf.models.bloom.alibi import alibi_slopes_for_rank, positions_from_mask
+from megatron_rlhf.distributed.parallel import compute_device
+from megatron_rlhf.models.bloom.alibi import positions_from_mask
 from megatron_rlhf.models.bloom.config import (
     BloomArchitecture,
     padded_vocab_size,
     transformer_config,
 )
 from megatron_rlhf.models.bloom.layers import BloomLayerNorm
-from megatron_rlhf.models.bloom.spec import bloom_block_spec
+from megatron_rlhf.models.bloom.spec import bloom_block_spec, resolve_te_attention
 
 HEADS = ("lm", "scalar")
 
@@ -59,9 +67,11 @@ class BloomModel(GPTModel):
         use_te_attention: bool | None = None,
         recompute_activations: bool = False,
         init_weights: bool = True,
+        device: torch.device | str | None = None,
     ):
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+        device = compute_device() if device is None else torch.device(device)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         config = transformer_config(
@@ -71,12 +81,17 @@ class BloomModel(GPTModel):
             sequence_parallel=sequence_parallel,
             params_dtype=params_dtype,
             recompute_activations=recompute_activations,
+            device=device,
         )
         config.perform_initialization = init_weights  # False when a checkpoint overwrites all
         pre_process = parallel_state.is_pipeline_first_stage()
         post_process = parallel_state.is_pipeline_last_stage()
+        use_te_attention = resolve_te_attention(use_te_attention, device)
         spec = bloom_block_spec(get_num_layers_to_build(config), use_te_attention)
-        with tensor_cuda_is_identity():  # language_module.py:244 calls weight.data.cuda()
+        # Megatron-Core creates its CPU-initialised tensors (and we create ours) on the default
+        # device; on a GPU it passes torch.cuda.current_device() itself, the same device.
+        # tensor_cuda_is_identity: language_module.py:244 calls weight.data.cuda() (CPU only).
+        with torch.device(device), tensor_cuda_is_identity():
             super().__init__(
                 config=config,
                 transformer_layer_spec=spec,
@@ -88,17 +103,16 @@ class BloomModel(GPTModel):
                 share_embeddings_and_output_weights=head == "lm",  # no LM head to tie to otherwise
                 position_embedding_type="none",
             )
+            self._add_bloom_modules(arch, head, num_scalar_outputs, pre_process, post_process)
         if not init_weights:
             mark_tensor_parallel_weights(self)
+        self.uses_te_attention = use_te_attention
+
+    def _add_bloom_modules(self, arch, head, num_scalar_outputs, pre_process, post_process):
+        """BLOOM's embedding LayerNorm and, on the last stage, the scalar head and its norm."""
+        config, tp = self.config, self.config.tensor_model_parallel_size
         self.arch = arch
         self.head = head
-        self.register_buffer(  # this rank's heads; also says where the model lives
-            "alibi_slopes",
-            alibi_slopes_for_rank(
-                arch.num_heads, parallel_state.get_tensor_model_parallel_rank(), tp
-            ),
-            persistent=False,
-        )
         self.num_scalar_outputs = num_scalar_outputs if head == "scalar" else 0
         self.is_last_stage = post_process
         if pre_process:
@@ -110,9 +124,10 @@ class BloomModel(GPTModel):
             self.final_layernorm = BloomLayerNorm(
                 config, arch.hidden_size, eps=arch.layer_norm_epsilon
             )
-            self.scalar_head = torch.nn.Linear(arch.hidden_size, num_scalar_outputs)
+            self.scalar_head = torch.nn.Linear(
+                arch.hidden_size, num_scalar_outputs, dtype=config.params_dtype
+            )
             init_replicated_head(self.scalar_head, std=config.init_method_std)
-            self.scalar_head.to(params_dtype)
         if post_process and head == "lm":
             vocab_start = self.vocab_size // tp * parallel_state.get_tensor_model_parallel_rank()
             self.num_valid_local_vocab = max(
@@ -127,16 +142,16 @@ class BloomModel(GPTModel):
         inference_context=None,
         runtime_gather_output: bool | None = None,
     ) -> torch.Tensor:
-        device = self.alibi_slopes.device
-        input_ids, padding_mask = input_ids.to(device), padding_mask.to(device)
-        attention_mask = attention_mask_for(padding_mask, input_ids.shape[1])
+        self._check_device(input_ids, padding_mask)
+        query_length = input_ids.shape[1]
+        attention_mask = attention_mask_for(padding_mask, query_length)
         output = super().forward(
             input_ids=input_ids,
             position_ids=None,
             attention_mask=attention_mask,
             inference_context=inference_context,
             runtime_gather_output=runtime_gather_output,
-            extra_block_kwargs={"attention_bias": self._alibi_bias(padding_mask)},
+            extra_block_kwargs={"attention_bias": self._key_positions(padding_mask, query_length)},
         )
         if not self.is_last_stage:
             return output  # (S, B, H) activations for the next stage
@@ -144,12 +159,32 @@ class BloomModel(GPTModel):
             return self._scalar_outputs(output)
         return self._mask_padded_vocab(output)
 
-    def _alibi_bias(self, padding_mask: torch.Tensor) -> torch.Tensor:
-        """``slope_h * pos_k`` for this rank's heads, (B, H/tp, 1, Sk): built once per forward
-        and shared by every layer's core attention (Megatron's ``attention_bias``)."""
-        positions = positions_from_mask(padding_mask)  # (B, Sk)
-        bias = self.alibi_slopes[None, :, None] * positions[:, None, :]  # (B, H/tp, Sk) fp32
-        return bias.to(self.config.params_dtype)[:, :, None, :]
+    @property
+    def device(self) -> torch.device:
+        """Where this model's parameters live (every pipeline stage has some)."""
+        return next(self.parameters()).device
+
+    def _check_device(self, input_ids: torch.Tensor, padding_mask: torch.Tensor) -> None:
+        device = self.device
+        for name, tensor in (("input_ids", input_ids), ("padding_mask", padding_mask)):
+            if tensor.device != device:
+                raise ValueError(
+                    f"BloomModel.forward: {name} is on {tensor.device}, the model on {device}; "
+                    "move batches with megatron_rlhf.distributed.compute_device()"
+                )
+
+    def _key_positions(self, padding_mask: torch.Tensor, query_length: int):
+        """Megatron's ``attention_bias`` for every layer: fp32 key positions (B, Sk) counted from
+        each row's first real token, from which the core attention builds the query-relative
+        ALiBi bias; None for a batch TE's fused ALiBi takes (TE layers, no KV cache, every row
+        right-padded), decided here once per forward (one host sync, TE layers only)."""
+        if (
+            self.uses_te_attention
+            and query_length == padding_mask.shape[1]
+            and bool((padding_mask[:, :-1] >= padding_mask[:, 1:]).all())
+        ):
+            return None
+        return positions_from_mask(padding_mask).float()
 
     def _scalar_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
         # Under SP the norm sees this rank's (S/tp, B, H) tokens, so its sequence-parallel
@@ -210,9 +245,10 @@ def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
 
 def init_replicated_head(linear: torch.nn.Linear, std: float) -> None:
     """Initialise a TP-replicated head identically on every rank (its own fixed-seed RNG)."""
-    generator = torch.Generator().manual_seed(20230918)
+    generator = torch.Generator().manual_seed(20230918)  # drawn on the CPU, the same everywhere
+    weight = torch.randn(linear.weight.shape, generator=generator, device="cpu") * std
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * std)
+        linear.weight.copy_(weight)
         linear.bias.zero_()
 
 

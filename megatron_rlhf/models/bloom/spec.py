@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 from megatron_rlhf.models.bloom.attention import (
     AlibiDotProductAttention,
     TEAlibiDotProductAttention,
-    _te_attention_class,
+    te_attention_class,
 )
 from megatron_rlhf.models.bloom.layers import BloomLayerNorm
 from megatron_rlhf.models.bloom.lean import (
@@ -62,15 +62,18 @@ def bloom_layer_spec(use_te_attention: bool = False) -> ModuleSpec:
     )
 
 
-def bloom_block_spec(num_layers_on_stage: int, use_te_attention: bool | None = None):
-    """The layers of this pipeline stage plus BLOOM's final LayerNorm (``ln_f``).
-
-    ``use_te_attention=None`` picks TransformerEngine's attention when it imports on a GPU.
-    """
+def resolve_te_attention(use_te_attention: bool | None, device) -> bool:
+    """``use_te_attention=None``: TransformerEngine's attention when the model is on a GPU and
+    TE imports; True without TE is an error."""
     if use_te_attention is None:
-        import torch
+        return device.type == "cuda" and te_attention_class() is not None
+    if use_te_attention and te_attention_class() is None:
+        raise ImportError("use_te_attention=True but transformer-engine is not importable")
+    return bool(use_te_attention)
 
-        use_te_attention = torch.cuda.is_available() and _te_attention_class() is not None
+
+def bloom_block_spec(num_layers_on_stage: int, use_te_attention: bool = False):
+    """The layers of this pipeline stage plus BLOOM's final LayerNorm (``ln_f``)."""
     layer = bloom_layer_spec(use_te_attention)
     return TransformerBlockSubmodules(
         layer_specs=[layer] * num_layers_on_stage, layer_norm=BloomLayerNorm

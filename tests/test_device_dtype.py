@@ -1,0 +1,222 @@
+"""Device and dtype discipline, bf16 ALiBi numerics and TransformerEngine checkpoints, on the CPU.
+
+The GPU path cannot run here, so what it depends on is proven another way:
+- **Device**: ``compute_device()`` is pointed at the ``meta`` device and every model kind is built
+  through the real constructor and the HF loader, then run forward and through its trainer's
+  loss with inputs on ``meta``. (torch's distributed checkpoint cannot load into meta tensors; a
+  Megatron checkpoint loads into the tensors this same constructor made, on their device, and
+  ``benchmarks/gpu_check.py`` loads one on a GPU.) A parameter or buffer created on the CPU, or a CPU
+  tensor made inside ``forward``, lands beside meta tensors and fails (the GPU's device
+  mismatch, without a GPU).
+- **dtype**: a bf16 model holds bf16 parameters only; the fp32 tensors are the ALiBi slopes.
+- **ALiBi in bf16**: against float64 transformers, the logit error at 1,024 tokens stays within
+  3x the error at 64 tokens (absolute-position biases in bf16 gave 8x: 3.4 against 0.4).
+- **TE's ``_extra_state``**: a stand-in for TE's ``DotProductAttention`` carrying extra state, built
+  through :class:`TEAlibiDotProductAttention`, saves and strictly reloads through ``load_bloom``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_bloom_common import ARCH_A, ARCH_B, left_padded_batch, save_hf_bloom
+from test_bloom_units import single_process  # noqa: F401  (module-scoped fixture)
+
+from megatron_rlhf.models.bloom.config import BloomArchitecture
+
+META = torch.device("meta")
+
+
+@pytest.fixture
+def on_meta(monkeypatch):
+    """Every model built while this is active goes to the compute device ``meta``."""
+    import megatron_rlhf.models.bloom.model as model_module
+
+    monkeypatch.setattr(model_module, "compute_device", lambda: META)
+
+
+def _placement(model) -> dict[str, tuple[torch.device, torch.dtype]]:
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    return {name: (tensor.device, tensor.dtype) for name, tensor in tensors}
+
+
+def _forward_and_loss(model, head: str, num_scalar_outputs: int) -> torch.Tensor:
+    """One forward on meta inputs (left-padded shape) and the loss its trainer takes."""
+    from megatron_rlhf.ppo.scoring import response_logprobs
+    from megatron_rlhf.reward.losses import advantage_model_loss, bradley_terry_loss
+    from megatron_rlhf.reward.model import advantage_scores
+
+    ids = torch.randint(4, ARCH_A.vocab_size, (4, 9), device=META)
+    mask = torch.ones(4, 9, dtype=torch.long, device=META)
+    output = model(ids, mask)
+    assert output.device == META
+    if head == "lm":
+        return -response_logprobs(output, ids, prompt_length=5, response_length=4).mean()
+    # Rows are unpadded: r at the last token, e_tau at the last prompt token (read_scalars'
+    # checks of the mask need data, which meta tensors do not have).
+    rewards = output[:, -1, 0]
+    if num_scalar_outputs == 1:
+        return bradley_terry_loss(rewards[:2], rewards[2:])[0]
+    scores = advantage_scores(rewards, output[:, 4, 1])
+    return advantage_model_loss(scores[:2], scores[2:])[0]
+
+
+@pytest.mark.parametrize(
+    "head, outputs, source",
+    [
+        ("lm", 1, "constructor"),  # actor, reference
+        ("lm", 1, "hf"),
+        ("scalar", 1, "constructor"),  # reward model, critic
+        ("scalar", 2, "constructor"),  # advantage model (r, e_tau)
+        ("scalar", 2, "hf"),  # from an HF trunk (train-reward's start)
+    ],
+)
+def test_every_model_kind_builds_runs_and_trains_on_the_compute_device(
+    single_process, tmp_path, monkeypatch, head, outputs, source
+):
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.models.bloom import BloomModel
+
+    if source == "hf":
+        save_hf_bloom(tmp_path / "hf", ARCH_A)
+    import megatron_rlhf.models.bloom.model as model_module
+
+    monkeypatch.setattr(model_module, "compute_device", lambda: META)
+    if source == "constructor":
+        model = BloomModel(ARCH_A, head=head, num_scalar_outputs=outputs)
+    else:
+        model = load_bloom(tmp_path / "hf", head=head, num_scalar_outputs=outputs)
+    off_device = {name: d for name, (d, _) in _placement(model).items() if d != META}
+    assert not off_device, off_device
+    loss = _forward_and_loss(model, head, outputs)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.device == META for p in model.parameters())
+
+
+def test_forward_refuses_inputs_on_another_device(single_process, on_meta):
+    from megatron_rlhf.models.bloom import BloomModel
+
+    model = BloomModel(ARCH_A)
+    ids = torch.randint(4, ARCH_A.vocab_size, (2, 5))  # on the CPU
+    with pytest.raises(ValueError, match="input_ids is on cpu, the model on meta"):
+        model(ids, torch.ones_like(ids))
+
+
+@pytest.mark.parametrize("head", ["lm", "scalar"])
+def test_bf16_model_is_bf16_except_the_alibi_slopes(single_process, tmp_path, head):
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.models.bloom import BloomModel
+
+    save_hf_bloom(tmp_path, ARCH_B)
+    for model in (
+        BloomModel(ARCH_B, head=head, num_scalar_outputs=2, params_dtype=torch.bfloat16),
+        load_bloom(tmp_path, head=head, num_scalar_outputs=2, params_dtype=torch.bfloat16),
+    ):
+        not_bf16 = {n for n, (_, dtype) in _placement(model).items() if dtype != torch.bfloat16}
+        slopes = {n for n, _ in model.named_buffers() if n.endswith("core_attention.slopes")}
+        assert len(slopes) == ARCH_B.num_layers
+        assert not_bf16 == slopes, not_bf16 - slopes
+        assert all(model.get_buffer(name).dtype == torch.float32 for name in slopes)
+
+
+def _max_bf16_logit_error(ours, reference, lengths: list[int], seed: int) -> float:
+    """Max |bf16 logits - float64 transformers| over the real tokens of a left-padded batch;
+    the reference runs each row alone (transformers' float64 left padding gives NaN rows)."""
+    vocab = ours.arch.vocab_size
+    ids, mask = left_padded_batch(vocab, lengths, seed=seed)
+    with torch.no_grad():
+        logits = ours(ids, mask)[..., :vocab].double()  # (B, S, V)
+        errors = []
+        for row in range(ids.shape[0]):
+            real = mask[row].bool()
+            expected = reference(input_ids=ids[row][real][None]).logits[0]  # (L, V) float64
+            errors.append((logits[row][real] - expected).abs().max().item())
+    return max(errors)
+
+
+def test_bf16_alibi_error_does_not_grow_with_length(single_process, tmp_path):
+    from transformers import BloomForCausalLM
+
+    from megatron_rlhf.checkpoint import load_bloom
+
+    # 16 heads: the steepest slope is 2**-0.5, as in BLOOM-560m.
+    arch = BloomArchitecture(
+        vocab_size=256, hidden_size=128, num_layers=2, num_heads=16, max_sequence_length=1024
+    )
+    save_hf_bloom(tmp_path, arch, seed=5)
+    reference = BloomForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float64).eval()
+    ours = load_bloom(tmp_path, params_dtype=torch.bfloat16).eval()
+    short = _max_bf16_logit_error(ours, reference, [64, 41], seed=1)
+    long = _max_bf16_logit_error(ours, reference, [1024, 1000], seed=2)
+    assert 0 < short < 1.0, short  # bf16 weights and activations, not a broken model
+    assert long <= 3 * short, (short, long)
+
+
+def test_fp32_attention_matches_the_absolute_alibi_of_transformers():
+    """The query-relative bias gives transformers' probabilities (softmax is shift-invariant):
+    fp32 against an fp64 brute force of ``softmax(q.k/sqrt(d) + slope*pos_k)``, ragged rows."""
+    from megatron_rlhf.models.bloom.alibi import alibi_slopes, positions_from_mask
+    from megatron_rlhf.models.bloom.attention import alibi_attention
+    from megatron_rlhf.models.bloom.model import attention_mask_for
+
+    generator = torch.Generator().manual_seed(0)
+    heads, dim = 6, 8
+    _ids, key_valid = left_padded_batch(50, [11, 4, 9], seed=7)
+    for query_length in (11, 1):  # a full forward and one decode step with a KV cache
+        q, k, v = (
+            torch.randn(s, 3, heads, dim, generator=generator, dtype=torch.float64)
+            for s in (query_length, 11, 11)
+        )
+        positions = positions_from_mask(key_valid).double()
+        mask = attention_mask_for(key_valid, query_length)  # (B, 1, Sq, Sk)
+        slopes = alibi_slopes(heads).double()
+        scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / dim**0.5
+        scores = scores + slopes[None, :, None, None] * positions[:, None, None, :]
+        probs = scores.masked_fill(mask, float("-inf")).softmax(-1).nan_to_num()
+        expected = torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(query_length, 3, -1)
+        ours = alibi_attention(
+            q.float(), k.float(), v.float(), mask, positions.float(), slopes.float(), dim**-0.5
+        )
+        real_queries = key_valid[:, 11 - query_length :].bool().T  # (Sq, B)
+        diff = (ours.double() - expected)[real_queries].abs().max().item()
+        assert diff < 1e-5, (query_length, diff)
+
+
+class _ExtraStateAttention(torch.nn.Module):
+    """Stands in for TE's DotProductAttention: no weights, a ``_extra_state`` in its state_dict
+    (TE's FP8 metadata), and the constructor arguments TE takes."""
+
+    def __init__(self, num_attention_heads, kv_channels, **kwargs):
+        super().__init__()
+        self.loaded_extra_state = None
+
+    def get_extra_state(self):
+        return torch.tensor([1.0])
+
+    def set_extra_state(self, state):
+        self.loaded_extra_state = state
+
+
+def test_te_extra_state_does_not_break_strict_loads(single_process, tmp_path, monkeypatch):
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.models.bloom import BloomModel
+    from megatron_rlhf.models.bloom import attention as attention_module
+    from megatron_rlhf.models.bloom import spec as spec_module
+
+    for module in (attention_module, spec_module):
+        monkeypatch.setattr(module, "te_attention_class", lambda: _ExtraStateAttention)
+    saved = BloomModel(ARCH_A, use_te_attention=True)
+    extra = [name for name in saved.state_dict() if name.endswith("te_attention._extra_state")]
+    assert len(extra) == ARCH_A.num_layers, extra  # the hazard is present
+    from megatron_rlhf.checkpoint import dist as dist_ckpt
+
+    dist_ckpt.save(tmp_path / "ckpt", saved.sharded_state_dict(), dist_ckpt.model_metadata(saved))
+    loaded = load_bloom(tmp_path / "ckpt", use_te_attention=True)  # strict load_state_dict
+    for name, tensor in saved.state_dict().items():
+        if not name.endswith("_extra_state"):
+            assert torch.equal(loaded.state_dict()[name], tensor), name
+    # Other missing keys are still reported: the hook drops only `_extra_state`.
+    state = {k: v for k, v in saved.state_dict().items() if k not in extra}
+    state.pop("decoder.final_layernorm.bias")
+    with pytest.raises(RuntimeError, match="decoder.final_layernorm.bias"):
+        loaded.load_state_dict(state)
