@@ -25,6 +25,7 @@ from test_bloom_units import single_process  # noqa: F401  (module-scoped fixtur
 from megatron_rlhf.models.bloom.config import BloomArchitecture
 
 META = torch.device("meta")
+pytestmark = pytest.mark.usefixtures("single_process")  # Megatron-Core state at world size 1
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ def _forward_and_loss(model, head: str, num_scalar_outputs: int) -> torch.Tensor
     ],
 )
 def test_every_model_kind_builds_runs_and_trains_on_the_compute_device(
-    single_process, tmp_path, monkeypatch, head, outputs, source
+    tmp_path, monkeypatch, head, outputs, source
 ):
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.models.bloom import BloomModel
@@ -93,7 +94,7 @@ def test_every_model_kind_builds_runs_and_trains_on_the_compute_device(
     assert all(p.grad is not None and p.grad.device == META for p in model.parameters())
 
 
-def test_forward_refuses_inputs_on_another_device(single_process, on_meta):
+def test_forward_refuses_inputs_on_another_device(on_meta):
     from megatron_rlhf.models.bloom import BloomModel
 
     model = BloomModel(ARCH_A)
@@ -103,7 +104,7 @@ def test_forward_refuses_inputs_on_another_device(single_process, on_meta):
 
 
 @pytest.mark.parametrize("head", ["lm", "scalar"])
-def test_bf16_model_is_bf16_except_the_alibi_slopes(single_process, tmp_path, head):
+def test_bf16_model_is_bf16_except_the_alibi_slopes(tmp_path, head):
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.models.bloom import BloomModel
 
@@ -134,7 +135,7 @@ def _max_bf16_logit_error(ours, reference, lengths: list[int], seed: int) -> flo
     return max(errors)
 
 
-def test_bf16_alibi_error_does_not_grow_with_length(single_process, tmp_path):
+def test_bf16_alibi_error_does_not_grow_with_length(tmp_path):
     from transformers import BloomForCausalLM
 
     from megatron_rlhf.checkpoint import load_bloom
@@ -197,7 +198,7 @@ class _ExtraStateAttention(torch.nn.Module):
         self.loaded_extra_state = state
 
 
-def test_te_extra_state_does_not_break_strict_loads(single_process, tmp_path, monkeypatch):
+def test_te_extra_state_does_not_break_strict_loads(tmp_path, monkeypatch):
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.models.bloom import attention as attention_module
