@@ -50,8 +50,12 @@ setup(
         # train-reward backend=deepspeed (ZeRO 1-3; pinned: its CPU start-up is patched, see
         # megatron_rlhf/training/deepspeed_engine.py). Install torch first, as for everything.
         "deepspeed": ["deepspeed==0.19.8"],
-        # GPU stack: install faiss-gpu *instead of* faiss-cpu (both provide the module `faiss`).
-        "gpu": ["transformer-engine[pytorch]", "triton", "faiss-gpu-cu12"],
+        # GPU stack, built for the CUDA major version of the installed torch
+        # (python -c "import torch; print(torch.version.cuda)"): `.[gpu-cu12]` or `.[gpu-cu13]`.
+        # faiss-gpu *instead of* faiss-cpu (both provide the module `faiss`);
+        # benchmarks/gpu_check.py refuses a mismatched or incomplete stack.
+        "gpu-cu12": ["transformer-engine[pytorch,core_cu12]", "triton", "faiss-gpu-cu12"],
+        "gpu-cu13": ["transformer-engine[pytorch,core_cu13]", "triton", "faiss-gpu-cu13-cuvs"],
         "datasets": ["datasets", "pyarrow"],
     },
     entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},

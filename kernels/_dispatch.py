@@ -4,13 +4,20 @@ Triton runs when it is importable and the tensor is on a CUDA device, or when
 ``TRITON_INTERPRET=1`` was set before this package was imported (Triton's interpreter then runs the
 same kernels on CPU tensors, exactly but slowly: that is how the kernels are tested without a GPU).
 Triton reads that variable when a kernel is decorated, so it must be set before the first import.
+
+On a GPU the first call probes Triton once (compiles and launches a one-element kernel): Triton
+builds its launcher with the host C compiler and ``Python.h`` on first launch, so a machine
+without them would otherwise fail in every kernel call. A failed probe warns once, naming the
+error, and every kernel takes its PyTorch path (correct, slower).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -25,7 +32,26 @@ _pytorch_only = False
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` should go through the Triton kernels."""
-    return HAVE_TRITON and not _pytorch_only and (tensor.is_cuda or INTERPRET)
+    if not HAVE_TRITON or _pytorch_only:
+        return False
+    return INTERPRET or (tensor.is_cuda and triton_launches())
+
+
+@functools.cache
+def triton_launches() -> bool:
+    """Whether a Triton kernel compiles and runs on this GPU (probed once per process)."""
+    try:
+        from .triton_probe import probe
+
+        probe()
+    except Exception as err:  # no compiler, no Python.h, an unsupported GPU, a driver error
+        warnings.warn(
+            f"Triton cannot compile or launch a kernel here ({type(err).__name__}: {err}); "
+            "the log-prob and advantage kernels take their PyTorch paths",
+            stacklevel=2,
+        )
+        return False
+    return True
 
 
 @contextlib.contextmanager

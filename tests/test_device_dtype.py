@@ -221,3 +221,53 @@ def test_te_extra_state_does_not_break_strict_loads(tmp_path, monkeypatch):
     state.pop("decoder.final_layernorm.bias")
     with pytest.raises(RuntimeError, match="decoder.final_layernorm.bias"):
         loaded.load_state_dict(state)
+
+
+def test_te_alibi_cache_is_refreshed_when_another_models_slopes_are_in_it(monkeypatch):
+    """TE keeps one process-wide ALiBi cache and refreshes it only in its layer 1: a second
+    model with as many heads per rank (or a later pipeline stage) would reuse the first one's
+    slopes. Our TE wrapper forces the refresh whenever the cached slopes are not its own."""
+    import sys
+    import types
+
+    from megatron_rlhf.models.bloom import attention as attention_module
+    from megatron_rlhf.models.bloom.config import transformer_config
+    from megatron_rlhf.models.bloom.model import attention_mask_for
+
+    te_module = types.ModuleType("fake_transformer_engine_attention")
+    te_module._alibi_cache = {
+        "_alibi_slopes": None,
+        "_alibi_slopes_require_update": False,
+        "_alibi_bias_require_update": False,
+    }
+    seen = []
+
+    class FakeTEAttention(torch.nn.Module):  # what TE does with the cache, nothing more
+        def __init__(self, num_attention_heads, kv_channels, layer_number, **kwargs):
+            super().__init__()
+            self.layer_number = layer_number
+
+        def forward(self, query, key, value, attention_mask, alibi_slopes, **kwargs):
+            cache = te_module._alibi_cache
+            if self.layer_number == 1:
+                cache["_alibi_slopes_require_update"] = True
+            seen.append(bool(cache["_alibi_slopes_require_update"]))
+            if cache["_alibi_slopes_require_update"]:
+                cache["_alibi_slopes"] = alibi_slopes
+                cache["_alibi_slopes_require_update"] = False
+            return query.flatten(2)
+
+    FakeTEAttention.__module__ = te_module.__name__
+    monkeypatch.setitem(sys.modules, te_module.__name__, te_module)
+    monkeypatch.setattr(attention_module, "te_attention_class", lambda: FakeTEAttention)
+    config = transformer_config(ARCH_A, tp=1, pp=1)
+    first, second = (
+        attention_module.TEAlibiDotProductAttention(config, 2, None, "self") for _ in range(2)
+    )  # layer 2: TE itself would never refresh
+    second.slopes = second.slopes * 0.5  # another model's slopes, same head count
+    q = torch.randn(5, 2, ARCH_A.num_heads, 8)
+    mask = attention_mask_for(torch.ones(2, 5), 5)
+    for module in (first, first, second, second, first):
+        module(q, q, q, mask)
+    assert seen == [True, False, True, False, True]
+    assert te_module._alibi_cache["_alibi_slopes"] is first.slopes

@@ -1,14 +1,18 @@
 """Checks that need a CUDA GPU (``pytest -m gpu``; ``benchmarks/gpu_check.py`` runs them).
 
 Collected everywhere, skipped without a GPU; the default ``pytest -q`` deselects them
-(``-m 'not gpu'`` in pyproject.toml). Each compares the GPU path against an independent one:
-1. TransformerEngine's fused ALiBi attention against our PyTorch core attention (the CPU path),
-   right-padded ragged rows, bf16.
+(``-m 'not gpu'`` in pyproject.toml). On a GPU a missing TransformerEngine or Triton fails (it is
+imported, not ``importorskip``-ed), and ``benchmarks/gpu_check.py`` counts any skip as a failure.
+Models reach the GPU by themselves (no ``.cuda()`` here: that would hide a CPU-built tensor).
+Tolerances are in units of bf16 resolution (2**-8 of the compared scale). Each compares the GPU
+path against an independent one:
+1. TransformerEngine's fused ALiBi attention and our PyTorch core attention, both in bf16,
+   against the same attention in fp32; right-padded ragged rows.
 2. The Triton kernels against their PyTorch paths on the same GPU tensors (log-probs and
    entropy with gradients at a vocabulary that is not a multiple of the block; GAE).
 3. The distributed optimizer (TrainEngine's GPU optimizer): a run saved after two steps and
    resumed gives the uninterrupted run's third step exactly.
-4. bf16 BLOOM logits against transformers' ``BloomForCausalLM`` in bf16 on the same GPU.
+4. bf16 BLOOM logits against transformers' ``BloomForCausalLM`` in fp32 on the same GPU.
 """
 
 from __future__ import annotations
@@ -56,8 +60,13 @@ def _right_padded_mask(lengths: list[int], width: int) -> torch.Tensor:
     return attention_mask_for(valid, width).cuda()
 
 
-def test_te_alibi_attention_matches_the_cpu_path(single_gpu):
-    pytest.importorskip("transformer_engine.pytorch")
+BF16_EPS = 2.0**-8
+
+
+def test_te_alibi_attention_matches_fp32(single_gpu):
+    import transformer_engine.pytorch  # noqa: F401  (missing TE fails)
+
+    from megatron_rlhf.models.bloom.alibi import positions_from_mask
     from megatron_rlhf.models.bloom.attention import (
         AlibiDotProductAttention,
         TEAlibiDotProductAttention,
@@ -66,26 +75,32 @@ def test_te_alibi_attention_matches_the_cpu_path(single_gpu):
 
     arch = BloomArchitecture(vocab_size=1024, hidden_size=12 * 64, num_layers=1, num_heads=12)
     config = transformer_config(arch, tp=1, pp=1, params_dtype=torch.bfloat16)
-    fused = TEAlibiDotProductAttention(config, 1, None, "self").cuda()
-    local = AlibiDotProductAttention(config, 1, None, "self").cuda()
+    with torch.device("cuda"):
+        fused = TEAlibiDotProductAttention(config, 1, None, "self")
+        local = AlibiDotProductAttention(config, 1, None, "self")
     generator = torch.Generator(device="cuda").manual_seed(0)
     seq, lengths = 96, [96, 71, 40, 1]
     q, k, v = (
-        torch.randn(seq, len(lengths), 12, 64, device="cuda", generator=generator).bfloat16()
-        for _ in range(3)
+        torch.randn(seq, len(lengths), 12, 64, device="cuda", generator=generator) for _ in range(3)
     )
     mask = _right_padded_mask(lengths, seq)
-    got = fused(q, k, v, mask).float()  # (S, B, H*D)
-    want = local(q, k, v, mask).float()
+    key_positions = positions_from_mask(~mask[:, 0, -1, :]).float()  # (B, S)
+    want = local(q, k, v, mask, attention_bias=key_positions)  # fp32 inputs: the reference
+    bf16 = [t.bfloat16() for t in (q, k, v)]
+    got_te = fused(*bf16, mask).float()  # no key positions: TE's fused ALiBi
+    got_local = local(*bf16, mask, attention_bias=key_positions).float()
     for row, length in enumerate(lengths):
-        diff = (got[:length, row] - want[:length, row]).abs().max().item()
-        assert diff < 3e-2, (row, diff)
+        scale = want[:length, row].abs().max().item()
+        for name, got in (("te", got_te), ("pytorch", got_local)):
+            diff = (got[:length, row] - want[:length, row]).abs().max().item()
+            assert diff <= 4 * BF16_EPS * scale, (name, row, diff, scale)
 
 
 def test_triton_logprobs_and_gae_match_pytorch():
-    pytest.importorskip("triton")
-    from megatron_rlhf.kernels import gae, pytorch_only, token_logprobs
+    import triton  # noqa: F401  (missing Triton fails)
+    from megatron_rlhf.kernels import _dispatch, gae, pytorch_only, token_logprobs
 
+    assert _dispatch.triton_launches(), "Triton is installed but cannot launch a kernel"
     generator = torch.Generator(device="cuda").manual_seed(1)
     batch, seq, vocab = 3, 77, 50_257  # not a multiple of any block size
     logits = torch.randn(batch, seq, vocab, device="cuda", generator=generator) * 3
@@ -101,10 +116,10 @@ def test_triton_logprobs_and_gae_match_pytorch():
     triton_out = run()
     with pytorch_only():
         torch_out = run()
-    for name, got, want, atol in zip(
-        ("logprobs", "entropy", "grad"), triton_out, torch_out, (2e-3, 2e-3, 1e-3)
-    ):
-        assert (got - want).abs().max().item() < atol, name
+    for name, got, want in zip(("logprobs", "entropy", "grad"), triton_out, torch_out):
+        # fp32 statistics from bf16 logits: a few bf16 steps of the largest value compared
+        tolerance = 2 * BF16_EPS * want.abs().max().item()
+        assert (got - want).abs().max().item() <= tolerance, name
 
     rewards = torch.randn(64, 1000, device="cuda", generator=generator)
     values = torch.randn(64, 1000, device="cuda", generator=generator)
@@ -126,7 +141,8 @@ def _engine(arch, seed: int):
 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    model = BloomModel(arch, head="scalar", params_dtype=torch.bfloat16).cuda()
+    model = BloomModel(arch, head="scalar", params_dtype=torch.bfloat16)  # on cuda:0 by itself
+    assert all(p.is_cuda for p in model.parameters())
     engine = TrainEngine(model, OptimConfig(lr=1e-3, warmup_fraction=0.0), total_steps=10)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -183,8 +199,9 @@ def test_bf16_bloom_logits_match_transformers(single_gpu, tmp_path):
 
     arch = BloomArchitecture(vocab_size=1000, hidden_size=256, num_layers=4, num_heads=8)
     random_hf_bloom(arch, seed=0, init_std=0.1).to(torch.bfloat16).save_pretrained(tmp_path)
-    reference = BloomForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.bfloat16).cuda().eval()
-    ours = load_bloom(tmp_path, params_dtype=torch.bfloat16).cuda().eval()
+    # fp32 reference (transformers in bf16 adds the absolute ALiBi bias in bf16: not a reference)
+    reference = BloomForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).cuda().eval()
+    ours = load_bloom(tmp_path, params_dtype=torch.bfloat16).eval()  # no .cuda(): it loads there
     generator = torch.Generator().manual_seed(2)
     lengths = [48, 30, 7, 1]
     ids = torch.randint(4, arch.vocab_size, (4, 48), generator=generator)
@@ -197,6 +214,7 @@ def test_bf16_bloom_logits_match_transformers(single_gpu, tmp_path):
         got = ours(ids, mask)[..., : arch.vocab_size].float()
     real = mask.bool()
     assert want[real].abs().max() > 1.0
-    # bf16 rounding differs between the two implementations' op orders: compare to the scale
-    assert (got - want)[real].abs().max().item() < 0.05 * want[real].abs().max().item()
+    # bf16 weights and activations through 4 layers: a few bf16 steps of the logit scale (3.7
+    # measured with this model on the CPU)
+    assert (got - want)[real].abs().max().item() <= 8 * BF16_EPS * want[real].abs().max().item()
     assert (got[real].argmax(-1) == want[real].argmax(-1)).float().mean() > 0.95

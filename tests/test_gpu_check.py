@@ -21,8 +21,22 @@ def test_gpu_check_dry_run_passes(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "dry-run"
-    assert set(summary["steps"]) == {"gpu_tests", "kernels", "scaling", "plan"}
+    assert list(summary["steps"]) == [
+        "stack",
+        "first_run",
+        "gpu_tests",
+        "kernels",
+        "scaling",
+        "plan",
+    ]
     assert all(step["ok"] and not step["problems"] for step in summary["steps"].values())
+    first_run = json.loads((out / "first_run_cpu" / "first_run.json").read_text())
+    assert {name: r["status"] for name, r in first_run.items()} == {
+        "load_train_step": "ok", "save_strict_load": "ok", "logits_te_fallback": "needs a GPU",
+        "triton_logprobs": "needs a GPU", "generate": "ok", "ppo_step": "ok",
+        "faiss_kmeans": "needs a GPU", "deepspeed_zero2": "needs a GPU", "megatron_to_hf": "ok",
+        "mfu_560m": "ok",
+    }  # fmt: skip
     collected = (out / "gpu_tests.dry-run.log").read_text()
     assert collected.count("tests/test_gpu.py::test_") >= 4
     # Without a GPU the real run refuses with a one-line error instead of failing half-way.
@@ -49,3 +63,25 @@ def test_scaling_study_bad_input(tmp_path, capsys, argv, message):
     assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_gpu_stack_problems_name_what_to_fix():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_check import stack_problems
+
+    good = {"transformer-engine-cu12": "2.20", "triton": "3.9", "faiss-gpu-cu12": "1.14"}
+    assert stack_problems(good, "12.8") == []
+    assert stack_problems(good, None) == [
+        "torch has no CUDA build (torch.version.cuda is None): install a CUDA torch"
+    ]
+    mismatched = stack_problems(good, "13.0")
+    assert any(
+        "transformer-engine-cu12 is built for CUDA 12, torch for CUDA 13" in p for p in mismatched
+    )
+    assert any("faiss-gpu-cu12 is built for CUDA 12" in p for p in mismatched)
+    missing = stack_problems({"faiss-cpu": "1.15"}, "13.0")
+    assert "transformer-engine is not installed: pip install -e '.[gpu-cu13]'" in missing
+    assert "triton is not installed" in missing
+    assert "faiss-gpu is not installed: pip install -e '.[gpu-cu13]'" in missing
+    both = stack_problems({**good, "faiss-cpu": "1.15"}, "12.4")
+    assert both == ["faiss-cpu and faiss-gpu are both installed (both provide `faiss`)"]

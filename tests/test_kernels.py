@@ -7,6 +7,8 @@ rewards. Inputs are fresh random tensors with ragged masks and awkward sizes.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from megatron_rlhf.kernels import advantages as advantages_module
@@ -287,3 +289,35 @@ def test_masked_whiten_matches_float64(shift_mean, gen):
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-6)
     with pytest.raises(ValueError, match="at least 2"):
         masked_whiten(x, torch.zeros_like(mask))
+
+
+def test_a_triton_that_cannot_launch_falls_back_to_pytorch(monkeypatch):
+    """A failed probe (no compiler, no Python.h) warns once and routes GPU tensors to the
+    PyTorch paths; a working one routes them to Triton. Probed once per process."""
+    import types
+
+    from megatron_rlhf.kernels import _dispatch
+
+    gpu_tensor = types.SimpleNamespace(is_cuda=True)  # what use_triton reads of a CUDA tensor
+    monkeypatch.setattr(_dispatch, "HAVE_TRITON", True)
+    monkeypatch.setattr(_dispatch, "INTERPRET", False)
+    calls = []
+
+    def failing_probe():
+        calls.append(1)
+        raise RuntimeError("Failed to find C compiler")
+
+    probe_module = types.ModuleType("megatron_rlhf.kernels.triton_probe")
+    probe_module.probe = failing_probe
+    monkeypatch.setitem(sys.modules, "megatron_rlhf.kernels.triton_probe", probe_module)
+    _dispatch.triton_launches.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="Failed to find C compiler.*PyTorch paths"):
+            assert not _dispatch.use_triton(gpu_tensor)
+        assert not _dispatch.use_triton(gpu_tensor) and len(calls) == 1
+        _dispatch.triton_launches.cache_clear()
+        probe_module.probe = lambda: None
+        assert _dispatch.use_triton(gpu_tensor)
+        assert not _dispatch.use_triton(types.SimpleNamespace(is_cuda=False))
+    finally:
+        _dispatch.triton_launches.cache_clear()

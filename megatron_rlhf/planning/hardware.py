@@ -31,6 +31,9 @@ class GPU:
 
 
 GPUS = (
+    # The PCIe/NVL cards first: their names contain the SXM parts' ("NVIDIA H200 NVL").
+    GPU(name="H200 NVL", bf16_tflops=835.0, memory_gb=141, hbm_tb_per_s=4.8, nvlink_gb_per_s=450),
+    GPU(name="H100 NVL", bf16_tflops=835.0, memory_gb=94, hbm_tb_per_s=3.9, nvlink_gb_per_s=300),
     GPU(name="H200", bf16_tflops=989.0, memory_gb=141, hbm_tb_per_s=4.8, nvlink_gb_per_s=450),
     GPU(name="H100 PCIe", bf16_tflops=756.0, memory_gb=80, hbm_tb_per_s=2.0, nvlink_gb_per_s=300),
     GPU(name="H100", bf16_tflops=989.0, memory_gb=80, hbm_tb_per_s=3.35, nvlink_gb_per_s=450),
@@ -38,16 +41,18 @@ GPUS = (
     GPU(name="L40S", bf16_tflops=362.0, memory_gb=48, hbm_tb_per_s=0.86, nvlink_gb_per_s=32),
     GPU(name="A10", bf16_tflops=125.0, memory_gb=24, hbm_tb_per_s=0.6, nvlink_gb_per_s=32),
 )
-"""Dense bf16 peaks from NVIDIA's data sheets (H100/H200 SXM: 989 TFLOP/s; A100: 312)."""
+"""Dense bf16 peaks from NVIDIA's data sheets (H100/H200 SXM: 989 TFLOP/s; NVL: 835; A100: 312)."""
 
-DEFAULT_GPU = GPUS[2]  # H100 SXM 80 GB: the planner's default hardware
+DEFAULT_GPU = next(
+    gpu for gpu in GPUS if gpu.name == "H100"
+)  # H100 SXM 80 GB: the planner's default hardware
 INTER_NODE_GB_PER_S = 50.0  # per GPU, one way: 400 Gb/s InfiniBand NDR per GPU
 GPUS_PER_NODE = 8
 
 
 def gpu_by_name(device_name: str) -> GPU | None:
     """The table entry whose name occurs in ``device_name`` (e.g. 'NVIDIA H200'), else None."""
-    for gpu in GPUS:  # "H100 PCIe" is listed before "H100", so the longer match wins
+    for gpu in GPUS:  # "H100 PCIe"/"H200 NVL" come before "H100"/"H200": the longer match wins
         if gpu.name.lower() in device_name.lower():
             return gpu
     return None

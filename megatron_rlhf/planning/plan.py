@@ -126,7 +126,9 @@ def role_workload(request: PlanRequest, layout: Layout, recompute: bool) -> Work
         recompute=recompute,
         sequence_parallel=layout.tp > 1,
         distributed_optimizer=True,
-        fused_attention=True,
+        # PPO batches are left-padded prompts then responses: TE's fused ALiBi takes only
+        # right-padded rows, so scoring and the update run the O(S^2) PyTorch attention.
+        fused_attention=False,
     )
 
 
@@ -252,8 +254,8 @@ def _rollout_options(request: PlanRequest) -> list[_RoleOption]:
     for layout in candidate_layouts(shape, request.gpus):
         rows = max(1, request.rollout_sequences // layout.dp)
         gen = memory.generate_memory(
-            shape, layout, rows, request.prompt, request.response, 2, fused_attention=True
-        )
+            shape, layout, rows, request.prompt, request.response, 2, fused_attention=False
+        )  # left-padded prefill and KV-cached decode: the PyTorch attention
         seconds = {"rollout": _generate_seconds(request, shape, layout, gen.kv_cache)}
         transient = {
             "rollout": Memory(activations=gen.activations, logits=gen.logits, kv_cache=gen.kv_cache)

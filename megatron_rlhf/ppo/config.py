@@ -156,8 +156,9 @@ class TrainSection:
     max_nonfinite_skips: int = 0
     """PPO steps with a non-finite loss or gradient norm skipped (no update, KL controller and
     reward normaliser unchanged) before the run stops with an error; 0: the first one stops it."""
-    bf16: bool = False
-    """bf16 parameters (GPU); CPU runs stay fp32."""
+    bf16: bool | Literal["auto"] = "auto"
+    """bf16 parameters of every role; "auto" = bf16 on GPU (what the planner assumes), fp32 on
+    CPU (true without a GPU is an error)."""
     recompute_activations: bool = False
     """Recompute the actor's and critic's layers in the backward pass (full, one layer at a
     time) instead of keeping their activations: what makes a 176B PPO step fit (see

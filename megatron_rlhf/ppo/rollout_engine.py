@@ -64,16 +64,39 @@ class ReshardedEngine:
     def __init__(self, actor, model, groups: LayoutGroups):
         self.actor, self.model, self.groups = actor, model, groups
         self.model.requires_grad_(False)
+        self.copy_service = refit_copy_service()
 
     def refresh(self) -> None:
         from megatron.core.resharding import swap_model_weights
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
         with torch.no_grad():
-            swap_model_weights(self.actor, self.model, backend)
+            swap_model_weights(self.actor, self.model, self.copy_service)
 
     def generate(self, prompt_ids, prompt_mask, sampling) -> GenerationOutput:
         return generate(self.model, prompt_ids, prompt_mask, sampling)
+
+
+def refit_copy_service():
+    """Megatron-Core's weight-copy service for the refit: gloo on the CPU; on GPUs NCCL, with its
+    same-rank copies ordered after the default stream.
+
+    ``execute_reshard_plan`` (resharding/execution.py:37) makes each source slice contiguous on
+    the default stream, then ``NCCLCopyService.run`` copies same-rank slices on a side stream
+    that never waits for those copies: without the wait a rollout copy can read a slice before it
+    is written (when the rollout's TP differs from the actor's). One event wait per refit.
+    """
+    if not torch.cuda.is_available():
+        from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopyService
+
+        return GlooCopyService()
+    from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService
+
+    class OrderedNCCLCopyService(NCCLCopyService):
+        def run(self):
+            self._copy_stream.wait_stream(torch.cuda.current_stream())
+            super().run()
+
+    return OrderedNCCLCopyService()
 
 
 def build_rollout_engine(

@@ -15,6 +15,7 @@ from megatron_rlhf.checkpoint.hf_io import hf_reward_outputs
 from megatron_rlhf.data.tokenizer import check_same_tokenizer
 from megatron_rlhf.distributed.layouts import check_global_batch, resolve_layouts
 from megatron_rlhf.ppo.config import TrainPPOConfig
+from megatron_rlhf.training.command import use_bf16
 from megatron_rlhf.utils import InputError
 
 ROLE_KEYS = ("actor", "reference", "critic", "reward")
@@ -172,7 +173,7 @@ def build_roles(config: TrainPPOConfig, groups: dict) -> Roles:
     """Load the four models, each on its own layout's groups (``role_groups.active``)."""
     from megatron_rlhf.distributed.role_groups import active
 
-    dtype = torch.bfloat16 if (config.train.bf16 and torch.cuda.is_available()) else torch.float32
+    dtype = torch.bfloat16 if use_bf16(config.train.bf16, "train.bf16") else torch.float32
     paths = role_paths(config)
     common = dict(params_dtype=dtype, sequence_parallel=config.parallel.sequence_parallel)
     trained = dict(common, recompute_activations=config.train.recompute_activations)
@@ -213,7 +214,7 @@ def build_actor_copy(config: TrainPPOConfig):
     """An unloaded actor (the rollout layout's copy, filled by resharding before each use)."""
     from megatron_rlhf.models.bloom import BloomModel
 
-    dtype = torch.bfloat16 if (config.train.bf16 and torch.cuda.is_available()) else torch.float32
+    dtype = torch.bfloat16 if use_bf16(config.train.bf16, "train.bf16") else torch.float32
     return BloomModel(
         checkpoint_architecture(config.models.actor),
         head="lm",

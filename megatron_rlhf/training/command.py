@@ -196,12 +196,12 @@ def resume_point(config, overwrite: bool = False, force_config_change: bool = Fa
     )
 
 
-def use_bf16(setting) -> bool:
-    """``model.bf16`` resolved for this machine."""
+def use_bf16(setting, key: str = "model.bf16") -> bool:
+    """A ``bf16`` setting (true, false or "auto") resolved for this machine."""
     if setting == "auto":
         return torch.cuda.is_available()
     if setting and not torch.cuda.is_available():
-        raise InputError("model.bf16=true needs a GPU; use model.bf16=auto (fp32 on CPU)")
+        raise InputError(f"{key}=true needs a GPU; use {key}=auto (fp32 on CPU)")
     return bool(setting)
 
 
