@@ -79,6 +79,7 @@ def results(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_worker_ran_exactly_the_expected_checks(results):
     assert sorted(results) == sorted(CHECKS)
 

@@ -25,6 +25,8 @@ from torchrun_util import run_torchrun
 
 from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
 
+pytestmark = pytest.mark.slow  # one 4-rank launch (~1 min) behind every test here
+
 WORKER = Path(__file__).with_name("dist_layouts_worker.py")
 CHECKS = ["handoff_gather_rows", "rollout_greedy_layouts", "rollout_sampled_layouts"]
 LAYOUTS = [

@@ -104,6 +104,7 @@ def dist_results(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", DIST_CHECKS)
 def test_parallel_layouts_and_resume(dist_results, check):
     if "worker" in dist_results:
