@@ -71,6 +71,14 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
+def current_groups():
+    """The Megatron-Core ``ProcessGroupCollection`` in force now (the global parallel state's
+    groups, or the active role layout's): what a model built without explicit groups keeps."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 

@@ -33,24 +33,24 @@ import math
 import sys
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
+from megatron_rlhf.distributed.parallel import current_groups
 from megatron_rlhf.models.bloom.alibi import alibi_slopes_for_rank
 
 
-def _tp_rank_and_size() -> tuple[int, int]:
-    return (
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-    )
+def _tp_rank_and_size(pg_collection) -> tuple[int, int]:
+    """This rank's place in the model's TP group (Megatron passes the model's groups to its
+    core attention; built alone, the groups in force)."""
+    tp_group = (pg_collection or current_groups()).tp
+    return tp_group.rank(), tp_group.size()
 
 
-def _register_rank_slopes(module: torch.nn.Module, num_heads: int) -> None:
+def _register_rank_slopes(module: torch.nn.Module, num_heads: int, pg_collection) -> None:
     """``module.slopes``: this TP rank's ALiBi slopes, fp32, a non-persistent buffer created on
     the default device (``BloomModel`` builds under ``torch.device(compute device)``)."""
-    tp_rank, tp_size = _tp_rank_and_size()
+    tp_rank, tp_size = _tp_rank_and_size(pg_collection)
     module.register_buffer(
         "slopes", alibi_slopes_for_rank(num_heads, tp_rank, tp_size), persistent=False
     )
@@ -104,7 +104,7 @@ class AlibiDotProductAttention(MegatronModule):
         self.dropout = torch.nn.Dropout(
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
-        _register_rank_slopes(self, config.num_attention_heads)
+        _register_rank_slopes(self, config.num_attention_heads, pg_collection)
 
     def forward(
         self,
@@ -183,10 +183,10 @@ class TEAlibiDotProductAttention(MegatronModule):
         te_attention = te_attention_class()
         if te_attention is None:
             raise ImportError("transformer-engine is not importable")
-        _tp_rank, tp_size = _tp_rank_and_size()
+        _tp_rank, tp_size = _tp_rank_and_size(kwargs.get("pg_collection"))
         self.heads_per_rank = divide(config.num_attention_heads, tp_size)
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
-        _register_rank_slopes(self, config.num_attention_heads)
+        _register_rank_slopes(self, config.num_attention_heads, kwargs.get("pg_collection"))
         self.te_attention = te_attention(
             num_attention_heads=self.heads_per_rank,
             kv_channels=config.kv_channels,

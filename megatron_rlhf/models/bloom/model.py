@@ -20,12 +20,12 @@ inputs on the model's device and refuses others; callers place batches with ``co
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from megatron_rlhf.distributed.cpu_compat import tensor_cuda_is_identity
-from megatron_rlhf.distributed.parallel import compute_device
+from megatron_rlhf.distributed.parallel import compute_device, current_groups
 from megatron_rlhf.models.bloom.alibi import positions_from_mask
 from megatron_rlhf.models.bloom.config import (
     BloomArchitecture,
@@ -68,12 +68,16 @@ class BloomModel(GPTModel):
         recompute_activations: bool = False,
         init_weights: bool = True,
         device: torch.device | str | None = None,
+        pg_collection=None,
     ):
+        """``pg_collection``: the model's Megatron-Core ``ProcessGroupCollection`` (its TP, PP,
+        ... groups), kept as ``self.pg_collection``; default: the groups in force now."""
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")
         device = compute_device() if device is None else torch.device(device)
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        pg_collection = current_groups() if pg_collection is None else pg_collection
+        tp = pg_collection.tp.size()
+        pp, pp_rank = pg_collection.pp.size(), pg_collection.pp.rank()
         config = transformer_config(
             arch,
             tp=tp,
@@ -84,10 +88,9 @@ class BloomModel(GPTModel):
             device=device,
         )
         config.perform_initialization = init_weights  # False when a checkpoint overwrites all
-        pre_process = parallel_state.is_pipeline_first_stage()
-        post_process = parallel_state.is_pipeline_last_stage()
+        pre_process, post_process = pp_rank == 0, pp_rank == pp - 1
         use_te_attention = resolve_te_attention(use_te_attention, device)
-        spec = bloom_block_spec(get_num_layers_to_build(config), use_te_attention)
+        spec = bloom_block_spec(get_num_layers_to_build(config, pp_rank=pp_rank), use_te_attention)
         # Megatron-Core creates its CPU-initialised tensors (and we create ours) on the default
         # device; on a GPU it passes torch.cuda.current_device() itself, the same device.
         # tensor_cuda_is_identity: language_module.py:244 calls weight.data.cuda() (CPU only).
@@ -102,6 +105,7 @@ class BloomModel(GPTModel):
                 parallel_output=True,
                 share_embeddings_and_output_weights=head == "lm",  # no LM head to tie to otherwise
                 position_embedding_type="none",
+                pg_collection=pg_collection,
             )
             self._add_bloom_modules(arch, head, num_scalar_outputs, pre_process, post_process)
         if not init_weights:
@@ -129,7 +133,7 @@ class BloomModel(GPTModel):
             )
             init_replicated_head(self.scalar_head, std=config.init_method_std)
         if post_process and head == "lm":
-            vocab_start = self.vocab_size // tp * parallel_state.get_tensor_model_parallel_rank()
+            vocab_start = self.vocab_size // tp * self.pg_collection.tp.rank()
             self.num_valid_local_vocab = max(
                 0, min(self.vocab_size // tp, arch.vocab_size - vocab_start)
             )
@@ -194,7 +198,7 @@ class BloomModel(GPTModel):
             # Every TP rank applies the replicated head to the whole sequence: the backward
             # must only split the gradient, not reduce-scatter (sum) tp equal copies.
             hidden = tensor_parallel.gather_from_sequence_parallel_region(
-                hidden, tensor_parallel_output_grad=False
+                hidden, tensor_parallel_output_grad=False, group=self.pg_collection.tp
             )
         return self.scalar_head(hidden).transpose(0, 1).float()  # (B, S, num_outputs)
 
