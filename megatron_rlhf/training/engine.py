@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -31,6 +30,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_rlhf.training.guards import UPDATE_SKIPPED, step_is_finite
 
@@ -112,8 +112,11 @@ class TrainEngine:
             overlap_grad_reduce=False,
             use_distributed_optimizer=use_distributed_optimizer,
         )
-        self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-        config.finalize_model_grads_func = finalize_model_grads
+        groups = model.pg_collection  # the model's own layout, passed to everything below
+        self.model = DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=model, pg_collection=groups
+        )
+        config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=groups)
         config.no_sync_func = self.model.no_sync
         config.variable_seq_lengths = False
         self.optimizer = get_megatron_optimizer(
@@ -131,6 +134,8 @@ class TrainEngine:
                 use_distributed_optimizer=use_distributed_optimizer,
             ),
             [self.model],
+            use_gloo_process_groups=False,
+            pg_collection=groups,
         )
         self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
         self.steps_done = 0
@@ -153,7 +158,8 @@ class TrainEngine:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
         batch, seq = microbatches[0]["input_ids"].shape
-        forward_backward = get_forward_backward_func()
+        groups = self.module.pg_collection
+        forward_backward = get_forward_backward_func(pp_size=groups.pp.size())
         losses = forward_backward(
             forward_step_func=partial(_forward_step, loss_fn),
             data_iterator=iter(microbatches),
@@ -162,8 +168,10 @@ class TrainEngine:
             seq_length=seq,
             micro_batch_size=batch,
             forward_only=forward_only,
+            p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=self.module.config),
+            pg_collection=groups,
         )
-        metrics = average_metrics(losses)
+        metrics = average_metrics(losses, groups)
         if not forward_only:
             metrics |= self._update(metrics.get("loss"))
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -254,9 +262,9 @@ def _loss_on_last_stage(loss_fn, microbatch, output):
     return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in metrics.items()}}
 
 
-def average_metrics(per_microbatch: list[dict]) -> dict:
+def average_metrics(per_microbatch: list[dict], groups) -> dict:
     """Mean of each metric over the microbatches (last pipeline stage; empty elsewhere)."""
-    if not per_microbatch or not parallel_state.is_pipeline_last_stage():
+    if not per_microbatch or groups.pp.rank() != groups.pp.size() - 1:
         return {}
     keys = per_microbatch[0].keys()
     return {k: float(torch.stack([m[k].float() for m in per_microbatch]).mean()) for k in keys}
