@@ -5,7 +5,9 @@ A checkpoint directory holds Megatron-Core's ``torch_dist`` files plus ``megatro
 ``manifest.json`` (every file's size and SHA-256, verified before loading). Saving writes into
 ``<dir>.tmp-partial`` and renames it when every rank has finished, so an interrupted save never
 leaves a directory that looks complete. Nothing of ours is pickled; torch's ``.metadata`` and
-Megatron's ``common.pt`` are pickles (upstream), which is why the manifest is checked first.
+Megatron's ``common.pt`` are pickles (upstream): the manifest is checked first, ``.metadata`` is
+read through a restricted unpickler (checkpoint/safe_pickle.py) and ``common.pt`` only with
+``torch.load``'s ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_rlhf.checkpoint import manifest
+from megatron_rlhf.checkpoint import manifest, safe_pickle
 from megatron_rlhf.models.bloom.config import BloomArchitecture
 from megatron_rlhf.training.guards import require_finite_state
 from megatron_rlhf.utils import InputError
 
 METADATA_FILE = "megatron_rlhf.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+safe_pickle.install()  # every torch FileSystemReader reads .metadata without running code
 
 
 # What dist_checkpointing raises on a checkpoint with a missing, truncated or corrupt file
@@ -149,6 +152,9 @@ def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False)
                 f"{directory / name}: missing, the checkpoint is incomplete; re-save or "
                 "re-convert it"
             )
+    safe_pickle.require_weights_only_default()
+    safe_pickle.load_metadata(directory / ".metadata")  # refused here, named, before Megatron
+    safe_pickle.check_weights_only(directory / "common.pt")
     try:
         loaded = dist_checkpointing.load(
             sharded_state_dict, str(directory), validate_access_integrity=not partial
