@@ -149,3 +149,76 @@ def test_generate_command_refuses_a_tampered_metadata_with_one_line(
     err = capsys.readouterr().err
     assert "Traceback" not in err and "ckpt/.metadata: refers to builtins.exec" in err
     assert not marker.exists() and not (tmp_path / "o.jsonl").exists()
+
+
+# ---------------------------------------------------------------- paths stay inside the run
+
+
+@pytest.fixture(scope="module")
+def reward_setup(tmp_path_factory):
+    from test_reward_train import save_hf_bloom, write_synthetic_pairs
+
+    root = tmp_path_factory.mktemp("safety_reward")
+    return {
+        "data": write_synthetic_pairs(root / "pairs", pairs_per_task=10),
+        "trunk": save_hf_bloom(root / "hf", num_outputs=None, seed=2),
+    }
+
+
+def reward_argv(setup, output: Path, steps: int) -> list[str]:
+    return [
+        f"model.load={setup['trunk']}",
+        f"data.train={setup['data']}",
+        f"train.output_dir={output}",
+        "optim.warmup_fraction=0",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=4",
+        "train.eval_interval=0",
+        f"train.steps={steps}",
+        "train.save_interval=1",
+    ]
+
+
+def test_a_step_that_is_a_symlink_to_another_run_is_not_resumed(reward_setup, tmp_path, capsys):
+    from megatron_rlhf.reward.train import main
+
+    other, run = tmp_path / "other", tmp_path / "run"
+    assert main(reward_argv(reward_setup, other, steps=2)) == 0
+    assert main(reward_argv(reward_setup, run, steps=1)) == 0
+    shutil.rmtree(run / "step_0000001")
+    (run / "step_0000001").symlink_to(other / "step_0000002", target_is_directory=True)
+    capsys.readouterr()
+    assert main(reward_argv(reward_setup, run, steps=3)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"{run / 'step_0000001'}: resolves to {other / 'step_0000002'}, outside {run}" in err
+    assert "symlinks out of it are refused" in err
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step_")) == ["step_0000001"]
+
+
+def test_latest_pointing_at_a_symlinked_step_is_refused(lm_checkpoint, tmp_path):
+    from megatron_rlhf.training.checkpointing import checkpoint_in, latest_checkpoint
+    from megatron_rlhf.utils import InputError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "step_0000005").symlink_to(lm_checkpoint, target_is_directory=True)
+    (run / "latest_checkpoint.txt").write_text("step_0000005\n")
+    for read in (latest_checkpoint, checkpoint_in):
+        with pytest.raises(InputError, match=r"step_0000005: resolves to .*/lm, outside"):
+            read(run)
+
+
+def test_a_shard_that_is_a_symlink_out_of_the_checkpoint_is_refused(lm_checkpoint, tmp_path):
+    """The shard's content is identical, so its manifest entry still matches: only the path
+    check stands in the way."""
+    from megatron_rlhf.utils import InputError
+
+    shutil.copytree(lm_checkpoint, tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / "__0_0.distcp"
+    shutil.move(shard, tmp_path / "elsewhere.distcp")
+    shard.symlink_to(tmp_path / "elsewhere.distcp")
+    with pytest.raises(InputError, match=r"ckpt/__0_0\.distcp: resolves to .*elsewhere\.distcp"):
+        load_lm(tmp_path / "ckpt")
+    (tmp_path / "linked").symlink_to(lm_checkpoint, target_is_directory=True)
+    assert load_lm(tmp_path / "linked") is not None  # a --load that is itself a symlink is fine

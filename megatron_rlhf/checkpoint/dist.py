@@ -25,6 +25,7 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rlhf.checkpoint import manifest, safe_pickle
+from megatron_rlhf.checkpoint.containment import require_contained
 from megatron_rlhf.models.bloom.config import BloomArchitecture
 from megatron_rlhf.training.guards import require_finite_state
 from megatron_rlhf.utils import InputError
@@ -145,6 +146,7 @@ def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False)
     """
     directory = Path(directory)
     read_metadata(directory)  # a clear error for a directory that is not our checkpoint
+    require_contained(directory)  # no file of it is a symlink to somewhere else
     manifest.verify(directory)  # before torch's .metadata and common.pt are unpickled
     for name in ("metadata.json", "common.pt", ".metadata"):  # what every torch_dist save writes
         if not (directory / name).is_file():
