@@ -42,6 +42,7 @@ from megatron_rlhf.ppo.setup import (
 )
 from megatron_rlhf.ppo.train_cli import build_parser
 from megatron_rlhf.ppo.update import ppo_update
+from megatron_rlhf.training.command import say_if_finished
 from megatron_rlhf.training.guards import NonFiniteGuard
 from megatron_rlhf.training.run_dir import first_logged, open_run
 from megatron_rlhf.utils import InputError, is_rank0, print_summary, run_command
@@ -69,8 +70,12 @@ def main(argv: list[str]) -> int:
 
 
 def train(args) -> int:
+    from megatron_rlhf.training.memory_check import check_ppo
+
     config = load_config(TrainPPOConfig, args.config, args.overrides)
-    validate_config(config, world_size())
+    archs = validate_config(config, world_size())
+    layouts = resolve_layouts(config.parallel, world_size(), roles=layout_roles(config))
+    check_ppo(config, archs, layouts, args.skip_memory_check)  # before any model is built
     return PPOTrainer(config, args.overwrite, args.force_config_change).fit()
 
 
@@ -352,6 +357,7 @@ class PPOTrainer:
         self.guard.load_state_dict(state.get("nonfinite", {}))
         if is_rank0():
             print(f"[train-ppo] resumed from {latest} at step {self.step}", flush=True)
+        say_if_finished("train-ppo", latest, self.step, self.config.train.steps)
 
 
 def observed_kl(experience) -> tuple[float, int]:

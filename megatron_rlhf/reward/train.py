@@ -118,7 +118,7 @@ def _summary(config: RewardTrainConfig, result: dict) -> dict:
     return dict(
         loss=config.loss,
         steps=result["step"],
-        train_loss=result["history"][-1]["loss"] if result["history"] else float("nan"),
+        train_loss=result["history"][-1]["loss"] if result["history"] else "-",  # finished run
         eval_accuracy=final_eval.get("accuracy", "-"),
         eval_ece=final_eval.get("ece", "-"),
         seconds=round(result["seconds"], 1),
@@ -127,11 +127,14 @@ def _summary(config: RewardTrainConfig, result: dict) -> dict:
 
 
 def train(
-    config: RewardTrainConfig, overwrite: bool = False, force_config_change: bool = False
+    config: RewardTrainConfig,
+    overwrite: bool = False,
+    force_config_change: bool = False,
+    skip_memory_check: bool = False,
 ) -> dict:
     """Run (or resume) the training run; returns per-step metrics, the last evaluation and the
-    final checkpoint. ``overwrite`` / ``force_config_change``: see training/run_dir.py.
-    Collective over every rank of the launch."""
+    final checkpoint. ``overwrite`` / ``force_config_change``: see training/run_dir.py;
+    ``skip_memory_check``: see training/memory_check.py. Collective over every rank."""
     from megatron_rlhf.checkpoint import checkpoint_architecture
     from megatron_rlhf.config import to_dict
     from megatron_rlhf.distributed import ParallelConfig, initialize
@@ -163,7 +166,17 @@ def train(
             f"{config.train.epochs}; lower the batch size or set train.steps"
         )
     output_dir = Path(config.train.output_dir)
+    import torch
+
     from megatron_rlhf.reward.model import NUM_OUTPUTS
+    from megatron_rlhf.training.memory_check import check_trainer
+
+    sharded_optimizer = config.backend == "deepspeed" or torch.cuda.is_available()
+    max_length = min(config.data.max_length or arch.max_sequence_length, arch.max_sequence_length)
+    check_trainer(
+        arch, config, dp_size, max_length, 2, "scalar",
+        command.use_bf16(config.model.bf16), sharded_optimizer, skip_memory_check,
+    )  # fmt: skip
 
     guard = NonFiniteGuard(config.train.max_nonfinite_skips)
     if config.backend == "deepspeed":
@@ -185,6 +198,7 @@ def train(
             head="scalar",
             num_scalar_outputs=NUM_OUTPUTS[config.loss],
         )
+    command.say_if_finished("train-reward", checkpoint, step, total_steps)
     if is_rank0():
         write_json(output_dir / "config.json", to_dict(config))
 

@@ -100,7 +100,12 @@ def command_main(command: str, config_cls, run, argv: list[str], summary) -> int
 
     def body() -> int:
         config = load_config(config_cls, args.config, args.overrides)
-        result = run(config, overwrite=args.overwrite, force_config_change=args.force_config_change)
+        result = run(
+            config,
+            overwrite=args.overwrite,
+            force_config_change=args.force_config_change,
+            skip_memory_check=args.skip_memory_check,
+        )
         print_summary(command, **summary(config, result))
         return 0
 
@@ -178,6 +183,16 @@ def build_engine(
         guard.load_state_dict(state.get("nonfinite", {}))
     log(command, f"resumed from {resume_from} at step {state.get('step', 0)}")
     return engine, state.get("step", 0), state.get("consumed_samples", 0), resume_from
+
+
+def say_if_finished(command: str, checkpoint, step: int, total_steps: int) -> None:
+    """A resumed run that has nothing left to do says so (its summary shows no loss)."""
+    if checkpoint is not None and step >= total_steps:
+        log(
+            command,
+            f"nothing left to do: {checkpoint} is at step {step} of {total_steps}; raise "
+            "train.steps (or train.epochs) to train further",
+        )
 
 
 def resume_point(config, overwrite: bool = False, force_config_change: bool = False):
