@@ -170,6 +170,7 @@ def train(
 
     from megatron_rlhf.reward.model import NUM_OUTPUTS
     from megatron_rlhf.training.memory_check import check_trainer
+    from megatron_rlhf.training.signals import ExitSignals, stopped_message
 
     sharded_optimizer = config.backend == "deepspeed" or torch.cuda.is_available()
     max_length = min(config.data.max_length or arch.max_sequence_length, arch.max_sequence_length)
@@ -207,7 +208,19 @@ def train(
     metadata = {"loss": config.loss, "config": to_dict(config)}
     tokenizer_source = tokenizer_dir(dataset, config.model.load)
     logger = RunLog("train-reward", output_dir, step, total_steps)
-    history, last_eval = [], None
+    history, last_eval, saved_step, stopped_by = [], None, step, None
+
+    def save() -> Path:
+        return _save(
+            config,
+            engine,
+            output_dir,
+            {**metadata, "step": step, "eval": last_eval},
+            {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
+            tokenizer_source,
+        )
+
+    exit_signals = ExitSignals(config.train.exit_signals, "train-reward")
     try:
         while step < total_steps:
             microbatches, started = next(steps), time.time()
@@ -227,15 +240,15 @@ def train(
                 last_eval = evaluate(engine, eval_set, config, batches)
                 logger.write("eval", step, eval_scalars(last_eval))
             if last or every(step, config.train.save_interval):
-                checkpoint = _save(
-                    config,
-                    engine,
-                    output_dir,
-                    {**metadata, "step": step, "eval": last_eval},
-                    {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
-                    tokenizer_source,
-                )
+                checkpoint, saved_step = save(), step
+            stopped_by = exit_signals.agreed()
+            if stopped_by is not None:
+                if saved_step != step:
+                    checkpoint, saved_step = save(), step
+                stopped_message("train-reward", stopped_by, step, checkpoint)
+                break
     finally:
+        exit_signals.restore()
         logger.close()
     return {
         "step": step,
@@ -243,6 +256,7 @@ def train(
         "eval": last_eval,
         "checkpoint": str(checkpoint),
         "seconds": time.time() - start_time,
+        "stopped_by": stopped_by.name if stopped_by is not None else None,
     }
 
 

@@ -118,6 +118,7 @@ def run(
     from megatron_rlhf.training.checkpointing import save_training_checkpoint
     from megatron_rlhf.training.guards import NonFiniteGuard
     from megatron_rlhf.training.memory_check import check_trainer
+    from megatron_rlhf.training.signals import ExitSignals, stopped_message
 
     start_time = time.time()
     _check_config(config)
@@ -164,7 +165,20 @@ def run(
     metadata = {"config": to_dict(config)}
     tokenizer_source = tokenizer_dir(dataset, config.model.load)
     logger = RunLog(COMMAND, output_dir, step, total_steps)
-    history, last_eval = [], None
+    history, last_eval, saved_step, stopped_by = [], None, step, None
+
+    def save() -> Path:
+        meta = model_metadata(engine.module, **metadata, step=step, eval=last_eval)
+        return save_training_checkpoint(
+            output_dir,
+            step,
+            {"model": engine},
+            meta,
+            {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
+            tokenizer_dir=tokenizer_source,
+        )
+
+    exit_signals = ExitSignals(config.train.exit_signals, COMMAND)
     try:
         while step < total_steps:
             microbatches, started = next(steps), time.time()
@@ -186,16 +200,15 @@ def run(
                 last_eval = evaluate(engine, eval_set, batches)
                 logger.write("eval", step, last_eval)
             if last or every(step, config.train.save_interval):
-                meta = model_metadata(engine.module, **metadata, step=step, eval=last_eval)
-                checkpoint = save_training_checkpoint(
-                    output_dir,
-                    step,
-                    {"model": engine},
-                    meta,
-                    {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
-                    tokenizer_dir=tokenizer_source,
-                )
+                checkpoint, saved_step = save(), step
+            stopped_by = exit_signals.agreed()
+            if stopped_by is not None:
+                if saved_step != step:
+                    checkpoint, saved_step = save(), step
+                stopped_message(COMMAND, stopped_by, step, checkpoint)
+                break
     finally:
+        exit_signals.restore()
         logger.close()
     return {
         "step": step,
@@ -203,6 +216,7 @@ def run(
         "eval": last_eval,
         "checkpoint": str(checkpoint),
         "seconds": time.time() - start_time,
+        "stopped_by": stopped_by.name if stopped_by is not None else None,
     }
 
 

@@ -1,0 +1,194 @@
+"""Save on a signal, leave nothing behind (issue 24, items 1 and 6).
+
+- ``train.exit_signals`` are parsed and caught; the per-step agreement returns the signal.
+- train-reward (1 rank): SIGTERM at a random step (a second one during the save) -> exit 75,
+  a checkpoint of the last completed step; relaunched, every logged number and the final
+  checkpoint's tensors equal the uninterrupted run's bit for bit; no process of the run is left.
+- Killing the trainer itself (SIGKILL, not its process group) leaves no child behind.
+- train-ppo on 4 ranks with per-role layouts: SIGTERM to every worker at a random step ->
+  checkpoint, relaunch, bit-for-bit equal to the uninterrupted 4-rank run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from test_checkpoint_safety import reward_argv, reward_setup  # noqa: F401  (fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+EXIT_SAVED_ON_SIGNAL = 75
+
+
+def run_env(marker: str, threads: int | None = None) -> dict:
+    """The environment of a launched run; ``marker`` lets us find every process it started."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", I24_RUN=marker)
+    env["OMP_NUM_THREADS"] = str(threads or torch.get_num_threads())
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
+    for key in DIST_ENV:
+        env.pop(key, None)
+    return env
+
+
+def processes_of(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("I24_RUN") == marker:
+                found.append(proc)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def wait_gone(marker: str, seconds: float = 10.0) -> list[psutil.Process]:
+    deadline = time.time() + seconds
+    while time.time() < deadline and processes_of(marker):
+        time.sleep(0.1)
+    return processes_of(marker)
+
+
+def logged_steps(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return sum(
+        1
+        for line in path.read_text().splitlines()
+        if '"train/loss"' in line or "reward/mean" in line
+    )
+
+
+def metrics(run: Path) -> list[dict]:
+    """metrics.jsonl without wall-clock figures."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {
+            k: v
+            for k, v in row.items()
+            if "time" not in k and "per_s" not in k and "seconds" not in k
+        }
+        for row in rows
+    ]
+
+
+def shards(checkpoint: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(checkpoint.glob("*.distcp"))}
+
+
+def test_exit_signals_are_parsed_caught_and_agreed():
+    from megatron_rlhf.training.signals import ExitSignals, parse_signals
+    from megatron_rlhf.utils import InputError
+
+    assert parse_signals(["SIGTERM", "usr1", 12]) == [
+        signal.SIGTERM,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+    ]
+    with pytest.raises(InputError, match=r"train.exit_signals: 'SIGFOO' is not a signal"):
+        parse_signals(["SIGFOO"])
+    with pytest.raises(InputError, match="SIGKILL cannot be caught"):
+        parse_signals(["KILL"])
+    before = signal.getsignal(signal.SIGUSR1)
+    signals = ExitSignals(["SIGUSR1"])
+    try:
+        assert signals.agreed() is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)  # a second one changes nothing
+        assert signals.agreed() == signal.SIGUSR1
+    finally:
+        signals.restore()
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_the_slurm_template_asks_for_the_signal_ahead_of_the_time_limit():
+    text = (REPO / "examples/ppo/launch_176b_slurm.sbatch").read_text()
+    assert "#SBATCH --signal=USR1@" in text
+    # torchrun ignores it; the workers save and exit 75
+    assert """srun bash -c 'trap "" USR1; exec "$@"'""" in text
+
+
+@pytest.mark.slow
+def test_sigterm_at_a_random_step_saves_and_the_resumed_run_is_bit_identical(
+    reward_setup,  # noqa: F811
+    tmp_path,
+):
+    steps = 8
+    argv = [*reward_argv(reward_setup, tmp_path / "x", steps), "train.log_interval=1"]
+    argv = [a for a in argv if not a.startswith(("train.output_dir", "train.save_interval"))]
+    argv.append("train.save_interval=100")  # only the signal (and the end) save
+    command = [sys.executable, "-m", "megatron_rlhf", "train-reward", *argv]
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    marker = uuid.uuid4().hex
+    done = subprocess.run(
+        [*command, f"train.output_dir={reference}"],
+        env=run_env(marker),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    target = random.Random(os.getpid()).randint(1, steps - 3)
+    proc = subprocess.Popen(
+        [*command, f"train.output_dir={run}"], env=run_env(marker), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.time() + 300
+    while logged_steps(run) < target:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the signal"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # a second signal, during the step or the save
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_SAVED_ON_SIGNAL, err[-3000:]
+    stopped = logged_steps(run)
+    assert target <= stopped < steps, (target, stopped)
+    assert (run / "latest_checkpoint.txt").read_text().strip() == f"step_{stopped:07d}"
+    assert f"stopped by SIGTERM after step {stopped}; checkpoint" in err
+    assert "SIGTERM again: already stopping" in err
+    assert "stopped_by=SIGTERM" in out + err
+    assert wait_gone(marker) == [], "a process of the run outlived it"
+
+    resumed = subprocess.run(
+        [*command, f"train.output_dir={run}"], env=run_env(marker), capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run / f'step_{stopped:07d}'}" in resumed.stderr
+    assert metrics(run) == metrics(reference)
+    final = f"step_{steps:07d}"
+    assert shards(run / final) and shards(run / final) == shards(reference / final)
+    assert wait_gone(marker) == []
+
+
+@pytest.mark.slow
+def test_killing_the_trainer_leaves_no_child_behind(reward_setup, tmp_path):  # noqa: F811
+    """Megatron's checkpoint writer keeps a forked Manager process; SIGKILL of the trainer
+    alone (not its process group, as an OOM killer would) must take it down too."""
+    argv = [*reward_argv(reward_setup, tmp_path / "run", 200), "train.save_interval=1"]
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_rlhf", "train-reward", *argv], env=run_env(marker),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 300
+    while not (tmp_path / "run" / "latest_checkpoint.txt").exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "expected the checkpoint writer's Manager process"
+    proc.kill()
+    proc.wait()
+    assert wait_gone(marker) == [], "a child of the killed trainer is still alive"
