@@ -192,3 +192,75 @@ def test_killing_the_trainer_leaves_no_child_behind(reward_setup, tmp_path):  # 
     proc.kill()
     proc.wait()
     assert wait_gone(marker) == [], "a child of the killed trainer is still alive"
+
+
+PPO_LAYOUTS = [
+    "parallel.actor.tp=2", "parallel.actor.pp=2", "parallel.critic.tp=2",
+    "parallel.rollout.tp=2", "parallel.rollout.pp=1",
+]  # fmt: skip
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    from torchrun_util import _free_port
+
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-port", str(_free_port()), "-m", "megatron_rlhf", *args,
+    ]  # fmt: skip
+
+
+def interrupt_and_resume(command, run: Path, steps: int, marker: str, seed: int) -> int:
+    """Launch ``command``; once a random step is logged, SIGTERM every worker (as Slurm does,
+    a few ms apart); check the save and that nothing is left; relaunch to the end. Returns the
+    step the run was stopped at."""
+    target = random.Random(seed).randint(1, steps - 2)
+    proc = subprocess.Popen(
+        command, env=run_env(marker, threads=1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.time() + 500
+    while logged_steps(run) < target:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the signal"
+        time.sleep(0.02)
+    workers = psutil.Process(proc.pid).children()
+    assert len(workers) == 4
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+        time.sleep(random.Random(worker.pid).uniform(0, 0.05))
+    out, err = proc.communicate(timeout=500)
+    stopped = logged_steps(run)
+    assert target <= stopped < steps, (target, stopped, err[-3000:])
+    assert (run / "latest_checkpoint.txt").read_text().strip() == f"step_{stopped:07d}", err[-3000:]
+    assert f"stopped by SIGTERM after step {stopped}" in err
+    assert "exitcode  : 75" in err  # torchrun's report of its workers' exit code
+    assert wait_gone(marker) == [], "a process of the run outlived it"
+    resumed = subprocess.run(
+        command, env=run_env(marker, threads=1), capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run / f'step_{stopped:07d}'}" in resumed.stdout + resumed.stderr
+    return stopped
+
+
+@pytest.mark.slow
+def test_train_ppo_per_role_layouts_on_4_ranks_sigterm_then_resume_is_bit_identical(tmp_path):
+    from ppo_fixtures import make_ppo_setup
+
+    setup, steps = make_ppo_setup(tmp_path / "setup"), 4
+    args = [
+        "train-ppo", "--config", str(setup["config"]), f"train.steps={steps}",
+        "train.save_interval=100", "rollout.prompts_per_step=8", "ppo.micro_batch_size=2",
+        "ppo.num_minibatches=2", "ppo.epochs=1", "train.sample_interval=100", *PPO_LAYOUTS,
+    ]  # fmt: skip
+    reference, run, marker = tmp_path / "reference", tmp_path / "run", uuid.uuid4().hex
+    done = subprocess.run(
+        torchrun(4, *args, f"train.output_dir={reference}"), env=run_env(marker, threads=1),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    interrupt_and_resume(
+        torchrun(4, *args, f"train.output_dir={run}"), run, steps, marker, os.getpid()
+    )
+    assert metrics(run) == metrics(reference)
+    final = f"step_{steps:07d}"
+    assert shards(run / final) and shards(run / final) == shards(reference / final)
