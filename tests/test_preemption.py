@@ -85,7 +85,9 @@ def metrics(run: Path) -> list[dict]:
 
 
 def shards(checkpoint: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(checkpoint.glob("*.distcp"))}
+    """The tensors of a checkpoint: torch_dist shards, or the HF model of backend=deepspeed."""
+    files = [*checkpoint.glob("*.distcp"), *checkpoint.glob("*.safetensors")]
+    return {p.name: p.read_bytes() for p in sorted(files)}
 
 
 def test_exit_signals_are_parsed_caught_and_agreed():
@@ -209,7 +211,9 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
-def interrupt_and_resume(command, run: Path, steps: int, marker: str, seed: int) -> int:
+def interrupt_and_resume(
+    command, run: Path, steps: int, marker: str, seed: int, nproc: int = 4
+) -> int:
     """Launch ``command``; once a random step is logged, SIGTERM every worker (as Slurm does,
     a few ms apart); check the save and that nothing is left; relaunch to the end. Returns the
     step the run was stopped at."""
@@ -223,7 +227,7 @@ def interrupt_and_resume(command, run: Path, steps: int, marker: str, seed: int)
         assert proc.poll() is None and time.time() < deadline, "the run ended before the signal"
         time.sleep(0.02)
     workers = psutil.Process(proc.pid).children()
-    assert len(workers) == 4
+    assert len(workers) == nproc
     for worker in workers:
         worker.send_signal(signal.SIGTERM)
         time.sleep(random.Random(worker.pid).uniform(0, 0.05))
@@ -260,6 +264,32 @@ def test_train_ppo_per_role_layouts_on_4_ranks_sigterm_then_resume_is_bit_identi
     assert done.returncode == 0, done.stderr[-3000:]
     interrupt_and_resume(
         torchrun(4, *args, f"train.output_dir={run}"), run, steps, marker, os.getpid()
+    )
+    assert metrics(run) == metrics(reference)
+    final = f"step_{steps:07d}"
+    assert shards(run / final) and shards(run / final) == shards(reference / final)
+
+
+@pytest.mark.slow
+def test_train_reward_deepspeed_on_2_ranks_sigterm_then_resume_is_bit_identical(
+    reward_setup,  # noqa: F811
+    tmp_path,
+):
+    steps = 6
+    args = [
+        "train-reward", *reward_argv(reward_setup, tmp_path / "x", steps), "backend=deepspeed",
+        "deepspeed.zero_stage=3", "train.global_batch_size=8", "train.save_interval=100",
+        "train.log_interval=1",
+    ]  # fmt: skip
+    args = [a for a in args if not a.startswith("train.output_dir")]
+    reference, run, marker = tmp_path / "reference", tmp_path / "run", uuid.uuid4().hex
+    done = subprocess.run(
+        torchrun(2, *args, f"train.output_dir={reference}"), env=run_env(marker, threads=1),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    interrupt_and_resume(
+        torchrun(2, *args, f"train.output_dir={run}"), run, steps, marker, os.getpid(), nproc=2
     )
     assert metrics(run) == metrics(reference)
     final = f"step_{steps:07d}"
