@@ -294,3 +294,51 @@ def test_train_reward_deepspeed_on_2_ranks_sigterm_then_resume_is_bit_identical(
     assert metrics(run) == metrics(reference)
     final = f"step_{steps:07d}"
     assert shards(run / final) and shards(run / final) == shards(reference / final)
+
+
+@pytest.mark.slow
+def test_train_sft_sigusr1_at_a_random_step_then_resume_is_bit_identical(tmp_path):
+    """SIGUSR1, the signal Slurm's ``--signal`` sends: train-sft saves and resumes exactly."""
+    from megatron_rlhf.data import write_sft_dataset
+    from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
+
+    save_random_hf_bloom(tmp_path / "hf", tiny_architecture(vocab_size=64), seed=0)
+    examples = [([5 + i % 7, 6, 7 + i % 5], [9, 8 + i % 3]) for i in range(32)]
+    write_sft_dataset(tmp_path / "train", examples, vocab_size=64, eos_id=2, pad_id=0)
+    steps = 8
+    args = [
+        "train-sft", f"model.load={tmp_path / 'hf'}", f"data.train={tmp_path / 'train'}",
+        f"train.steps={steps}", "train.global_batch_size=4", "train.micro_batch_size=2",
+        "train.save_interval=100", "train.log_interval=1", "train.eval_interval=0",
+        "optim.warmup_fraction=0",
+    ]  # fmt: skip
+    command = [sys.executable, "-m", "megatron_rlhf", *args]
+    reference, run, marker = tmp_path / "reference", tmp_path / "run", uuid.uuid4().hex
+    done = subprocess.run(
+        [*command, f"train.output_dir={reference}"], env=run_env(marker), capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    target = random.Random(os.getpid()).randint(1, steps - 3)
+    proc = subprocess.Popen(
+        [*command, f"train.output_dir={run}"], env=run_env(marker), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.time() + 300
+    while logged_steps(run) < target:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the signal"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_SAVED_ON_SIGNAL, err[-3000:]
+    stopped = logged_steps(run)
+    assert f"stopped by SIGUSR1 after step {stopped}" in err
+    assert (run / "latest_checkpoint.txt").read_text().strip() == f"step_{stopped:07d}"
+    resumed = subprocess.run(
+        [*command, f"train.output_dir={run}"], env=run_env(marker), capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert metrics(run) == metrics(reference)
+    final = f"step_{steps:07d}"
+    assert shards(run / final) and shards(run / final) == shards(reference / final)
+    assert wait_gone(marker) == []
