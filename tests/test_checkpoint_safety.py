@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -222,3 +223,37 @@ def test_a_shard_that_is_a_symlink_out_of_the_checkpoint_is_refused(lm_checkpoin
         load_lm(tmp_path / "ckpt")
     (tmp_path / "linked").symlink_to(lm_checkpoint, target_is_directory=True)
     assert load_lm(tmp_path / "linked") is not None  # a --load that is itself a symlink is fine
+
+
+@pytest.mark.slow
+def test_deepspeed_states_with_a_payload_are_refused_on_resume(reward_setup, tmp_path):
+    """DeepSpeed's own loader unpickles ``*_states.pt`` with ``weights_only=False``; resuming
+    a backend=deepspeed run goes through a weights-only loader instead."""
+    import subprocess
+    import sys
+
+    from megatron_rlhf.checkpoint.safe_pickle import DEEPSPEED_GLOBALS, weights_only_load
+
+    run, marker = tmp_path / "run", tmp_path / "ran"
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+
+    def launch(steps: int):
+        argv = [*reward_argv(reward_setup, run, steps), "backend=deepspeed"]
+        command = [sys.executable, "-m", "megatron_rlhf", "train-reward", *argv]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+    assert launch(1).returncode == 0
+    checkpoint = run / "step_0000001"
+    [states] = checkpoint.glob("deepspeed/*/*optim_states.pt")
+    name = str(states.relative_to(checkpoint))
+    saved = weights_only_load(states, "cpu", DEEPSPEED_GLOBALS)
+    torch.save({**saved, "payload": Payload(marker)}, states)
+    rewrite_manifest_entry(checkpoint, name)
+    resumed = launch(2)
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert f"{states}: refers to exec, which" in resumed.stderr
+    assert not marker.exists()

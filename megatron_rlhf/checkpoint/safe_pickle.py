@@ -12,7 +12,10 @@ looked up, so nothing in the file is ever called. :func:`install` makes every
 Megatron's ``common.pt`` and sharded-object files go through ``torch.load``, whose default is
 ``weights_only=True`` in torch >= 2.6; :func:`check_weights_only` reads ``common.pt`` that way
 first so a refusal names the file, and :func:`require_weights_only_default` refuses to load while
-``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns that default off.
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns that default off. DeepSpeed's checkpoint engine loads
+its ``*_states.pt`` with ``weights_only=False``; ``train-reward backend=deepspeed`` resumes
+through :func:`deepspeed_loader` instead (weights only, plus the three DeepSpeed classes those
+files hold).
 """
 
 from __future__ import annotations
@@ -102,11 +105,26 @@ def install() -> None:
     filesystem.FileSystemReader.read_metadata = _read_metadata
 
 
-def check_weights_only(path: str | Path) -> None:
-    """Refuse ``path`` (e.g. Megatron's ``common.pt``) unless ``torch.load(weights_only=True)``
-    reads it: the error names the file and the global it refers to, nothing from it runs."""
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+"""The non-tensor classes in DeepSpeed 0.19.8's ZeRO-1/2/3 ``*_states.pt`` (fp32 on the CPU)."""
+
+
+def weights_only_load(path, map_location=None, allowed: tuple[str, ...] = ()):
+    """``torch.load(path, weights_only=True)`` admitting also the classes named in ``allowed``
+    (``module.Class``); anything else is refused with the file's name, nothing from it runs."""
+    import importlib
+
+    objects = []
+    for name in allowed:
+        module, _, attribute = name.rpartition(".")
+        objects.append(getattr(importlib.import_module(module), attribute))
     try:
-        torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(objects):
+            return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         what = found.group(1) if found else "an object that is not tensors or plain data"
@@ -115,6 +133,17 @@ def check_weights_only(path: str | Path) -> None:
             "contain; refusing to unpickle it (nothing from it was run). The checkpoint was "
             "altered or is not ours: re-save it or use another"
         ) from None
+
+
+def deepspeed_loader(path, map_location=None):
+    """DeepSpeed's ``checkpoint_engine.load`` (upstream: ``weights_only=False``) made safe."""
+    return weights_only_load(path, map_location, DEEPSPEED_GLOBALS)
+
+
+def check_weights_only(path: str | Path) -> None:
+    """Refuse ``path`` (e.g. Megatron's ``common.pt``) unless ``torch.load(weights_only=True)``
+    reads it: the error names the file and the global it refers to."""
+    weights_only_load(path, map_location="cpu")
 
 
 def require_weights_only_default() -> None:
