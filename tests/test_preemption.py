@@ -5,8 +5,10 @@
   a checkpoint of the last completed step; relaunched, every logged number and the final
   checkpoint's tensors equal the uninterrupted run's bit for bit; no process of the run is left.
 - Killing the trainer itself (SIGKILL, not its process group) leaves no child behind.
-- train-ppo on 4 ranks with per-role layouts: SIGTERM to every worker at a random step ->
-  checkpoint, relaunch, bit-for-bit equal to the uninterrupted 4-rank run.
+- train-ppo on 4 ranks with per-role layouts and train-reward on DeepSpeed ZeRO-3 on 2 ranks:
+  SIGTERM to every worker at a random step -> checkpoint, relaunch; and SIGKILL of the launcher
+  and every worker after a random checkpoint -> relaunch: both bit-for-bit equal to the
+  uninterrupted run, no process left.
 """
 
 from __future__ import annotations
@@ -246,6 +248,34 @@ def interrupt_and_resume(
     return stopped
 
 
+def kill_and_resume(command, run: Path, steps: int, marker: str, seed: int, nproc: int) -> int:
+    """Launch ``command`` (a checkpoint every step); once a random checkpoint exists SIGKILL the
+    launcher and every worker; check nothing is left; relaunch to the end (the killed run's lock
+    record is stale and taken over). Returns the step it resumed from."""
+    target = random.Random(seed).randint(1, steps - 2)
+    proc = subprocess.Popen(
+        command, env=run_env(marker, threads=1), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    pointer, deadline = run / "latest_checkpoint.txt", time.time() + 500
+    while not pointer.exists() or int(pointer.read_text().strip()[5:] or 0) < target:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the kill"
+        time.sleep(0.02)
+    for process in [*psutil.Process(proc.pid).children(), psutil.Process(proc.pid)]:
+        process.kill()
+    proc.wait()
+    assert wait_gone(marker) == [], "a process of the killed run is still alive"
+    latest = int(pointer.read_text().strip()[5:])
+    assert target <= latest < steps
+    resumed = subprocess.run(
+        command, env=run_env(marker, threads=1), capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run / f'step_{latest:07d}'}" in resumed.stdout + resumed.stderr
+    assert "stale lock, held by no process on this host" in resumed.stderr
+    return latest
+
+
 @pytest.mark.slow
 def test_train_ppo_per_role_layouts_on_4_ranks_sigterm_then_resume_is_bit_identical(tmp_path):
     from ppo_fixtures import make_ppo_setup
@@ -265,9 +295,15 @@ def test_train_ppo_per_role_layouts_on_4_ranks_sigterm_then_resume_is_bit_identi
     interrupt_and_resume(
         torchrun(4, *args, f"train.output_dir={run}"), run, steps, marker, os.getpid()
     )
-    assert metrics(run) == metrics(reference)
+    killed = tmp_path / "killed"
+    kill_and_resume(
+        torchrun(4, *args, "train.save_interval=1", f"train.output_dir={killed}"),
+        killed, steps, marker, os.getpid() + 1, nproc=4,
+    )  # fmt: skip
     final = f"step_{steps:07d}"
-    assert shards(run / final) and shards(run / final) == shards(reference / final)
+    for resumed in (run, killed):
+        assert metrics(resumed) == metrics(reference)
+        assert shards(resumed / final) and shards(resumed / final) == shards(reference / final)
 
 
 @pytest.mark.slow
@@ -291,9 +327,15 @@ def test_train_reward_deepspeed_on_2_ranks_sigterm_then_resume_is_bit_identical(
     interrupt_and_resume(
         torchrun(2, *args, f"train.output_dir={run}"), run, steps, marker, os.getpid(), nproc=2
     )
-    assert metrics(run) == metrics(reference)
+    killed = tmp_path / "killed"
+    kill_and_resume(
+        torchrun(2, *args, "train.save_interval=1", f"train.output_dir={killed}"),
+        killed, steps, marker, os.getpid() + 1, nproc=2,
+    )  # fmt: skip
     final = f"step_{steps:07d}"
-    assert shards(run / final) and shards(run / final) == shards(reference / final)
+    for resumed in (run, killed):
+        assert metrics(resumed) == metrics(reference)
+        assert shards(resumed / final) and shards(resumed / final) == shards(reference / final)
 
 
 @pytest.mark.slow
