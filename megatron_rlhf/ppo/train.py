@@ -78,7 +78,11 @@ def train(args) -> int:
     archs = validate_config(config, world_size())
     layouts = resolve_layouts(config.parallel, world_size(), roles=layout_roles(config))
     check_ppo(config, archs, layouts, args.skip_memory_check)  # before any model is built
-    return PPOTrainer(config, args.overwrite, args.force_config_change).fit()
+    exit_signals = ExitSignals(config.train.exit_signals, "train-ppo")
+    try:
+        return PPOTrainer(config, args.overwrite, args.force_config_change).fit(exit_signals)
+    finally:
+        exit_signals.restore()
 
 
 class PPOTrainer:
@@ -126,11 +130,10 @@ class PPOTrainer:
         self.data = RunData(config, self.consumed_prompts, self.consumed_rehearsal)
         self.logger = RunLogger(self.output_dir, config, self.step)
 
-    def fit(self) -> int:
+    def fit(self, exit_signals: ExitSignals) -> int:
         config, start = self.config, time.time()
         first_reward = first_logged(self.output_dir, "reward/mean")  # steps before a resume
         last_reward, stopped_by, done = None, None, self.step
-        exit_signals = ExitSignals(config.train.exit_signals, "train-ppo")
         for step in self.logger.progress(range(self.step, config.train.steps)):
             self.step = step
             timings, t0 = {}, time.time()
@@ -201,7 +204,6 @@ class PPOTrainer:
                     self.save(done)
                 stopped_message("train-ppo", stopped_by, done, self.output_dir / f"step_{done:07d}")
                 break
-        exit_signals.restore()
         self.logger.close()
         destroy()
         print_summary(
