@@ -158,3 +158,31 @@ def test_concurrent_launches_one_runs_the_other_exits_2(reward_setup, tmp_path):
     assert files(run) == files(tmp_path / "solo")
     assert metrics(run) == metrics(tmp_path / "solo")
     assert [r["step"] for r in metrics(run) if "train/loss" in r] == [1, 2, 3]
+
+
+def test_without_flock_the_record_alone_guards_the_directory(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.utils import InputError
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_flock)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = {"host": socket.gethostname(), "pid": alive.pid, "started": "2026-01-01"}
+        (tmp_path / ".run.lock").write_text(json.dumps(record))
+        with pytest.raises(InputError, match=rf"another run is using .*pid {alive.pid}, started"):
+            run_lock.acquire(tmp_path)
+    finally:
+        alive.kill()
+        alive.wait()
+    run_lock.acquire(tmp_path)  # its pid is gone now: stale, taken over
+    err = capsys.readouterr().err
+    assert "does not support flock (Function not implemented)" in err
+    assert f"stale lock, held by no process on this host (host {socket.gethostname()}" in err
+    assert json.loads((tmp_path / ".run.lock").read_text())["pid"] == os.getpid()
+    run_lock.release()
+    assert not (tmp_path / ".run.lock").exists()

@@ -6,10 +6,11 @@ writes the holder into it: host, pid, start time (UTC) and command line. A secon
 same directory is refused on every rank with exit code 2 and a message naming that holder.
 
 The kernel drops an ``flock`` when its process dies, however it dies, so the lock never outlives
-its run on this host. A holder record left behind (the run was SIGKILLed) is *stale*: when its
-pid is gone on this host the record is reported and replaced. A record from another host
-cannot be checked from here (``flock`` may not span hosts on a network file system): it is
-refused, with the command that clears it. :func:`release` (end of the command, and ``atexit``)
+its run on this host. A holder record left behind (the run was SIGKILLed) is *stale*: when it
+names this host the record is reported and replaced. A record from another host cannot be
+checked from here (``flock`` may not span hosts on a network file system): it is refused, with
+the command that clears it. On a file system without ``flock`` (``ENOSYS``, ``ENOLCK``, ...) the
+record alone guards the directory: a record whose pid is alive on this host is refused. :func:`release` (end of the command, and ``atexit``)
 removes the file while still holding the lock; a run that opened the old file re-opens the path
 after locking, so two runs never hold two different files of the same name.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from megatron_rlhf.utils import InputError
 
 LOCK_FILE = ".run.lock"
+_NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)  # e.g. Lustre w/o flock
 _held: dict[str, tuple[int, bool]] = {}  # lock file realpath -> (descriptor, dir created)
 
 
@@ -62,7 +65,8 @@ def release() -> None:
             if created:
                 with contextlib.suppress(OSError):  # not empty: the run wrote there
                     os.rmdir(os.path.dirname(path))
-            fcntl.flock(fd, fcntl.LOCK_UN)  # also for forked children sharing the descriptor
+            with contextlib.suppress(OSError):  # no flock on this file system: nothing held
+                fcntl.flock(fd, fcntl.LOCK_UN)  # also for forked children sharing the fd
         finally:
             os.close(fd)
             del _held[path]
@@ -74,6 +78,7 @@ def _acquire_here(output_dir: Path, key: str) -> None:
         return
     created = not output_dir.exists()
     output_dir.mkdir(parents=True, exist_ok=True)
+    flocked = True
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -81,16 +86,27 @@ def _acquire_here(output_dir: Path, key: str) -> None:
         except BlockingIOError:
             holder = _read(fd)
             os.close(fd)
-            raise InputError(
-                f"{key}={output_dir}: another run is using this directory ({_describe(holder)};"
-                f" lock {path}); wait for it to end or choose another {key}"
-            ) from None
+            raise _held_by(holder, output_dir, path, key) from None
+        except OSError as err:
+            if err.errno not in _NO_FLOCK:
+                os.close(fd)
+                raise
+            print(
+                f"[run] {path}: this file system does not support flock ({err.strerror}); "
+                "the holder record alone guards the directory",
+                file=sys.stderr,
+                flush=True,
+            )
+            flocked = False
+            break
         if _same_file(fd, path):
             break
         os.close(fd)  # the holder removed it as we opened it: lock the new one
     previous = _read(fd)
     if previous:
         try:
+            if not flocked and _alive_here(previous):
+                raise _held_by(previous, output_dir, path, key)
             _check_stale(previous, path, key)
         except InputError:
             os.close(fd)
@@ -104,6 +120,27 @@ def _acquire_here(output_dir: Path, key: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     _held[os.path.realpath(path)] = (fd, created)
+
+
+def _held_by(holder: dict, output_dir: Path, path: Path, key: str) -> InputError:
+    return InputError(
+        f"{key}={output_dir}: another run is using this directory ({_describe(holder)}; lock "
+        f"{path}); wait for it to end or choose another {key}"
+    )
+
+
+def _alive_here(holder: dict) -> bool:
+    """The holder's pid runs on this host (only consulted where flock is unavailable: with
+    flock, a free lock proves the holder is gone even if its pid was reused)."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _same_file(fd: int, path: Path) -> bool:
