@@ -1,7 +1,8 @@
 """Save on a signal and leave nothing behind: what every trainer does when it is preempted.
 
-``train.exit_signals`` (default SIGTERM and SIGUSR1) are caught from the start of a run. The
-handler only records the signal, so the current step finishes; after each step every rank
+``train.exit_signals`` (default SIGTERM and SIGUSR1) are caught from the first step
+(``train-ppo``: from before its models are built; earlier, a signal ends the process as usual,
+with nothing new to save). The handler only records the signal, so the current step finishes; after each step every rank
 takes part in one all-reduce (MAX of the signal number) to agree that the run stops at that step,
 even when the ranks got the signal at different moments, or only some did. The trainer then
 saves a checkpoint of that step (unless the step was just saved), prints its summary and exits
