@@ -384,3 +384,40 @@ def test_train_sft_sigusr1_at_a_random_step_then_resume_is_bit_identical(tmp_pat
     final = f"step_{steps:07d}"
     assert shards(run / final) and shards(run / final) == shards(reference / final)
     assert wait_gone(marker) == []
+
+
+def test_a_second_signal_during_the_save_does_not_cut_it_off(tmp_path, monkeypatch, capfd):
+    """The first SIGTERM stops the run; another one arriving while the checkpoint is written
+    is only reported: the save completes and its manifest verifies."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megatron_rlhf.checkpoint import dist as dist_ckpt
+    from megatron_rlhf.checkpoint import manifest
+    from megatron_rlhf.distributed import parallel
+    from megatron_rlhf.training.signals import ExitSignals
+
+    write_manifest = manifest.write_manifest
+
+    def signalled_mid_save(directory):
+        os.kill(os.getpid(), signal.SIGTERM)  # after the shards, before the manifest
+        time.sleep(0.05)
+        write_manifest(directory)
+
+    monkeypatch.setattr(manifest, "write_manifest", signalled_mid_save)
+    parallel.initialize(parallel.ParallelConfig())
+    signals = ExitSignals(["SIGTERM"])
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.agreed() == signal.SIGTERM
+        weight = torch.arange(6.0).reshape(2, 3)
+        state = {"w": ShardedTensor.from_rank_offsets("w", weight.clone(), replica_id=0)}
+        saved = dist_ckpt.save(tmp_path / "step_0000003", state, {"architecture": {}})
+        manifest.verify(saved)
+        loaded = dist_ckpt.load(
+            saved, {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), replica_id=0)}
+        )
+        assert torch.equal(loaded["w"], weight)
+        assert "SIGTERM again: already stopping; the save is not cut off" in capfd.readouterr().err
+    finally:
+        signals.restore()
+        parallel.destroy()
