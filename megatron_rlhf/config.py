@@ -81,6 +81,11 @@ def config_parser(prog: str, description: str, examples: str) -> argparse.Argume
         help="resume even though config keys other than steps, intervals and logging changed "
         "(the changes are logged to config_changes.jsonl)",
     )
+    parser.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="start even when the planner predicts more memory per rank than this machine has",
+    )
     return parser
 
 

@@ -61,7 +61,9 @@ def run_command(command: str, body: Callable[[], int], distributed: bool = False
     finally:
         if distributed:
             from megatron_rlhf.distributed import destroy
+            from megatron_rlhf.training import run_lock
 
+            run_lock.release()
             destroy()
     print(f"{command}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
     return 2

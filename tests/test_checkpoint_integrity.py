@@ -268,6 +268,7 @@ def test_tampered_checkpoint_is_refused_before_anything_is_unpickled(reward_run,
 
     from megatron_rlhf.checkpoint import dist as dist_ckpt
     from megatron_rlhf.checkpoint import manifest
+    from megatron_rlhf.checkpoint.safe_pickle import UnsafeCheckpointError
     from megatron_rlhf.utils import InputError
 
     checkpoint = copy_run(reward_run / "step_0000002", tmp_path / "step_0000002")
@@ -276,9 +277,10 @@ def test_tampered_checkpoint_is_refused_before_anything_is_unpickled(reward_run,
     with pytest.raises(InputError, match=r"step_0000002/\.metadata: \d+ bytes, \d+ expected"):
         dist_ckpt.load(checkpoint, {})
     assert not marker.exists()
-    with pytest.raises(AttributeError):  # the payload is live: torch's own reader runs it
+    # torch's own reader is restricted too (checkpoint/safe_pickle.py): the payload never runs
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refers to pathlib\.Path\.touch"):
         FileSystemReader(str(checkpoint)).read_metadata()
-    assert marker.exists()
+    assert not marker.exists()
 
     swapped = copy_run(reward_run / "step_0000002", tmp_path / "swapped")
     first, second = swapped / "__0_0.distcp", swapped / "__0_1.distcp"

@@ -5,7 +5,9 @@ A checkpoint directory holds Megatron-Core's ``torch_dist`` files plus ``megatro
 ``manifest.json`` (every file's size and SHA-256, verified before loading). Saving writes into
 ``<dir>.tmp-partial`` and renames it when every rank has finished, so an interrupted save never
 leaves a directory that looks complete. Nothing of ours is pickled; torch's ``.metadata`` and
-Megatron's ``common.pt`` are pickles (upstream), which is why the manifest is checked first.
+Megatron's ``common.pt`` are pickles (upstream): the manifest is checked first, ``.metadata`` is
+read through a restricted unpickler (checkpoint/safe_pickle.py) and ``common.pt`` only with
+``torch.load``'s ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_rlhf.checkpoint import manifest
+from megatron_rlhf.checkpoint import manifest, safe_pickle
+from megatron_rlhf.checkpoint.containment import require_contained
 from megatron_rlhf.models.bloom.config import BloomArchitecture
 from megatron_rlhf.training.guards import require_finite_state
 from megatron_rlhf.utils import InputError
 
 METADATA_FILE = "megatron_rlhf.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+safe_pickle.install()  # every torch FileSystemReader reads .metadata without running code
 
 
 # What dist_checkpointing raises on a checkpoint with a missing, truncated or corrupt file
@@ -114,11 +118,17 @@ def _results_queue_without_spawn() -> None:
     server process re-imports the caller's ``__main__``: a script that calls a command's
     ``main()`` without an ``if __name__ == "__main__":`` guard would run itself again at the first
     save. A *fork* ``Manager`` serves the same queue and re-imports nothing (the writer processes
-    are forked too)."""
+    are forked too); the kernel kills it when this process dies (training/signals.py)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        from multiprocessing.managers import SyncManager
+
+        from megatron_rlhf.training.signals import die_with_parent
+
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(initializer=die_with_parent)  # no orphan if the trainer is killed
+        filesystem_async._results_queue = manager.Queue()
 
 
 def _named_tensors(tree, name: str = ""):
@@ -142,6 +152,7 @@ def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False)
     """
     directory = Path(directory)
     read_metadata(directory)  # a clear error for a directory that is not our checkpoint
+    require_contained(directory)  # no file of it is a symlink to somewhere else
     manifest.verify(directory)  # before torch's .metadata and common.pt are unpickled
     for name in ("metadata.json", "common.pt", ".metadata"):  # what every torch_dist save writes
         if not (directory / name).is_file():
@@ -149,6 +160,9 @@ def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False)
                 f"{directory / name}: missing, the checkpoint is incomplete; re-save or "
                 "re-convert it"
             )
+    safe_pickle.require_weights_only_default()
+    safe_pickle.load_metadata(directory / ".metadata")  # refused here, named, before Megatron
+    safe_pickle.check_weights_only(directory / "common.pt")
     try:
         loaded = dist_checkpointing.load(
             sharded_state_dict, str(directory), validate_access_integrity=not partial

@@ -156,6 +156,9 @@ class TrainSection:
     max_nonfinite_skips: int = 0
     """PPO steps with a non-finite loss or gradient norm skipped (no update, KL controller and
     reward normaliser unchanged) before the run stops with an error; 0: the first one stops it."""
+    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that make the run finish its step, save a checkpoint and exit with code 75
+    (training/signals.py); ask Slurm for one ahead of the time limit (``--signal``)."""
     bf16: bool | Literal["auto"] = "auto"
     """bf16 parameters of every role; "auto" = bf16 on GPU (what the planner assumes), fp32 on
     CPU (true without a GPU is an error)."""

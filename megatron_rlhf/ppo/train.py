@@ -42,8 +42,10 @@ from megatron_rlhf.ppo.setup import (
 )
 from megatron_rlhf.ppo.train_cli import build_parser
 from megatron_rlhf.ppo.update import ppo_update
+from megatron_rlhf.training.command import say_if_finished
 from megatron_rlhf.training.guards import NonFiniteGuard
 from megatron_rlhf.training.run_dir import first_logged, open_run
+from megatron_rlhf.training.signals import EXIT_SAVED_ON_SIGNAL, ExitSignals, stopped_message
 from megatron_rlhf.utils import InputError, is_rank0, print_summary, run_command
 
 RESUMABLE_CHANGES = (
@@ -54,6 +56,7 @@ RESUMABLE_CHANGES = (
     "train.resume",
     "train.max_nonfinite_skips",
     "train.output_dir",
+    "train.exit_signals",
     "parallel.",
 )
 """Config keys that may differ when a run resumes (training/run_dir.py): the layouts too, since
@@ -69,9 +72,17 @@ def main(argv: list[str]) -> int:
 
 
 def train(args) -> int:
+    from megatron_rlhf.training.memory_check import check_ppo
+
     config = load_config(TrainPPOConfig, args.config, args.overrides)
-    validate_config(config, world_size())
-    return PPOTrainer(config, args.overwrite, args.force_config_change).fit()
+    archs = validate_config(config, world_size())
+    layouts = resolve_layouts(config.parallel, world_size(), roles=layout_roles(config))
+    check_ppo(config, archs, layouts, args.skip_memory_check)  # before any model is built
+    exit_signals = ExitSignals(config.train.exit_signals, "train-ppo")
+    try:
+        return PPOTrainer(config, args.overwrite, args.force_config_change).fit(exit_signals)
+    finally:
+        exit_signals.restore()
 
 
 class PPOTrainer:
@@ -119,10 +130,10 @@ class PPOTrainer:
         self.data = RunData(config, self.consumed_prompts, self.consumed_rehearsal)
         self.logger = RunLogger(self.output_dir, config, self.step)
 
-    def fit(self) -> int:
+    def fit(self, exit_signals: ExitSignals) -> int:
         config, start = self.config, time.time()
         first_reward = first_logged(self.output_dir, "reward/mean")  # steps before a resume
-        last_reward = None
+        last_reward, stopped_by, done = None, None, self.step
         for step in self.logger.progress(range(self.step, config.train.steps)):
             self.step = step
             timings, t0 = {}, time.time()
@@ -183,21 +194,28 @@ class PPOTrainer:
             self.logger.log(self.step + 1, metrics)
             if (self.step + 1) % config.train.sample_interval == 0:
                 self.logger.dump_samples(self.step + 1, experience, self.data.tokenizer)
-            if (
-                self.step + 1
-            ) % config.train.save_interval == 0 or self.step + 1 == config.train.steps:
-                self.save(self.step + 1)
+            done = self.step + 1
+            saved = done % config.train.save_interval == 0 or done == config.train.steps
+            if saved:
+                self.save(done)
+            stopped_by = exit_signals.agreed()
+            if stopped_by is not None:
+                if not saved:
+                    self.save(done)
+                stopped_message("train-ppo", stopped_by, done, self.output_dir / f"step_{done:07d}")
+                break
         self.logger.close()
         destroy()
         print_summary(
             "train-ppo",
-            steps=config.train.steps,
+            steps=done if stopped_by is not None else config.train.steps,
             first_reward=first_reward,
             last_reward=last_reward,
             seconds=round(time.time() - start, 1),
             output_dir=config.train.output_dir,
+            **({"stopped_by": stopped_by.name} if stopped_by is not None else {}),
         )
-        return 0
+        return EXIT_SAVED_ON_SIGNAL if stopped_by is not None else 0
 
     def sampling(self) -> SamplingConfig:
         """The step's sampling settings; each row's seed comes from ``step_row_seeds``."""
@@ -352,6 +370,7 @@ class PPOTrainer:
         self.guard.load_state_dict(state.get("nonfinite", {}))
         if is_rank0():
             print(f"[train-ppo] resumed from {latest} at step {self.step}", flush=True)
+        say_if_finished("train-ppo", latest, self.step, self.config.train.steps)
 
 
 def observed_kl(experience) -> tuple[float, int]:

@@ -118,7 +118,7 @@ def _summary(config: RewardTrainConfig, result: dict) -> dict:
     return dict(
         loss=config.loss,
         steps=result["step"],
-        train_loss=result["history"][-1]["loss"] if result["history"] else float("nan"),
+        train_loss=result["history"][-1]["loss"] if result["history"] else "-",  # finished run
         eval_accuracy=final_eval.get("accuracy", "-"),
         eval_ece=final_eval.get("ece", "-"),
         seconds=round(result["seconds"], 1),
@@ -127,11 +127,14 @@ def _summary(config: RewardTrainConfig, result: dict) -> dict:
 
 
 def train(
-    config: RewardTrainConfig, overwrite: bool = False, force_config_change: bool = False
+    config: RewardTrainConfig,
+    overwrite: bool = False,
+    force_config_change: bool = False,
+    skip_memory_check: bool = False,
 ) -> dict:
     """Run (or resume) the training run; returns per-step metrics, the last evaluation and the
-    final checkpoint. ``overwrite`` / ``force_config_change``: see training/run_dir.py.
-    Collective over every rank of the launch."""
+    final checkpoint. ``overwrite`` / ``force_config_change``: see training/run_dir.py;
+    ``skip_memory_check``: see training/memory_check.py. Collective over every rank."""
     from megatron_rlhf.checkpoint import checkpoint_architecture
     from megatron_rlhf.config import to_dict
     from megatron_rlhf.distributed import ParallelConfig, initialize
@@ -163,7 +166,18 @@ def train(
             f"{config.train.epochs}; lower the batch size or set train.steps"
         )
     output_dir = Path(config.train.output_dir)
+    import torch
+
     from megatron_rlhf.reward.model import NUM_OUTPUTS
+    from megatron_rlhf.training.memory_check import check_trainer
+    from megatron_rlhf.training.signals import ExitSignals, stopped_message
+
+    sharded_optimizer = config.backend == "deepspeed" or torch.cuda.is_available()
+    max_length = min(config.data.max_length or arch.max_sequence_length, arch.max_sequence_length)
+    check_trainer(
+        arch, config, dp_size, max_length, 2, "scalar",
+        command.use_bf16(config.model.bf16), sharded_optimizer, skip_memory_check,
+    )  # fmt: skip
 
     guard = NonFiniteGuard(config.train.max_nonfinite_skips)
     if config.backend == "deepspeed":
@@ -185,6 +199,7 @@ def train(
             head="scalar",
             num_scalar_outputs=NUM_OUTPUTS[config.loss],
         )
+    command.say_if_finished("train-reward", checkpoint, step, total_steps)
     if is_rank0():
         write_json(output_dir / "config.json", to_dict(config))
 
@@ -193,7 +208,19 @@ def train(
     metadata = {"loss": config.loss, "config": to_dict(config)}
     tokenizer_source = tokenizer_dir(dataset, config.model.load)
     logger = RunLog("train-reward", output_dir, step, total_steps)
-    history, last_eval = [], None
+    history, last_eval, saved_step, stopped_by = [], None, step, None
+
+    def save() -> Path:
+        return _save(
+            config,
+            engine,
+            output_dir,
+            {**metadata, "step": step, "eval": last_eval},
+            {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
+            tokenizer_source,
+        )
+
+    exit_signals = ExitSignals(config.train.exit_signals, "train-reward")
     try:
         while step < total_steps:
             microbatches, started = next(steps), time.time()
@@ -213,15 +240,15 @@ def train(
                 last_eval = evaluate(engine, eval_set, config, batches)
                 logger.write("eval", step, eval_scalars(last_eval))
             if last or every(step, config.train.save_interval):
-                checkpoint = _save(
-                    config,
-                    engine,
-                    output_dir,
-                    {**metadata, "step": step, "eval": last_eval},
-                    {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
-                    tokenizer_source,
-                )
+                checkpoint, saved_step = save(), step
+            stopped_by = exit_signals.agreed()
+            if stopped_by is not None:
+                if saved_step != step:
+                    checkpoint, saved_step = save(), step
+                stopped_message("train-reward", stopped_by, step, checkpoint)
+                break
     finally:
+        exit_signals.restore()
         logger.close()
     return {
         "step": step,
@@ -229,6 +256,7 @@ def train(
         "eval": last_eval,
         "checkpoint": str(checkpoint),
         "seconds": time.time() - start_time,
+        "stopped_by": stopped_by.name if stopped_by is not None else None,
     }
 
 

@@ -61,6 +61,8 @@ def build_engine(
     """(engine, step, consumed samples, checkpoint resumed from or None): the model from
     ``model.load``, or everything from the checkpoint ``training/run_dir.open_run`` picks in
     ``train.output_dir`` (``guard``, a NonFiniteGuard, gets its saved count)."""
+    from megatron_rlhf.checkpoint import safe_pickle
+    from megatron_rlhf.checkpoint.containment import require_contained
     from megatron_rlhf.checkpoint.dist import read_metadata
     from megatron_rlhf.reward.model import NUM_OUTPUTS
     from megatron_rlhf.training.command import log, resume_point, use_bf16
@@ -70,6 +72,7 @@ def build_engine(
     bf16 = use_bf16(config.model.bf16)
     resume_from = resume_point(config, overwrite, force_config_change)
     if resume_from is not None:
+        require_contained(resume_from)  # DeepSpeed's own files too: no symlink out of the run
         saved = read_metadata(resume_from)
         if saved.get("backend") != "deepspeed" or saved.get("num_scalar_outputs") != num_outputs:
             raise InputError(
@@ -91,6 +94,7 @@ def build_engine(
     )
     if resume_from is None:
         return engine, 0, 0, None
+    engine.engine.checkpoint_engine.load = safe_pickle.deepspeed_loader  # never weights_only=False
     engine.engine.load_checkpoint(
         str(resume_from / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, load_lr_scheduler_states=False
     )

@@ -5,7 +5,8 @@ so ``megatron_rlhf.checkpoint.load_bloom`` reads it at any TP/PP layout. Optimiz
 saved sharded like the model. RNG states (torch, numpy, python), LR-schedule positions and the
 trainer's counters are saved per rank as JSON (never a pickle); resuming at another layout
 restores everything except those (and says so). ``latest_checkpoint.txt`` names a ``step_N``
-directory of the run; when that checkpoint is damaged (its manifest does not verify), resuming
+directory of the run, resolved inside it (a symlink out is refused, checkpoint/containment.py);
+when that checkpoint is damaged (its manifest does not verify), resuming
 falls back to the newest one that does, and says so.
 """
 
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from megatron_rlhf.checkpoint import dist as dist_ckpt
+from megatron_rlhf.checkpoint.containment import require_inside
 from megatron_rlhf.utils import InputError
 
 LATEST_FILE = "latest_checkpoint.txt"
@@ -98,7 +100,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
             f"{pointer}: names {name!r}, not a step_N directory of this run; a checkpoint is "
             "only read from inside its run directory (fix or delete the file)"
         )
-    return Path(run_dir) / name
+    return require_inside(Path(run_dir) / name, run_dir)
 
 
 def checkpoint_in(path: str | Path) -> str:
@@ -125,6 +127,7 @@ def resume_checkpoint(run_dir: str | Path) -> Path | None:
     candidates = [latest] + [p for p in steps if p.name < latest.name]
     for candidate in candidates:
         try:
+            require_inside(candidate, run_dir)
             if not (candidate / dist_ckpt.METADATA_FILE).is_file():
                 raise InputError(f"{candidate}: missing or incomplete")
             manifest.verify(candidate)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -69,13 +69,16 @@ class TrainConfig:
     max_nonfinite_skips: int = 0
     """Steps with a non-finite loss or gradient norm skipped (no update) before the run stops
     with an error; 0: the first one stops it (training/guards.py)."""
+    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that make the run finish its step, save a checkpoint and exit with code 75
+    (training/signals.py); ask Slurm for one ahead of the time limit (``--signal``)."""
 
 
 RESUMABLE_CHANGES = tuple(
     f"train.{key}"
     for key in (
         "steps", "epochs", "eval_interval", "save_interval", "log_interval", "resume",
-        "max_nonfinite_skips", "output_dir",
+        "max_nonfinite_skips", "output_dir", "exit_signals",
     )
 )  # fmt: skip
 """Config keys that may differ when a run resumes (training/run_dir.py)."""
@@ -86,6 +89,7 @@ def command_main(command: str, config_cls, run, argv: list[str], summary) -> int
     fields of the one-line summary). Bad input exits 2 with one line (``utils.run_command``);
     the process group is torn down however it ends."""
     from megatron_rlhf.config import config_parser, describe_config, load_config
+    from megatron_rlhf.training.signals import EXIT_SAVED_ON_SIGNAL
     from megatron_rlhf.utils import print_summary, run_command
 
     parser = config_parser(
@@ -100,9 +104,17 @@ def command_main(command: str, config_cls, run, argv: list[str], summary) -> int
 
     def body() -> int:
         config = load_config(config_cls, args.config, args.overrides)
-        result = run(config, overwrite=args.overwrite, force_config_change=args.force_config_change)
-        print_summary(command, **summary(config, result))
-        return 0
+        result = run(
+            config,
+            overwrite=args.overwrite,
+            force_config_change=args.force_config_change,
+            skip_memory_check=args.skip_memory_check,
+        )
+        stopped_by = result.get("stopped_by")
+        print_summary(
+            command, **summary(config, result), **({"stopped_by": stopped_by} if stopped_by else {})
+        )
+        return EXIT_SAVED_ON_SIGNAL if stopped_by else 0
 
     return run_command(command, body, distributed=True)
 
@@ -178,6 +190,16 @@ def build_engine(
         guard.load_state_dict(state.get("nonfinite", {}))
     log(command, f"resumed from {resume_from} at step {state.get('step', 0)}")
     return engine, state.get("step", 0), state.get("consumed_samples", 0), resume_from
+
+
+def say_if_finished(command: str, checkpoint, step: int, total_steps: int) -> None:
+    """A resumed run that has nothing left to do says so (its summary shows no loss)."""
+    if checkpoint is not None and step >= total_steps:
+        log(
+            command,
+            f"nothing left to do: {checkpoint} is at step {step} of {total_steps}; raise "
+            "train.steps (or train.epochs) to train further",
+        )
 
 
 def resume_point(config, overwrite: bool = False, force_config_change: bool = False):

@@ -46,8 +46,10 @@ from megatron_rlhf.training.command import (
     held_out_split,
     log,
     reduce_metrics,
+    say_if_finished,
     to_device,
     tokenizer_dir,
+    use_bf16,
 )
 from megatron_rlhf.training.engine import OptimConfig, optim_problems
 from megatron_rlhf.training.throughput import train_step_throughput
@@ -92,23 +94,31 @@ def _summary(config: SFTConfig, result: dict) -> dict:
     history, final_eval = result["history"], result["eval"] or {}
     return dict(
         steps=result["step"],
-        train_loss=history[-1]["loss"] if history else float("nan"),
+        train_loss=history[-1]["loss"] if history else "-",  # a finished run took no step
         eval_loss=final_eval.get("loss", "-"),
         seconds=round(result["seconds"], 1),
         checkpoint=result["checkpoint"],
     )
 
 
-def run(config: SFTConfig, overwrite: bool = False, force_config_change: bool = False) -> dict:
+def run(
+    config: SFTConfig,
+    overwrite: bool = False,
+    force_config_change: bool = False,
+    skip_memory_check: bool = False,
+) -> dict:
     """Run (or resume) one SFT run; returns ``{"step", "history" (per-step metrics), "eval"
     (the last evaluation or None), "checkpoint", "seconds"}``. ``overwrite`` /
-    ``force_config_change``: see training/run_dir.py. Collective over every rank."""
+    ``force_config_change``: see training/run_dir.py; ``skip_memory_check``: see
+    training/memory_check.py. Collective over every rank."""
     from megatron_rlhf.checkpoint import checkpoint_architecture
     from megatron_rlhf.checkpoint.dist import model_metadata
     from megatron_rlhf.config import to_dict
     from megatron_rlhf.distributed import ParallelConfig, initialize
     from megatron_rlhf.training.checkpointing import save_training_checkpoint
     from megatron_rlhf.training.guards import NonFiniteGuard
+    from megatron_rlhf.training.memory_check import check_trainer
+    from megatron_rlhf.training.signals import ExitSignals, stopped_message
 
     start_time = time.time()
     _check_config(config)
@@ -137,11 +147,16 @@ def run(config: SFTConfig, overwrite: bool = False, force_config_change: bool = 
             f"train.epochs={config.train.epochs}; lower the batch size or set train.steps"
         )
     output_dir = Path(config.train.output_dir)
+    check_trainer(
+        arch, config, dp_size, max_length, 1, "lm", use_bf16(config.model.bf16),
+        torch.cuda.is_available(), skip_memory_check,
+    )  # fmt: skip
     guard = NonFiniteGuard(config.train.max_nonfinite_skips)
     engine, step, consumed, checkpoint = build_engine(
         COMMAND, config, arch, total_steps, guard=guard, overwrite=overwrite,
         force_config_change=force_config_change, head="lm",
     )  # fmt: skip
+    say_if_finished(COMMAND, checkpoint, step, total_steps)
     if is_rank0():
         write_json(output_dir / "config.json", to_dict(config))
     _note_truncation(train_set, max_length)
@@ -150,7 +165,20 @@ def run(config: SFTConfig, overwrite: bool = False, force_config_change: bool = 
     metadata = {"config": to_dict(config)}
     tokenizer_source = tokenizer_dir(dataset, config.model.load)
     logger = RunLog(COMMAND, output_dir, step, total_steps)
-    history, last_eval = [], None
+    history, last_eval, saved_step, stopped_by = [], None, step, None
+
+    def save() -> Path:
+        meta = model_metadata(engine.module, **metadata, step=step, eval=last_eval)
+        return save_training_checkpoint(
+            output_dir,
+            step,
+            {"model": engine},
+            meta,
+            {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
+            tokenizer_dir=tokenizer_source,
+        )
+
+    exit_signals = ExitSignals(config.train.exit_signals, COMMAND)
     try:
         while step < total_steps:
             microbatches, started = next(steps), time.time()
@@ -172,16 +200,15 @@ def run(config: SFTConfig, overwrite: bool = False, force_config_change: bool = 
                 last_eval = evaluate(engine, eval_set, batches)
                 logger.write("eval", step, last_eval)
             if last or every(step, config.train.save_interval):
-                meta = model_metadata(engine.module, **metadata, step=step, eval=last_eval)
-                checkpoint = save_training_checkpoint(
-                    output_dir,
-                    step,
-                    {"model": engine},
-                    meta,
-                    {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
-                    tokenizer_dir=tokenizer_source,
-                )
+                checkpoint, saved_step = save(), step
+            stopped_by = exit_signals.agreed()
+            if stopped_by is not None:
+                if saved_step != step:
+                    checkpoint, saved_step = save(), step
+                stopped_message(COMMAND, stopped_by, step, checkpoint)
+                break
     finally:
+        exit_signals.restore()
         logger.close()
     return {
         "step": step,
@@ -189,6 +216,7 @@ def run(config: SFTConfig, overwrite: bool = False, force_config_change: bool = 
         "eval": last_eval,
         "checkpoint": str(checkpoint),
         "seconds": time.time() - start_time,
+        "stopped_by": stopped_by.name if stopped_by is not None else None,
     }
 
 
