@@ -262,9 +262,11 @@ def _loss_on_last_stage(loss_fn, microbatch, output):
     return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in metrics.items()}}
 
 
-def average_metrics(per_microbatch: list[dict], groups) -> dict:
-    """Mean of each metric over the microbatches (last pipeline stage; empty elsewhere)."""
-    if not per_microbatch or groups.pp.rank() != groups.pp.size() - 1:
+def average_metrics(per_microbatch: list[dict], groups=None) -> dict:
+    """Mean of each metric over the microbatches (last pipeline stage of ``groups``, a model's
+    ProcessGroupCollection; None: no pipeline, as under DeepSpeed). Empty on other stages."""
+    last_stage = groups is None or groups.pp.rank() == groups.pp.size() - 1
+    if not per_microbatch or not last_stage:
         return {}
     keys = per_microbatch[0].keys()
     return {k: float(torch.stack([m[k].float() for m in per_microbatch]).mean()) for k in keys}
