@@ -59,11 +59,12 @@ def run_command(command: str, body: Callable[[], int], distributed: bool = False
             raise
         message = os_error_message(os_error)
     finally:
+        from megatron_rlhf.training import run_lock
+
+        run_lock.release()  # this command's run or output locks, however it ended
         if distributed:
             from megatron_rlhf.distributed import destroy
-            from megatron_rlhf.training import run_lock
 
-            run_lock.release()
             destroy()
     print(f"{command}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
     return 2

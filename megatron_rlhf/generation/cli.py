@@ -206,8 +206,10 @@ def _generate(args) -> int:
     from megatron_rlhf.checkpoint.dist import check_tokenizer_matches
     from megatron_rlhf.distributed import ParallelConfig, initialize
     from megatron_rlhf.generation.engine import generate
+    from megatron_rlhf.training import run_lock
 
     check_output_path(args.output, args.overwrite)
+    run_lock.lock_output(args.output, "--output")
     arch = checkpoint_architecture(args.load)
     max_prompt_length = check_generation_arguments(args, arch.max_sequence_length)
     check_tokenizer_matches(args.tokenizer, args.load)

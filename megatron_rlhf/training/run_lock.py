@@ -56,6 +56,18 @@ def acquire(output_dir: str | Path, key: str = "train.output_dir") -> None:
         raise InputError(refusal)
 
 
+def lock_output(path: str | Path, flag: str) -> None:
+    """One command per output file, path prefix or directory that is not a training run's
+    (``score --output``, ``generate --output``, ``eval-* --output-dir``, ``preprocess
+    --output-prefix``, ``build_rehearsal_clusters``, the converters' ``--save``): the same lock
+    as :func:`acquire`, on ``.<name>.lock`` beside it, held by rank 0 until the command exits.
+    Not collective (commands check their outputs before torch.distributed starts): under
+    torchrun, rank 0's refusal ends the launch."""
+    path = Path(path)
+    if _rank() == 0:
+        _acquire_here(path.parent, flag, lock_name=f".{path.name}.lock", what="output")
+
+
 def release() -> None:
     """Drop every lock this process holds: the lock file is removed (and the output directory,
     if acquiring created it and nothing else was written there)."""
@@ -72,8 +84,10 @@ def release() -> None:
             del _held[path]
 
 
-def _acquire_here(output_dir: Path, key: str) -> None:
-    path = output_dir / LOCK_FILE
+def _acquire_here(
+    output_dir: Path, key: str, lock_name: str = LOCK_FILE, what: str = "directory"
+) -> None:
+    path = output_dir / lock_name
     if os.path.realpath(path) in _held:
         return
     created = not output_dir.exists()
@@ -86,7 +100,7 @@ def _acquire_here(output_dir: Path, key: str) -> None:
         except BlockingIOError:
             holder = _read(fd)
             os.close(fd)
-            raise _held_by(holder, output_dir, path, key) from None
+            raise _held_by(holder, output_dir, path, key, what) from None
         except OSError as err:
             if err.errno not in _NO_FLOCK:
                 os.close(fd)
@@ -106,7 +120,7 @@ def _acquire_here(output_dir: Path, key: str) -> None:
     if previous:
         try:
             if not flocked and _alive_here(previous):
-                raise _held_by(previous, output_dir, path, key)
+                raise _held_by(previous, output_dir, path, key, what)
             _check_stale(previous, path, key)
         except InputError:
             os.close(fd)
@@ -122,9 +136,13 @@ def _acquire_here(output_dir: Path, key: str) -> None:
     _held[os.path.realpath(path)] = (fd, created)
 
 
-def _held_by(holder: dict, output_dir: Path, path: Path, key: str) -> InputError:
+def _held_by(
+    holder: dict, output_dir: Path, path: Path, key: str, what: str = "directory"
+) -> InputError:
+    target = output_dir if what == "directory" else path.with_name(path.name[1:-5])
+    separator = "=" if what == "directory" else " "
     return InputError(
-        f"{key}={output_dir}: another run is using this directory ({_describe(holder)}; lock "
+        f"{key}{separator}{target}: another run is using this {what} ({_describe(holder)}; lock "
         f"{path}); wait for it to end or choose another {key}"
     )
 
