@@ -30,7 +30,7 @@ def gathered_full_weights(model, arch) -> dict[str, torch.Tensor]:
     for name, param in model.named_parameters():
         if name == "output_layer.weight":
             continue
-        mapping = mapping_for(name, "lm", stage_layer_offset(arch.num_layers))
+        mapping = mapping_for(name, "lm", stage_layer_offset(model))
         tensor = param.detach()
         if mapping.split_dim is not None and tp > 1:
             parts = [torch.empty_like(tensor) for _ in range(tp)]

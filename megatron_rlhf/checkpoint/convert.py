@@ -174,7 +174,7 @@ def megatron_to_hf(args) -> int:
     )
     loaded = dist_ckpt.load(args.load, model.sharded_state_dict(prefix=prefix))
     model.load_state_dict({name.removeprefix(prefix): value for name, value in loaded.items()})
-    stage, offset = dist.get_rank(), stage_layer_offset(arch.num_layers)
+    stage, offset = dist.get_rank(), stage_layer_offset(model)
     # A converted HF model goes back in its own dtype (bf16 -> fp32 -> bf16 is exact).
     export_dtype = meta.get("hf_dtype", meta.get("dtype", "float32"))
     to_dtype = getattr(torch, export_dtype)

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state
 from safetensors import safe_open
 
 from megatron_rlhf.checkpoint.hf_names import canonical_hf_name, hf_names, mapping_for
@@ -119,9 +118,8 @@ class HFReader:
 def load_hf_into_model(model, reader: HFReader, skip_head: bool = False) -> None:
     """Copy this rank's slice of every HF tensor into ``model`` (any TP/PP layout);
     ``skip_head``: leave the scalar head as initialised (a critic from an AM's trunk)."""
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    layer_offset = stage_layer_offset(model.arch.num_layers)
+    tp_rank, tp = model.pg_collection.tp.rank(), model.pg_collection.tp.size()
+    layer_offset = stage_layer_offset(model)
     for name, param in model.named_parameters():
         if name == "output_layer.weight":  # tied to the embedding on the last PP stage
             name = "embedding.word_embeddings.weight"
@@ -150,11 +148,11 @@ def _vocab_rows(reader: HFReader, hf_name: str, rows_per_rank: int, tp_rank: int
     return out
 
 
-def stage_layer_offset(num_layers: int) -> int:
-    """Global index of this pipeline stage's first decoder layer (layers split evenly)."""
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    return pp_rank * (num_layers // pp)
+def stage_layer_offset(model) -> int:
+    """Global index of the first decoder layer of ``model``'s pipeline stage (layers split
+    evenly over its PP group)."""
+    pp_rank, pp = model.pg_collection.pp.rank(), model.pg_collection.pp.size()
+    return pp_rank * (model.arch.num_layers // pp)
 
 
 def hf_reward_outputs(directory: str | Path, key: str) -> int:

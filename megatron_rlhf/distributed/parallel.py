@@ -79,6 +79,26 @@ def current_groups():
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
+def model_groups(model):
+    """The ProcessGroupCollection a model was built with (through a DDP wrapper too)."""
+    return getattr(model, "pg_collection", None) or model.module.pg_collection
+
+
+def is_first_stage(groups) -> bool:
+    """This rank holds the first pipeline stage of the model whose ``groups`` these are."""
+    return groups.pp.rank() == 0
+
+
+def is_last_stage(groups) -> bool:
+    return groups.pp.rank() == groups.pp.size() - 1
+
+
+def stage_rank(groups, stage: int) -> int:
+    """Global rank of pipeline stage ``stage`` (modulo the stages: -1 is the last, one past the
+    last is the first) in this rank's pipeline."""
+    return dist.get_global_rank(groups.pp, stage % groups.pp.size())
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 

@@ -199,7 +199,6 @@ def main(argv: list[str]) -> int:
 
 def _generate(args) -> int:
     import torch.distributed as dist
-    from megatron.core import parallel_state
     from tqdm import tqdm
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
@@ -222,8 +221,7 @@ def _generate(args) -> int:
         ParallelConfig(tp=args.tp, pp=args.pp), num_heads=arch.num_heads, num_layers=arch.num_layers
     )
     model = load_bloom(args.load, init_weights=False)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank, dp_size = model.pg_collection.dp.rank(), model.pg_collection.dp.size()
     mine = list(range(dp_rank, len(records), dp_size))
     results: dict[int, dict] = {}
     start, generated = time.time(), 0

@@ -21,10 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.inference.contexts import StaticInferenceContext
 
-from megatron_rlhf.distributed.parallel import compute_device
+from megatron_rlhf.distributed.parallel import compute_device, model_groups
 
 
 @dataclass(kw_only=True)
@@ -155,14 +154,15 @@ def stage_forward(model, micro_batch: MicroBatch, context, hidden=None):
     return model(input_ids, mask, inference_context=context, runtime_gather_output=True)
 
 
-def sampling_uniforms(sampling: SamplingConfig, batch: int, device):
+def sampling_uniforms(sampling: SamplingConfig, batch: int, device, dp_rank: int):
     """One uniform per (step, row), (max_new_tokens, B), or None for greedy decoding: from one
-    generator seeded ``seed + data-parallel rank``, or row by row from ``row_seeds``."""
+    generator seeded ``seed + dp_rank`` (the model's data-parallel rank), or row by row from
+    ``row_seeds``."""
     if sampling.greedy:
         return None
     steps = sampling.max_new_tokens
     if sampling.row_seeds is None:
-        seed = sampling.seed + parallel_state.get_data_parallel_rank()
+        seed = sampling.seed + dp_rank
         uniforms = torch.rand((steps, batch), generator=torch.Generator().manual_seed(seed))
         return uniforms.to(device)
     if len(sampling.row_seeds) != batch:
@@ -198,12 +198,13 @@ def generate(
     device = compute_device()
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     try:
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        groups = model_groups(model)
+        if groups.pp.size() > 1:
             from megatron_rlhf.generation.pipelined import generate_pipelined
 
             return generate_pipelined(model, prompt_ids, prompt_mask, sampling, context)
         micro_batch = MicroBatch(slice(0, batch), prompt_ids, prompt_mask, sampling, device)
-        uniforms = sampling_uniforms(sampling, batch, device)
+        uniforms = sampling_uniforms(sampling, batch, device, groups.dp.rank())
         while not micro_batch.done:
             logits = stage_forward(model, micro_batch, context)
             micro_batch.append(*choose_for(micro_batch, logits, uniforms))

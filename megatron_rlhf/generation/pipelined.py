@@ -26,9 +26,14 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
-from megatron_rlhf.distributed.parallel import compute_device
+from megatron_rlhf.distributed.parallel import (
+    compute_device,
+    is_first_stage,
+    is_last_stage,
+    model_groups,
+    stage_rank,
+)
 from megatron_rlhf.generation.engine import (
     GenerationOutput,
     MicroBatch,
@@ -45,12 +50,11 @@ _END = -1
 class _Links:
     """Non-blocking sends to the next stage / the first stage, blocking receives."""
 
-    def __init__(self, max_rows: int):
+    def __init__(self, max_rows: int, groups):
         self.max_rows, self.device = max_rows, compute_device()
-        self.next = parallel_state.get_pipeline_model_parallel_next_rank()
-        self.prev = parallel_state.get_pipeline_model_parallel_prev_rank()
-        self.first = parallel_state.get_pipeline_model_parallel_first_rank()
-        self.last = parallel_state.get_pipeline_model_parallel_last_rank()
+        stage = groups.pp.rank()
+        self.next, self.prev = stage_rank(groups, stage + 1), stage_rank(groups, stage - 1)
+        self.first, self.last = stage_rank(groups, 0), stage_rank(groups, -1)
         self.pending = deque()
 
     def _isend(self, tensor, dst: int) -> None:
@@ -93,23 +97,22 @@ class _Links:
 
 def generate_pipelined(model, prompt_ids, prompt_mask, sampling, context) -> GenerationOutput:
     """Every stage of the pipeline calls this with the same prompts; see the module docstring."""
-    device = compute_device()
-    parts = (
-        sampling.pipeline_micro_batches or parallel_state.get_pipeline_model_parallel_world_size()
-    )
+    device, groups = compute_device(), model_groups(model)
+    parts = sampling.pipeline_micro_batches or groups.pp.size()
     micro_batches = [
         MicroBatch(rows, prompt_ids[rows], prompt_mask[rows], sampling, device)
         for rows in split_rows(prompt_ids.shape[0], parts)
     ]
-    links = _Links(max(mb.rows.stop - mb.rows.start for mb in micro_batches))
-    if parallel_state.is_pipeline_first_stage():
+    links = _Links(max(mb.rows.stop - mb.rows.start for mb in micro_batches), groups)
+    if is_first_stage(groups):
         _first_stage(model, micro_batches, context, links)
     else:
-        last = parallel_state.is_pipeline_last_stage()
-        uniforms = sampling_uniforms(sampling, prompt_ids.shape[0], device) if last else None
+        uniforms = None
+        if is_last_stage(groups):
+            uniforms = sampling_uniforms(sampling, prompt_ids.shape[0], device, groups.dp.rank())
         _later_stage(model, micro_batches, context, links, uniforms)
     links.drain()
-    return _broadcast_from_last_stage(micro_batches, sampling)
+    return _broadcast_from_last_stage(micro_batches, sampling, groups)
 
 
 def _first_stage(model, micro_batches, context, links: _Links) -> None:
@@ -135,8 +138,8 @@ def _first_stage(model, micro_batches, context, links: _Links) -> None:
 def _later_stage(model, micro_batches, context, links: _Links, uniforms) -> None:
     """Receive (micro-batch, step, hidden), run this stage's layers, pass it on; the last
     stage picks the tokens and returns them to the first stage."""
-    config = model.config
-    last = parallel_state.is_pipeline_last_stage()
+    config, groups = model.config, model_groups(model)
+    last = is_last_stage(groups)
     while True:
         index, step, alive = links.recv_header()
         if index == _END:
@@ -150,7 +153,7 @@ def _later_stage(model, micro_batches, context, links: _Links, uniforms) -> None
         input_ids, _ = micro_batch.inputs()
         seq = input_ids.shape[1]
         if config.sequence_parallel:
-            seq //= parallel_state.get_tensor_model_parallel_world_size()
+            seq //= groups.tp.size()
         hidden = links.recv_hidden((seq, rows, config.hidden_size), config.params_dtype)
         output = stage_forward(model, micro_batch, context, hidden)
         if not last:
@@ -162,22 +165,18 @@ def _later_stage(model, micro_batches, context, links: _Links, uniforms) -> None
         links.send_tokens(chosen)
 
 
-def _broadcast_from_last_stage(micro_batches, sampling) -> GenerationOutput:
+def _broadcast_from_last_stage(micro_batches, sampling, groups) -> GenerationOutput:
     """The last stage's (ids, mask, log-probs), packed in one float64 tensor, on every stage."""
     out = collect(micro_batches)
     batch = out.response_ids.shape[0]
     packed = torch.zeros((3, batch, sampling.max_new_tokens), dtype=torch.float64)
     packed = packed.to(compute_device())
-    if parallel_state.is_pipeline_last_stage():
+    if is_last_stage(groups):
         steps = out.response_ids.shape[1]
         packed[0, :, :steps] = out.response_ids.double()
         packed[1, :, :steps] = out.response_mask.double()
         packed[2, :, :steps] = out.response_logprobs.double()
-    dist.broadcast(
-        packed,
-        src=parallel_state.get_pipeline_model_parallel_last_rank(),
-        group=parallel_state.get_pipeline_model_parallel_group(),
-    )
+    dist.broadcast(packed, src=stage_rank(groups, -1), group=groups.pp)
     steps = int(packed[1].any(dim=0).nonzero().max()) + 1
     return GenerationOutput(
         response_ids=packed[0, :, :steps].long(),
