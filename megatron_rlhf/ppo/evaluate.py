@@ -265,15 +265,14 @@ def load_policy(directory: str, params_dtype: torch.dtype):
     return model
 
 
-def rank_batches(records: list, batch_size: int, pad_id: int) -> list[dict]:
-    """This data-parallel rank's share of the prompts (every dp_size-th), left-padded."""
+def rank_batches(records: list, batch_size: int, pad_id: int, dp_rank: int, dp_size: int):
+    """This data-parallel rank's share of the prompts (every dp_size-th), left-padded: a list
+    of batches."""
     import torch
-    from megatron.core import parallel_state
 
     from megatron_rlhf.generation.cli import left_pad
 
-    dp_rank = parallel_state.get_data_parallel_rank()
-    mine = list(range(dp_rank, len(records), parallel_state.get_data_parallel_world_size()))
+    mine = list(range(dp_rank, len(records), dp_size))
     batches = []
     for first in range(0, len(mine), batch_size):
         index = mine[first : first + batch_size]
@@ -327,11 +326,12 @@ def run(args, plan: dict) -> int:
                num_layers=arch.num_layers)  # fmt: skip
     try:
         dtype = torch.bfloat16 if (args.bf16 and torch.cuda.is_available()) else torch.float32
+        policy = load_policy(plan["policy_dir"], dtype)
+        dp = policy.pg_collection.dp
         batches = {
-            name: rank_batches(records, args.batch_size, sampling.pad_id)
+            name: rank_batches(records, args.batch_size, sampling.pad_id, dp.rank(), dp.size())
             for name, records in prompt_sets.items()
         }
-        policy = load_policy(plan["policy_dir"], dtype)
         policy_out = generate_sets(policy, batches, sampling, "policy")
         del policy
         sft = load_bloom(args.sft, head="lm", params_dtype=dtype, init_weights=False)

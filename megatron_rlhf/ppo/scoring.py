@@ -12,6 +12,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
+from megatron_rlhf.distributed.parallel import is_last_stage, model_groups
 from megatron_rlhf.distributed.pipeline import broadcast_from_last_stage, pipeline_forward
 from megatron_rlhf.distributed.role_groups import active
 from megatron_rlhf.kernels import token_logprobs
@@ -95,8 +96,9 @@ def score(
         seq, mask = experience.sequences[rows], experience.attention_mask[rows]
         outputs = {role: pipeline_forward(model, seq, mask) for role, model in models.items()}
         for role, output in outputs.items():
+            last_stage = is_last_stage(model_groups(models[role]))
             name, value, shape = _from_output(
-                role, output, seq, mask, p, n, temperature, reward_kind
+                role, output, seq, mask, p, n, temperature, reward_kind, last_stage
             )
             parts.setdefault(name, []).append(
                 broadcast_from_last_stage(value, shape, torch.float32)
@@ -154,9 +156,9 @@ def score_in_layouts(
     return experience
 
 
-def _from_output(role, output, seq, mask, p, n, temperature, reward_kind):
-    """(experience field, its value on the last stage else None, its shape) for one role."""
-    last_stage = parallel_state.is_pipeline_last_stage()
+def _from_output(role, output, seq, mask, p, n, temperature, reward_kind, last_stage: bool):
+    """(experience field, its value on the model's last stage else None, its shape) for one
+    role."""
     rows = seq.shape[0]
     if role in ("actor", "reference"):
         name = "logprobs" if role == "actor" else "ref_logprobs"

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.distributed.handoff import dp_rows
-from megatron_rlhf.distributed.parallel import compute_device
+from megatron_rlhf.distributed.parallel import compute_device, is_last_stage
 from megatron_rlhf.kernels import token_logprobs
 from megatron_rlhf.ppo.experience import Experience
 from megatron_rlhf.ppo.losses import masked_mean, policy_loss, ppo_sr_loss, sft_nll, value_loss
@@ -224,13 +224,8 @@ def _set_loss_scale(microbatches: list[dict], engine) -> None:
 def _sum_over_replicas(engine, metrics: dict, keys, num_microbatches: int) -> dict:
     """Each metric summed over microbatches and DP replicas (one contribution per replica:
     its last pipeline stage, TP rank 0), then handed to every rank of the world."""
-    from megatron.core import parallel_state
-
-    with engine.on_groups():
-        contributes = (
-            parallel_state.is_pipeline_last_stage()
-            and parallel_state.get_tensor_model_parallel_rank() == 0
-        )
+    groups = engine.module.pg_collection
+    contributes = is_last_stage(groups) and groups.tp.rank() == 0
     values = torch.tensor(
         [metrics[k] * num_microbatches if contributes else 0.0 for k in keys],
         dtype=torch.float64,

@@ -94,7 +94,6 @@ def main(argv: list[str]) -> int:
 def run(args) -> int:
     """Score ``args.input`` (parsed by :func:`build_parser`); collective over every rank."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
     from tqdm import tqdm
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, is_hf_checkpoint, load_bloom
@@ -132,8 +131,8 @@ def run(args) -> int:
     )
     model = load_bloom(args.load, head="scalar", num_scalar_outputs=num_outputs, init_weights=False)
     model.eval()
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
+    groups = model.pg_collection
+    dp_rank, dp_size = groups.dp.rank(), groups.dp.size()
     mine = list(range(dp_rank, len(scoring.prompts), dp_size))
     mine.sort(key=lambda i: len(scoring.prompts[i]) + len(scoring.responses[i]))  # less padding
     batches = [mine[i : i + args.batch_size] for i in range(0, len(mine), args.batch_size)]
@@ -141,10 +140,7 @@ def run(args) -> int:
     results: dict[int, tuple[float, float | None, float]] = {}
     for batch in tqdm(batches, desc="score", disable=not is_rank0()):
         results.update(score_batch(model, scoring, batch))
-    reports = (
-        parallel_state.is_pipeline_last_stage()
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-    )
+    reports = groups.pp.rank() == groups.pp.size() - 1 and groups.tp.rank() == 0
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results if reports else {})
     if is_rank0():
