@@ -65,7 +65,11 @@ def lock_output(path: str | Path, flag: str) -> None:
     torchrun, rank 0's refusal ends the launch."""
     path = Path(path)
     if _rank() == 0:
-        _acquire_here(path.parent, flag, lock_name=f".{path.name}.lock", what="output")
+        # keep_directory: the command creates (or fills) the parent itself; releasing the lock
+        # must not remove a directory it would have left behind
+        _acquire_here(
+            path.parent, flag, lock_name=f".{path.name}.lock", what="output", keep_directory=True
+        )
 
 
 def release() -> None:
@@ -85,7 +89,11 @@ def release() -> None:
 
 
 def _acquire_here(
-    output_dir: Path, key: str, lock_name: str = LOCK_FILE, what: str = "directory"
+    output_dir: Path,
+    key: str,
+    lock_name: str = LOCK_FILE,
+    what: str = "directory",
+    keep_directory: bool = False,
 ) -> None:
     path = output_dir / lock_name
     if os.path.realpath(path) in _held:
@@ -133,7 +141,7 @@ def _acquire_here(
     }
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-    _held[os.path.realpath(path)] = (fd, created)
+    _held[os.path.realpath(path)] = (fd, created and not keep_directory)
 
 
 def _held_by(
