@@ -57,8 +57,9 @@ def tampered_copy(source: Path, target: Path, name: str, marker: Path) -> Path:
     """A copy of ``source`` whose ``name`` carries a :class:`Payload` beside its real content."""
     shutil.copytree(source, target)
     if name == ".metadata":
-        with open(target / name, "rb") as handle:
-            metadata = pickle.load(handle)  # our own fresh checkpoint: trusted here
+        from megatron_rlhf.checkpoint.safe_pickle import load_metadata
+
+        metadata = load_metadata(target / name)  # the restricted reader: no raw unpickling
         metadata.planner_data = {"payload": Payload(marker)}
         (target / name).write_bytes(pickle.dumps(metadata))
     else:

@@ -71,6 +71,17 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
+def world_max(value: int) -> int:
+    """The largest ``value`` over every rank of the world (collective when distributed; one
+    all-reduce of one integer, on the GPU under NCCL, which reduces CUDA tensors only)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
 def current_groups():
     """The Megatron-Core ``ProcessGroupCollection`` in force now (the global parallel state's
     groups, or the active role layout's): what a model built without explicit groups keeps."""

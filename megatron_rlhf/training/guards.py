@@ -24,8 +24,8 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 
+from megatron_rlhf.distributed.parallel import world_max
 from megatron_rlhf.utils import InputError
 
 UPDATE_SKIPPED = "update_skipped"
@@ -38,12 +38,7 @@ class NonFiniteError(InputError):
 
 def _any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is True on any rank (collective when distributed)."""
-    if not dist.is_initialized():
-        return flag
-    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item() > 0)
+    return world_max(int(flag)) > 0
 
 
 def _finite(value) -> bool:

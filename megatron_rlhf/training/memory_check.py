@@ -94,14 +94,10 @@ def check_trainer(
         distributed_optimizer=sharded_optimizer,
     )
     per_rank_rows = -(-train.global_batch_size // dp) * rows_per_example
-    model_keys = "model.tp or model.pp (or more ranks)"
     batch_keys = "train.micro_batch_size, data.max_length or model.recompute_activations=true"
-    keys = dict(
-        weights=model_keys,
-        grads=model_keys,
-        optimizer=model_keys,
-        activations=batch_keys,
-        logits=batch_keys,
+    keys = _term_keys(
+        layout="model.tp or model.pp (or more ranks)",
+        batch=batch_keys,
         kv_cache=batch_keys,
         inputs="train.global_batch_size or data.max_length",
     )
@@ -120,9 +116,10 @@ def check_ppo(config, archs: dict, layouts: dict, skip: bool = False) -> None:
         train_memory,
     )
     from megatron_rlhf.planning.shapes import shape_of
+    from megatron_rlhf.training.command import use_bf16
 
     cuda = torch.cuda.is_available()
-    e = 2 if config.train.bf16 and cuda else 4
+    e = 2 if use_bf16(config.train.bf16, "train.bf16") else 4
     new_tokens = config.rollout.max_new_tokens
     seq = config.data.max_prompt_length + new_tokens
     rows = config.rollout.prompts_per_step
@@ -158,18 +155,22 @@ def check_ppo(config, archs: dict, layouts: dict, skip: bool = False) -> None:
     busiest = max(roles, key=lambda r: roles[r].activations + roles[r].logits + roles[r].kv_cache)
     memory.activations, memory.logits = roles[busiest].activations, roles[busiest].logits
     memory.kv_cache = roles[busiest].kv_cache
-    layout_keys = "parallel.<role>.tp or parallel.<role>.pp (or more ranks)"
     pass_keys = "ppo.micro_batch_size or train.recompute_activations=true"
     if busiest == "rollout":  # generation passes every rollout row of the replica at once
         pass_keys = "rollout.prompts_per_step or parallel.rollout.tp/pp"
-    keys = dict(
-        weights=layout_keys,
-        grads=layout_keys,
-        optimizer=layout_keys,
-        activations=pass_keys,
-        logits=pass_keys,
+    keys = _term_keys(
+        layout="parallel.<role>.tp or parallel.<role>.pp (or more ranks)",
+        batch=pass_keys,
         kv_cache="rollout.prompts_per_step or rollout.max_new_tokens",
         inputs="rollout.prompts_per_step, data.max_prompt_length or rollout.max_new_tokens",
     )
     experience = input_bytes(rows, seq) * 3  # rollout rows, their log-probs, values, advantages
     check_fits(memory, experience, keys, skip)
+
+
+def _term_keys(*, layout: str, batch: str, kv_cache: str, inputs: str) -> dict[str, str]:
+    """The config keys that shrink each term of a :class:`Memory` (for :func:`check_fits`)."""
+    return dict(
+        weights=layout, grads=layout, optimizer=layout, activations=batch, logits=batch,
+        kv_cache=kv_cache, inputs=inputs,
+    )  # fmt: skip

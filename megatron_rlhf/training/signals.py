@@ -24,9 +24,9 @@ import os
 import signal
 import sys
 
-import torch
 import torch.distributed as dist
 
+from megatron_rlhf.distributed.parallel import world_max
 from megatron_rlhf.utils import InputError
 
 EXIT_SAVED_ON_SIGNAL = 75
@@ -74,10 +74,8 @@ class ExitSignals:
     def agreed(self) -> signal.Signals | None:
         """The signal the run stops for, the same on every rank, or None (collective when
         distributed: one all-reduce over the world)."""
-        flag = torch.tensor([int(self.received or 0)], dtype=torch.int64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return signal.Signals(int(flag.item())) if int(flag.item()) else None
+        agreed = world_max(int(self.received or 0))
+        return signal.Signals(agreed) if agreed else None
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():
