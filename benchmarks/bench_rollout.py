@@ -170,45 +170,43 @@ def part2(args, root: Path) -> dict:
 def pp_worker(args) -> None:
     """Rank 0 writes tokens/s of the three PP=2 rollouts (and the refit's seconds) as JSON."""
     import torch.distributed as dist
-    from megatron.core import tensor_parallel
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
-    from megatron_rlhf.distributed import cpu_compat, init_process_group
+    from megatron_rlhf.distributed import initialize_layouts
+    from megatron_rlhf.distributed.groups import seed_layout
     from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
     from megatron_rlhf.distributed.layouts import Layout
-    from megatron_rlhf.distributed.role_groups import active, build_layout_groups
     from megatron_rlhf.generation import SamplingConfig, generate
     from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.ppo.rollout_engine import build_rollout_engine
 
     torch.set_num_threads(1)
-    cpu_compat.install()
-    init_process_group()
-    groups = build_layout_groups(
+    groups = initialize_layouts(
         {"actor": Layout(tp=1, pp=2, dp=1), "rollout": Layout(tp=1, pp=1, dp=2)}
     )
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    with active(groups["actor"]):
-        actor = load_bloom(args.hf, init_weights=False)
+    seed_layout(groups["actor"], 1234)
+    actor = load_bloom(args.hf, init_weights=False, pg_collection=groups["actor"].pg_collection)
     arch = checkpoint_architecture(args.hf)
     engine = build_rollout_engine(
-        actor, groups["actor"], groups["rollout"], lambda: BloomModel(arch, init_weights=False)
+        actor,
+        groups["actor"],
+        groups["rollout"],
+        lambda rollout: BloomModel(arch, init_weights=False, pg_collection=rollout.pg_collection),
     )
     batch, new = 16, args.pp_new_tokens
     sampling = SamplingConfig(max_new_tokens=new, greedy=True, eos_id=-1, pad_id=PAD)
 
     def on_actor(parts):
-        with active(groups["actor"]):
-            plan = replace(sampling, pipeline_micro_batches=parts)
-            return generate(actor, ids, mask, plan).response_ids
+        plan = replace(sampling, pipeline_micro_batches=parts)
+        return generate(actor, ids, mask, plan).response_ids
 
     def resharded():
         engine.refresh()
         refit_done.append(time.perf_counter())
-        with active(engine.groups):
-            rows = dp_rows(batch, engine.groups.layout.dp, engine.groups.dp_rank)
-            out = engine.generate(ids[rows], mask[rows], sampling)
-            return gather_rows(out.response_ids, engine.groups.dp_group, PAD)
+        dp = engine.groups.dp
+        rows = dp_rows(batch, dp.size(), dp.rank())
+        out = engine.generate(ids[rows], mask[rows], sampling)
+        return gather_rows(out.response_ids, dp, PAD)
 
     sides = {
         "PP=2, whole batch stage after stage": lambda: on_actor(1),

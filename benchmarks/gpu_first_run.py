@@ -82,7 +82,7 @@ def lm_loss(output, microbatch):
     from megatron_rlhf.ppo.scoring import response_logprobs
 
     ids = microbatch["input_ids"]
-    logprobs = response_logprobs(output, ids, 1, ids.shape[1] - 1)
+    logprobs = response_logprobs(output, ids, 1, ids.shape[1] - 1, tp_group=None)  # one process
     return -(logprobs * microbatch["padding_mask"][:, 1:]).mean(), {}
 
 

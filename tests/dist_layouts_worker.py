@@ -26,21 +26,53 @@ LAYOUTS = {
 def check_handoff(groups) -> str:
     """gather_rows: ragged widths padded on the right side, rows in DP-rank order."""
     from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
-    from megatron_rlhf.distributed.role_groups import active
 
     batch = torch.arange(8 * 5).reshape(8, 5)
     for role in ("rollout", "single"):
-        with active(groups[role]):
-            g = groups[role]
-            rows = dp_rows(8, g.layout.dp, g.dp_rank)
-            width = 2 + g.dp_rank  # every replica a different width
-            got = gather_rows(batch[rows, :width], g.dp_group, pad_value=-1)
-            expected = torch.full((8, 1 + g.layout.dp), -1)
-            for d in range(g.layout.dp):
-                part = dp_rows(8, g.layout.dp, d)
-                expected[part, : 2 + d] = batch[part, : 2 + d]
-            assert torch.equal(got, expected), (role, got, expected)
+        g = groups[role]
+        rows = dp_rows(8, g.layout.dp, g.dp_rank)
+        width = 2 + g.dp_rank  # every replica a different width
+        got = gather_rows(batch[rows, :width], g.dp_group, pad_value=-1)
+        expected = torch.full((8, 1 + g.layout.dp), -1)
+        for d in range(g.layout.dp):
+            part = dp_rows(8, g.layout.dp, d)
+            expected[part, : 2 + d] = batch[part, : 2 + d]
+        assert torch.equal(got, expected), (role, got, expected)
     return "ragged rows gathered over DP=2 and DP=4 in rank order"
+
+
+def check_global_state_sealed(groups, hf_dir) -> str:
+    """With several layouts in the launch, every read of Megatron-Core's global parallel state
+    (ours or Megatron-Core's own) fails, naming the role API; models take explicit groups."""
+    from megatron.core import parallel_state
+
+    from megatron_rlhf.checkpoint import checkpoint_architecture
+    from megatron_rlhf.distributed.groups import GlobalParallelStateError
+    from megatron_rlhf.models.bloom import BloomModel
+
+    stray_reads = {
+        "tp size": parallel_state.get_tensor_model_parallel_world_size,
+        "tp group": lambda: parallel_state.get_tensor_model_parallel_group().size(),
+        "pp last stage": parallel_state.is_pipeline_last_stage,
+        "pp next rank": parallel_state.get_pipeline_model_parallel_next_rank,
+        "dp rank": parallel_state.get_data_parallel_rank,
+        "dp group": lambda: torch.distributed.all_reduce(
+            torch.zeros(1), group=parallel_state.get_data_parallel_group()
+        ),
+        "model without groups": lambda: BloomModel(checkpoint_architecture(hf_dir)),
+    }
+    for what, read in stray_reads.items():
+        try:
+            read()
+        except GlobalParallelStateError as err:
+            assert "model_groups(model)" in str(err), (what, str(err))
+        else:
+            raise AssertionError(f"{what}: read the global parallel state without an error")
+    model = BloomModel(
+        checkpoint_architecture(hf_dir), pg_collection=groups["actor"].pg_collection
+    )
+    assert model.pg_collection is groups["actor"].pg_collection
+    return f"{len(stray_reads)} stray reads of the global state raise; explicit groups build"
 
 
 def rollouts(groups, hf_dir, sampling):
@@ -48,7 +80,6 @@ def rollouts(groups, hf_dir, sampling):
     from dist_bloom_common import ARCH_A, left_padded_batch
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
-    from megatron_rlhf.distributed.role_groups import active
     from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.ppo.rollout import rollout_global, step_row_seeds
     from megatron_rlhf.ppo.rollout_engine import build_rollout_engine
@@ -56,22 +87,19 @@ def rollouts(groups, hf_dir, sampling):
     ids, mask = left_padded_batch(ARCH_A.vocab_size, [5, 3, 7, 2, 6, 1, 4, 5], seed=3)
     prompts = {"input_ids": ids, "attention_mask": mask, "index": torch.arange(8)}
     seeds = step_row_seeds(7, 2, 8)
-    with active(groups["actor"]):
-        actor = load_bloom(hf_dir)
+    actor = load_bloom(hf_dir, pg_collection=groups["actor"].pg_collection)
     arch = checkpoint_architecture(hf_dir)
+
+    def copy(rollout_groups):
+        return BloomModel(arch, init_weights=False, pg_collection=rollout_groups.pg_collection)
+
     engines = {
         "training": build_rollout_engine(actor, groups["actor"], groups["actor"], None),
-        "resharded": build_rollout_engine(
-            actor, groups["actor"], groups["rollout"], lambda: BloomModel(arch, init_weights=False)
-        ),
-        "resharded_tp1": build_rollout_engine(
-            actor, groups["actor"], groups["single"], lambda: BloomModel(arch, init_weights=False)
-        ),
+        "resharded": build_rollout_engine(actor, groups["actor"], groups["rollout"], copy),
+        "resharded_tp1": build_rollout_engine(actor, groups["actor"], groups["single"], copy),
     }
-    with active(groups["single"]):
-        engines["single"] = build_rollout_engine(
-            load_bloom(hf_dir), groups["single"], groups["single"], None
-        )
+    single = load_bloom(hf_dir, pg_collection=groups["single"].pg_collection)
+    engines["single"] = build_rollout_engine(single, groups["single"], groups["single"], None)
     out = {}
     for name, engine in engines.items():
         engine.refresh()
@@ -101,16 +129,13 @@ def main() -> None:
         "--train-ppo", action="store_true", help="then run train-ppo with the other arguments"
     )
     args, train_ppo_args = parser.parse_known_args()
-    from megatron.core import tensor_parallel
+    from megatron_rlhf.distributed import initialize_layouts
+    from megatron_rlhf.distributed.groups import seed_layout
 
-    from megatron_rlhf.distributed import cpu_compat, init_process_group
-    from megatron_rlhf.distributed.role_groups import build_layout_groups
-
-    cpu_compat.install()
-    init_process_group()
-    groups = build_layout_groups(LAYOUTS)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    groups = initialize_layouts(LAYOUTS)
+    seed_layout(groups["actor"], 1234)
     checks = {
+        "global_state_sealed": lambda: check_global_state_sealed(groups, args.hf),
         "handoff_gather_rows": lambda: check_handoff(groups),
         "rollout_greedy_layouts": lambda: check_rollouts(groups, args.hf, greedy=True),
         "rollout_sampled_layouts": lambda: check_rollouts(groups, args.hf, greedy=False),
@@ -137,7 +162,7 @@ def main() -> None:
     if not args.train_ppo:
         dist.destroy_process_group()
         return
-    from megatron_rlhf.ppo.train import main as train_ppo
+    from megatron_rlhf.ppo.train_cli import main as train_ppo
 
     train_ppo(train_ppo_args)  # same launch: saves the 15 s of another torchrun start
 

@@ -134,7 +134,7 @@ def score_checks(args, work: Path) -> dict:
 
 def ppo_checks(args, work: Path) -> dict:
     """One train-ppo step, TP=2, with the ZeRO-3 AM as reward model and critic trunk."""
-    from megatron_rlhf.ppo import train as ppo_train
+    from megatron_rlhf.ppo import train_cli as ppo_train
 
     checkpoint = work / "zero3" / (work / "zero3" / "latest_checkpoint.txt").read_text().strip()
     output_dir = work / "ppo"

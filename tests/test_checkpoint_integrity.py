@@ -94,7 +94,7 @@ def test_train_reward_at_lr_1e6_stops_and_keeps_the_last_good_checkpoint(
 
 
 def test_train_ppo_at_lr_1e6_stops_and_keeps_the_last_good_checkpoint(ppo_setup, tmp_path, capsys):
-    from megatron_rlhf.ppo.train import main
+    from megatron_rlhf.ppo.train_cli import main
 
     run = tmp_path / "run"
     argv = ["--config", str(ppo_setup["config"]), f"train.output_dir={run}", *PPO_SHORT]
@@ -148,7 +148,7 @@ def test_score_refuses_to_write_nan(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def ppo_run(ppo_setup):
     """Two PPO steps at the fixture's learning rates, a checkpoint after each."""
-    from megatron_rlhf.ppo.train import main
+    from megatron_rlhf.ppo.train_cli import main
 
     run = ppo_setup["root"] / "run"
     argv = ["--config", str(ppo_setup["config"]), f"train.output_dir={run}", *PPO_SHORT]
@@ -362,7 +362,7 @@ def test_resumed_ppo_logs_each_step_once_and_reports_the_real_first_reward(
 ):
     import shutil
 
-    from megatron_rlhf.ppo.train import main
+    from megatron_rlhf.ppo.train_cli import main
 
     original = [json.loads(line) for line in (ppo_run / "metrics.jsonl").read_text().splitlines()]
     run = copy_run(ppo_run, tmp_path / "run")  # as if killed after step 2's logs, before its save

@@ -21,7 +21,7 @@ if __name__ == "__main__":
     from pathlib import Path
     from prepare_tiny import main as prepare
     from megatron_rlhf.reward.train import main as train_reward
-    from megatron_rlhf.ppo.train import main as train_ppo
+    from megatron_rlhf.ppo.train_cli import main as train_ppo
     prepare(Path("runs/tiny"))
     assert train_reward(["--config", {str(REPO / "examples/reward/tiny_cpu.yaml")!r},
                          "train.steps=2"]) == 0

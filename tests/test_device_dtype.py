@@ -52,7 +52,8 @@ def _forward_and_loss(model, head: str, num_scalar_outputs: int) -> torch.Tensor
     output = model(ids, mask)
     assert output.device == META
     if head == "lm":
-        return -response_logprobs(output, ids, prompt_length=5, response_length=4).mean()
+        logprobs = response_logprobs(output, ids, prompt_length=5, response_length=4, tp_group=None)
+        return -logprobs.mean()
     # Rows are unpadded: r at the last token, e_tau at the last prompt token (read_scalars'
     # checks of the mask need data, which meta tensors do not have).
     rewards = output[:, -1, 0]

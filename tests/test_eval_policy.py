@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from megatron_rlhf.data import load_tokenizer, train_tiny_tokenizer
 from megatron_rlhf.models.bloom.tiny import random_hf_bloom, tiny_architecture
-from megatron_rlhf.ppo.evaluate import main, verdicts
+from megatron_rlhf.ppo.evaluate import main
+from megatron_rlhf.ppo.evaluate_report import verdicts
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = tiny_architecture(vocab_size=300, hidden_size=32, num_layers=2, num_heads=4)
@@ -273,11 +274,19 @@ def test_am_judge_scores_match_an_unpadded_forward(data, am_run):
 
 
 @pytest.mark.slow
-def test_two_data_parallel_ranks_equal_one(data, am_run, tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["--parallel", "policy.tp=2", "judge.tp=1"]],
+    ids=["dp2", "policy_tp2_judge_tp1"],
+)
+def test_two_ranks_equal_one(data, am_run, tmp_path, layout):
+    """Two ranks, as two data-parallel replicas of both roles, or with the policy at TP2 (one
+    replica) and the judge at TP1 (two replicas scoring alternate batches), give the
+    single-process report."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(_free_port()), "-m", "megatron_rlhf", "eval-policy",
-           *am_argv(data["root"]), "--output-dir", str(tmp_path)]  # fmt: skip
+           *am_argv(data["root"]), "--output-dir", str(tmp_path), *layout]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("[eval-policy] done:") == 1  # rank 0 only
@@ -313,8 +322,13 @@ BAD = {
     "scalar head as policy": (["--score-fn", SCORE_FN, "--policy", "{root}/am"], "language model"),
     "tp not dividing": (
         ["--score-fn", SCORE_FN, "--tp", "3"],
-        "--tp 3 --pp 1: invalid parallel layout",
+        "policy layout (--parallel policy.tp=3 policy.pp=1): invalid parallel layout",
     ),
+    "unknown layout role": (
+        ["--score-fn", SCORE_FN, "--parallel", "critic.tp=2"],
+        "--parallel critic.tp=2: unknown role 'critic'; roles: policy, judge",
+    ),
+    "tp twice": (["--score-fn", SCORE_FN, "--tp", "2", "--parallel", "tp=2"], "give one"),
     "vocabularies differ": (["--score-fn", SCORE_FN, "--sft", "{root}/other_vocab"], "differ"),
     "unknown score fn": (["--score-fn", "no_such_module_xyz:f"], "cannot import"),
     "negative margin": (["--score-fn", SCORE_FN, "--tie-margin", "-1"], "--tie-margin"),

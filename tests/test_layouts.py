@@ -98,3 +98,95 @@ def test_the_176b_example_is_a_valid_per_role_layout():
     minibatch = config.rollout.prompts_per_step // config.ppo.num_minibatches
     for role in ("actor", "critic"):
         assert (minibatch // layouts[role].dp) % config.ppo.micro_batch_size == 0
+
+
+# ---------------------------------------------------------------- the flag dialect
+
+
+def _flags(*argv: str, roles=("policy", "judge")):
+    import argparse
+
+    from megatron_rlhf.distributed.layouts import add_parallel_arguments, parallel_from_args
+
+    parser = argparse.ArgumentParser()
+    add_parallel_arguments(parser, roles)
+    args = parser.parse_args(list(argv))
+    return parallel_from_args(args, roles), (args.tp, args.pp)
+
+
+def test_parallel_flags_set_defaults_then_roles():
+    assert _flags() == ({"policy": (1, 1), "judge": (1, 1)}, (1, 1))
+    assert _flags("--parallel", "tp=2", "judge.tp=1", "judge.pp=2") == (
+        {"policy": (2, 1), "judge": (1, 2)},
+        (2, 1),
+    )
+    # --tp/--pp are shorthand for --parallel tp=/pp= (the default of every role)
+    assert _flags("--tp", "2", "--pp", "2", "--parallel", "policy.pp=1") == (
+        {"policy": (2, 1), "judge": (2, 2)},
+        (2, 2),
+    )
+    assert _flags("--parallel", "tp=4", "pp=2", roles=()) == ({"": (4, 2)}, (4, 2))
+
+
+@pytest.mark.parametrize(
+    "argv, roles, message",
+    [
+        (["--parallel", "critic.tp=2"], ("policy", "judge"), "unknown role 'critic'; roles: "),
+        (["--parallel", "policy.tp=2"], (), "it loads one model: use tp=N/pp=N"),
+        (["--parallel", "tp:2"], (), "expected [ROLE.]tp=N or [ROLE.]pp=N"),
+        (["--parallel", "policy.dp=2"], ("policy",), "expected [ROLE.]tp=N"),
+        (["--parallel", "tp=two"], (), "'two' is not an integer"),
+        (["--parallel", "pp=0"], (), "must be >= 1"),
+        (["--parallel", "tp=2", "tp=4"], (), "sets tp twice"),
+        (["--tp", "2", "--parallel", "tp=2"], (), "--tp 2 and --parallel tp=...: give one"),
+        (["--pp", "0"], (), "--pp 0: must be >= 1"),
+    ],
+)
+def test_bad_parallel_flags_name_the_flag(argv, roles, message):
+    with pytest.raises(InputError) as err:
+        _flags(*argv, roles=roles)
+    assert message in str(err.value)
+
+
+# ---------------------------------------------------------------- no global parallel state
+
+
+def test_global_state_is_sealed_while_layouts_own_their_groups_and_freed_after():
+    """Single process: a stray read of Megatron-Core's globals (ours or Megatron-Core's own)
+    raises an error naming the role API; a model needs explicit groups; ``destroy`` gives the
+    one-layout commands their global state back. (4 ranks: ``dist_layouts_worker``.)"""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, initialize_layouts
+    from megatron_rlhf.distributed.groups import GlobalParallelStateError
+    from megatron_rlhf.distributed.layouts import Layout
+    from megatron_rlhf.distributed.parallel import current_groups
+    from megatron_rlhf.models.bloom import BloomModel
+    from megatron_rlhf.models.bloom.config import BloomArchitecture
+
+    arch = BloomArchitecture(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2)
+    groups = initialize_layouts({"actor": Layout(tp=1, pp=1, dp=1)})
+    try:
+        for read in (
+            parallel_state.get_tensor_model_parallel_world_size,
+            parallel_state.is_pipeline_last_stage,
+            lambda: parallel_state.get_data_parallel_group().size(),
+            lambda: parallel_state.get_pipeline_model_parallel_first_rank(),
+            current_groups,
+            lambda: BloomModel(arch),
+        ):
+            with pytest.raises(GlobalParallelStateError, match=r"model_groups\(model\)"):
+                read()
+        model = BloomModel(arch, pg_collection=groups["actor"].pg_collection)
+        logits = model(torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long))
+        assert logits.shape[:2] == (1, 3)
+        assert model.sharded_state_dict()  # replica ids from the model's own DP group
+    finally:
+        destroy()
+    initialize(ParallelConfig())
+    try:
+        assert parallel_state.get_tensor_model_parallel_world_size() == 1
+        assert BloomModel(arch).pg_collection.tp.size() == 1
+    finally:
+        destroy()

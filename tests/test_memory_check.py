@@ -64,7 +64,7 @@ def test_train_sft_refuses_an_impossible_micro_batch(tmp_path, capsys):
 
 
 def test_train_ppo_refuses_an_impossible_rollout(tmp_path, capsys):
-    from megatron_rlhf.ppo.train import main
+    from megatron_rlhf.ppo.train_cli import main
 
     setup = make_ppo_setup(tmp_path / "setup")
     argv = ["--config", str(setup["config"]), f"train.output_dir={tmp_path / 'run'}"]

@@ -83,8 +83,8 @@ def test_sft_rehearsal_term_is_exactly_gamma_nll(reduction):
         rehearsal_rows=rehearsal_rows,
     )
     gamma = 0.01
-    loss_off, _ = actor_loss(0.2, gamma, 1.0, logits[:ppo_rows], off)
-    loss_on, metrics = actor_loss(0.2, gamma, 1.0, logits, on, reduction)
+    loss_off, _ = actor_loss(0.2, gamma, 1.0, logits[:ppo_rows], off, tp_group=None)
+    loss_on, metrics = actor_loss(0.2, gamma, 1.0, logits, on, reduction, tp_group=None)
     reference_logprobs = torch.log_softmax(logits[ppo_rows:, :-1].double(), dim=-1)
     targets = input_ids[ppo_rows:, 1:]
     token_lp = reference_logprobs.gather(-1, targets[..., None]).squeeze(-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from ppo_fixtures import make_ppo_setup
 
-from megatron_rlhf.ppo.train import main
+from megatron_rlhf.ppo.train_cli import main
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ one Hugging Face safetensors model read through the HF import path. Both load at
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rlhf.utils import InputError
@@ -36,8 +37,37 @@ def checkpoint_architecture(directory: str | Path):
     return architecture_of(directory)
 
 
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint directory says about its model, read once (no tensors, no
+    torch.distributed): a launch resolves every model it loads to one of these and passes it to
+    :func:`load_bloom`."""
+
+    path: str
+    arch: object  # models.bloom.config.BloomArchitecture
+    meta: dict | None
+    """``megatron_rlhf.json`` (None for a Hugging Face directory)."""
+
+    @property
+    def is_hf(self) -> bool:
+        return self.meta is None
+
+
+def describe_checkpoint(directory: str | Path) -> CheckpointInfo:
+    """Read an HF or megatron-rlhf checkpoint directory's architecture and metadata once."""
+    from megatron_rlhf.checkpoint.dist import read_metadata
+    from megatron_rlhf.models.bloom.config import BloomArchitecture
+
+    if not Path(directory).is_dir():
+        raise InputError(f"{directory}: checkpoint directory does not exist")
+    if is_hf_checkpoint(directory):
+        return CheckpointInfo(str(directory), checkpoint_architecture(directory), None)
+    meta = read_metadata(directory)
+    return CheckpointInfo(str(directory), BloomArchitecture(**meta["architecture"]), meta)
+
+
 def load_bloom(
-    directory: str | Path,
+    directory: str | Path | CheckpointInfo,
     *,
     head: str = "lm",
     num_scalar_outputs: int = 1,
@@ -47,7 +77,9 @@ def load_bloom(
 ):
     """Build a BloomModel for this rank's TP/PP slice and load an HF or Megatron checkpoint.
 
-    Megatron-Core's parallel state must be initialised. A Megatron checkpoint's head type must
+    ``directory`` may be a :class:`CheckpointInfo` already read. The model is built on
+    ``model_kwargs["pg_collection"]`` (its layout's groups), or on the launch's only layout when
+    none is given. A Megatron checkpoint's head type must
     match ``head``, unless ``trunk_only``: then only the trunk is loaded (a critic initialised
     from an SFT policy or from a 2-output Advantage Model keeps its fresh scalar head).
     ``params_dtype`` defaults to float32.
@@ -58,18 +90,19 @@ def load_bloom(
     from megatron_rlhf.checkpoint.hf_io import HFReader, load_hf_into_model
     from megatron_rlhf.models.bloom import BloomModel
 
-    arch = checkpoint_architecture(directory)
+    info = directory if isinstance(directory, CheckpointInfo) else describe_checkpoint(directory)
+    directory = Path(info.path)
     model = BloomModel(
-        arch,
+        info.arch,
         head=head,
         num_scalar_outputs=num_scalar_outputs,
         params_dtype=torch.float32 if params_dtype is None else params_dtype,
         **model_kwargs,
     )
-    if is_hf_checkpoint(directory):
+    if info.is_hf:
         load_hf_into_model(model, HFReader(directory, head=head))
         return model
-    meta = dist_ckpt.read_metadata(directory)
+    meta = info.meta
     role = ("actor" if head == "lm" else "critic") if "roles" in meta else None
     meta, prefix = role_view(meta, role, directory)
     if trunk_only:

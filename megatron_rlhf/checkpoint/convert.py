@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_rlhf.distributed.layouts import add_parallel_arguments, parallel_from_args
 from megatron_rlhf.utils import InputError, check_writable_parent, print_summary, run_command
 
 
@@ -248,8 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore = sub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron dist checkpoint")
     to_mcore.add_argument("--load", required=True, help="Hugging Face BLOOM directory")
     to_mcore.add_argument("--save", required=True, help="output checkpoint directory (new)")
-    to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert at")
-    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline stages to convert at")
+    add_parallel_arguments(to_mcore)  # the layout to convert at
     to_mcore.add_argument(
         "--head",
         choices=("lm", "scalar"),
@@ -266,12 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf = sub.add_parser("megatron-to-hf", help="Megatron dist checkpoint -> HF safetensors")
     to_hf.add_argument("--load", required=True, help="megatron-rlhf checkpoint directory")
     to_hf.add_argument("--save", required=True, help="output Hugging Face directory (new)")
-    to_hf.add_argument(
-        "--pp",
-        type=int,
-        default=1,
-        help="processes to split the layers over (each holds and writes 1/pp of the model)",
-    )
+    add_parallel_arguments(to_hf)  # pp: processes to split the layers over (each writes 1/pp)
     to_hf.add_argument("--overwrite", action="store_true", help="replace an existing --save")
     to_hf.add_argument(
         "--role",
@@ -285,4 +280,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     convert = hf_to_megatron if args.direction == "hf-to-megatron" else megatron_to_hf
-    return run_command(args.direction, lambda: convert(args), distributed=True)
+    return run_command(args.direction, lambda: convert(_layout(args)), distributed=True)
+
+
+def _layout(args):
+    """``--parallel``/``--tp``/``--pp`` into ``args.tp``/``args.pp``; megatron-to-hf splits
+    layers only (each process writes the safetensors shard of its stage)."""
+    parallel_from_args(args)
+    if args.direction == "megatron-to-hf" and args.tp != 1:
+        raise InputError(
+            f"megatron-to-hf: tp={args.tp}: the export splits layers only; give pp=N "
+            "(the checkpoint loads at any layout)"
+        )
+    return args

@@ -227,12 +227,15 @@ def model_metadata(model, **extra) -> dict:
     return meta
 
 
-def tokenizer_of(directory: str | Path) -> dict | None:
+def tokenizer_of(directory: str | Path, meta: dict | None = None) -> dict | None:
     """{"name", "fingerprint"} of the tokenizer of a checkpoint (recorded in its
-    ``megatron_rlhf.json``) or of any directory holding tokenizer files; None if unknown."""
+    ``megatron_rlhf.json``, or in ``meta`` when it was read already) or of any directory
+    holding tokenizer files; None if unknown."""
     directory = Path(directory)
-    if (directory / METADATA_FILE).exists():
-        recorded = read_metadata(directory).get("tokenizer")
+    if meta is None and (directory / METADATA_FILE).exists():
+        meta = read_metadata(directory)
+    if meta is not None:
+        recorded = meta.get("tokenizer")
         if recorded is not None:
             return recorded
     if not (directory / "tokenizer.json").exists():

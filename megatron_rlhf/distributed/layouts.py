@@ -171,6 +171,74 @@ def layouts_to_dict(layouts: dict[str, Layout], default_tp: int = 1, default_pp:
     return section
 
 
+PARALLEL_FLAG_HELP = (
+    "layouts as KEY=N pairs: tp=N pp=N set every model's; ROLE.tp=N ROLE.pp=N one role's "
+    "(roles: {roles})"
+)
+
+
+def add_parallel_arguments(parser, roles: tuple[str, ...] = ()) -> None:
+    """``--parallel [ROLE.]tp=N [ROLE.]pp=N ...`` and its shorthand ``--tp N --pp N``: the one
+    layout dialect of the flag commands (YAML commands write the same keys under
+    ``parallel:``). Read them back with :func:`parallel_from_args`."""
+    help_roles = ", ".join(roles) if roles else "none: one model"
+    parser.add_argument(
+        "--parallel",
+        nargs="+",
+        default=[],
+        metavar="[ROLE.]tp|pp=N",
+        help=PARALLEL_FLAG_HELP.format(roles=help_roles),
+    )
+    parser.add_argument("--tp", type=int, help="shorthand for --parallel tp=N")
+    parser.add_argument("--pp", type=int, help="shorthand for --parallel pp=N")
+
+
+def parallel_from_args(args, roles: tuple[str, ...] = ()) -> dict[str, tuple[int, int]]:
+    """{role: (tp, pp)} from ``--parallel``/``--tp``/``--pp`` (key ``""`` when the command has
+    no roles); also sets ``args.tp``/``args.pp`` to the default layout. InputError names the
+    flag and the fix."""
+    default = {"tp": 1, "pp": 1}
+    per_role: dict[str, dict[str, int]] = {role: {} for role in roles}
+    given: set[str] = set()
+    for item in args.parallel:
+        key, sep, value = item.partition("=")
+        role, _, field = key.rpartition(".")
+        if not sep or field not in ("tp", "pp"):
+            raise InputError(
+                f"--parallel {item}: expected [ROLE.]tp=N or [ROLE.]pp=N, e.g. --parallel tp=2"
+                + (f" {roles[0]}.tp=1" if roles else "")
+            )
+        if role and role not in roles:
+            known = ", ".join(roles) if roles else "none (it loads one model: use tp=N/pp=N)"
+            raise InputError(f"--parallel {item}: unknown role {role!r}; roles: {known}")
+        try:
+            number = int(value)
+        except ValueError:
+            raise InputError(f"--parallel {item}: {value!r} is not an integer") from None
+        if number < 1:
+            raise InputError(f"--parallel {item}: must be >= 1")
+        if key in given:
+            raise InputError(f"--parallel sets {key} twice; give it once")
+        given.add(key)
+        (per_role[role] if role else default)[field] = number
+    for field in ("tp", "pp"):
+        shorthand = getattr(args, field)
+        if shorthand is None:
+            continue
+        if field in given:
+            raise InputError(f"--{field} {shorthand} and --parallel {field}=...: give one")
+        if shorthand < 1:
+            raise InputError(f"--{field} {shorthand}: must be >= 1")
+        default[field] = shorthand
+    args.tp, args.pp = default["tp"], default["pp"]
+    if not roles:
+        return {"": (default["tp"], default["pp"])}
+    return {
+        role: (own.get("tp", default["tp"]), own.get("pp", default["pp"]))
+        for role, own in per_role.items()
+    }
+
+
 def check_global_batch(global_batch: int, key: str, layouts: dict[str, Layout]) -> None:
     """``global_batch`` rows must split evenly over every role's data-parallel ranks."""
     bad = {role: layout.dp for role, layout in layouts.items() if global_batch % layout.dp}

@@ -83,16 +83,29 @@ def world_max(value: int) -> int:
 
 
 def current_groups():
-    """The Megatron-Core ``ProcessGroupCollection`` in force now (the global parallel state's
-    groups, or the active role layout's): what a model built without explicit groups keeps."""
+    """The ``ProcessGroupCollection`` of the one layout that ``initialize`` set up: what a model
+    built without explicit groups keeps. Refused while several layouts share the launch
+    (``initialize_layouts``): then every model is built on its own layout's groups."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from megatron_rlhf.distributed.groups import ROLE_API, GlobalParallelStateError, is_sealed
+
+    if is_sealed():
+        raise GlobalParallelStateError(
+            f"no single layout is in force: several layouts share this launch; {ROLE_API}"
+        )
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
 def model_groups(model):
     """The ProcessGroupCollection a model was built with (through a DDP wrapper too)."""
     return getattr(model, "pg_collection", None) or model.module.pg_collection
+
+
+def vocab_group(groups):
+    """The TP group the vocabulary of a model with ``groups`` is split over; None when it is not
+    split (tp = 1: the vocab-parallel kernels then skip their all-reduces)."""
+    return groups.tp if groups.tp.size() > 1 else None
 
 
 def is_first_stage(groups) -> bool:
@@ -143,6 +156,10 @@ def initialize(
     init_process_group()
     from megatron.core import parallel_state, tensor_parallel
 
+    from megatron_rlhf.distributed.groups import is_sealed, unseal
+
+    if is_sealed():  # a multi-layout launch ran before in this process (the demo)
+        unseal()
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size() != parallel.tp
@@ -157,28 +174,22 @@ def initialize(
     return data_parallel_size
 
 
-def initialize_layouts(layouts: dict, seed: int = 1234) -> dict:
-    """torch.distributed plus every role's Megatron-Core groups (``role_groups``); the
-    model-parallel RNG is seeded on the first role's layout. Returns {role: LayoutGroups}."""
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron_rlhf.distributed.role_groups import active, build_layout_groups
+def initialize_layouts(layouts: dict) -> dict:
+    """torch.distributed plus every role's process groups (``distributed/groups.py``), with
+    Megatron-Core's global state sealed. Returns {role: LayoutGroups}; seed each layout's RNG
+    (``groups.seed_layout``) before building its models."""
+    from megatron_rlhf.distributed.groups import build_layout_groups
 
     cpu_compat.install()
     init_process_group()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    groups = build_layout_groups(layouts)
-    with active(next(iter(groups.values()))):
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return groups
+    return build_layout_groups(layouts)
 
 
 def destroy() -> None:
     """Tear down Megatron-Core's groups and torch.distributed (end of a command or a test)."""
-    from megatron.core import parallel_state
+    from megatron_rlhf.distributed.groups import unseal
 
-    parallel_state.destroy_model_parallel()
+    unseal()
     if dist.is_initialized():
         dist.destroy_process_group()
 

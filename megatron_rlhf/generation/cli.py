@@ -25,6 +25,7 @@ import argparse
 import math
 import time
 
+from megatron_rlhf.distributed.layouts import add_parallel_arguments, parallel_from_args
 from megatron_rlhf.utils import (
     InputError,
     check_output_path,
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", required=True, help="input JSONL")
     parser.add_argument("--output", required=True, help="output JSONL (written atomically)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    add_parallel_arguments(parser)
     add_generation_arguments(parser)
     parser.add_argument("--output-logprobs", action="store_true")
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the prefix")
@@ -50,9 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
-    """Layout, batching, length and sampling flags shared by ``generate`` and ``eval-policy``."""
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
+    """Batching, length and sampling flags shared by ``generate`` and ``eval-policy``."""
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument(
         "--max-prompt-length",
@@ -207,6 +207,7 @@ def _generate(args) -> int:
     from megatron_rlhf.generation.engine import generate
     from megatron_rlhf.training import run_lock
 
+    parallel_from_args(args)  # args.tp, args.pp
     check_output_path(args.output, args.overwrite)
     run_lock.lock_output(args.output, "--output")
     arch = checkpoint_architecture(args.load)

@@ -3,8 +3,9 @@
     torchrun --nproc-per-node N -m megatron_rlhf eval-policy --policy DIR --sft DIR \\
         --main main.jsonl [--forget forget.jsonl] --output-dir OUT \\
         (--judge AM_OR_RM_DIR [--judge-kind am|rm] | --score-fn package.module:function) \\
-        [--tie-margin 0.0] [--tp T --pp P] [--max-new-tokens K] [--greedy | --temperature X \\
-        --top-p Y --seed S] [--batch-size B] [--label NAME]
+        [--tie-margin 0.0] [--parallel policy.tp=T policy.pp=P judge.tp=T2 judge.pp=P2] \\
+        [--max-new-tokens K] [--greedy | --temperature X --top-p Y --seed S] [--batch-size B] \\
+        [--label NAME]
 
 The paper's Table 2: for every prompt of a set, the policy and the SFT model each answer; the
 judge compares the two answers; the table reports Win / Lose / Tie in percent over the SFT
@@ -18,7 +19,12 @@ judge's two forward passes may differ in the last float bit). We also report the
 
 Both models decode with the same settings and the same seed per batch (common random numbers:
 a policy equal to the SFT model gives identical samples, hence all ties). Models are loaded one
-at a time (policy, then SFT, then the judge). Prompts are split over data-parallel replicas.
+at a time (policy, then SFT, then the judge). Two roles, each in its own layout
+(``--parallel policy.tp=2 judge.tp=1``; ``--tp``/``--pp`` or ``tp=``/``pp=`` set both): the policy
+and the SFT model generate in the ``policy`` layout, prompts split over its data-parallel
+replicas; the judge scores every generated batch in the ``judge`` layout, batches split over its
+replicas, so the report does not depend on the layouts (the verdicts and files live in
+``evaluate_report.py``).
 ``--policy`` may be an HF BLOOM dir, a megatron-rlhf LM checkpoint, a ``train-ppo`` step
 checkpoint, or a ``train-ppo`` output dir (its latest checkpoint). OUT receives
 ``eval_policy_samples.jsonl``, ``eval_policy.md`` and, last, ``eval_policy.json``.
@@ -27,32 +33,39 @@ checkpoint, or a ``train-ppo`` output dir (its latest checkpoint). OUT receives
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_rlhf.distributed.layouts import add_parallel_arguments, parallel_from_args
 from megatron_rlhf.generation.cli import (
     add_generation_arguments,
     check_generation_arguments,
     sampling_from_args,
 )
+from megatron_rlhf.ppo.evaluate_report import (
+    OUTPUT_FILES,
+    SET_NAMES,
+    check_finite,
+    sample_records,
+    summarize_samples,
+    write_outputs,
+)
 from megatron_rlhf.utils import (
     InputError,
-    atomic_output,
     check_output_path,
     is_rank0,
     print_summary,
     run_command,
-    write_json,
 )
 
 if TYPE_CHECKING:  # torch loads when a function needs it, so --help stays fast
     import torch
 
-SET_NAMES = ("main", "forget")
-VERDICT_NAMES = {1: "win", 0: "tie", -1: "lose"}
+ROLES = ("policy", "judge")
+"""The layouts of eval-policy: the policy and SFT model generate in ``policy``'s, the judge scores
+in ``judge``'s."""
 POLICY_ROLE = "actor"  # the role prefix of the policy inside a train-ppo checkpoint
 
 
@@ -81,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier report")
     parser.add_argument("--label", help="model name in the Markdown table (default: --policy)")
+    add_parallel_arguments(parser, ROLES)
     add_generation_arguments(parser)
     parser.add_argument("--bf16", action="store_true", help="bf16 weights (GPU only)")
     return parser
@@ -91,59 +105,22 @@ def main(argv: list[str]) -> int:
     return run_command("eval-policy", lambda: run(args, validate_inputs(args)))
 
 
-# ---------------------------------------------------------------- pure math
-
-
-def verdicts(
-    policy_scores: torch.Tensor,  # (B,)
-    sft_scores: torch.Tensor,  # (B,)
-    identical: torch.Tensor,  # (B,) bool: the two responses are the same tokens
-    tie_margin: float,
-) -> torch.Tensor:
-    """+1 win, 0 tie, -1 lose per prompt from ``d = s_policy - s_sft`` (in float64): win if
-    ``d > tie_margin``, lose if ``d < -tie_margin``, and a tie for identical responses. (B,)"""
-    import torch
-
-    diff = policy_scores.double() - sft_scores.double()
-    verdict = (diff > tie_margin).long() - (diff < -tie_margin).long()
-    return torch.where(identical, 0, verdict)
-
-
-def summarize(
-    verdict: torch.Tensor,  # (B,) +1 / 0 / -1
-    policy_scores: torch.Tensor,  # (B,)
-    sft_scores: torch.Tensor,  # (B,)
-) -> dict:
-    """Counts and rates of one prompt set (Table 2 reports the rates in percent)."""
-    count = verdict.numel()
-    wins, ties, loses = (int((verdict == v).sum()) for v in (1, 0, -1))
-    return {
-        "num_prompts": count,
-        "win": wins,
-        "tie": ties,
-        "lose": loses,
-        "win_rate": wins / count,
-        "tie_rate": ties / count,
-        "lose_rate": loses / count,
-        "net_win_rate": (wins - loses) / count,
-        "mean_score_policy": float(policy_scores.double().mean()),
-        "mean_score_sft": float(sft_scores.double().mean()),
-    }
-
-
 # ---------------------------------------------------------------- validation (no model memory)
 
 
 def validate_inputs(args) -> dict:
-    """Every check that needs no model memory; returns the plan (paths, prompts, tokenizer)."""
+    """Every check that needs no model memory; returns the plan (paths, prompts, tokenizer,
+    the roles' layouts)."""
     from megatron_rlhf.checkpoint import checkpoint_architecture
     from megatron_rlhf.distributed import ParallelConfig, validate
+    from megatron_rlhf.distributed.layouts import Layout
     from megatron_rlhf.generation.cli import read_prompts, resolve_tokenizer
     from megatron_rlhf.ppo.setup import import_reward_fn, world_size
     from megatron_rlhf.training import run_lock
 
     if (args.judge is None) == (args.score_fn is None):
         raise InputError("give exactly one judge: --judge CHECKPOINT or --score-fn pkg.mod:fn")
+    shapes = parallel_from_args(args, ROLES)
     _check_numbers(args)
     for name in OUTPUT_FILES:
         check_output_path(Path(args.output_dir) / name, args.overwrite, "--output-dir")
@@ -157,12 +134,14 @@ def validate_inputs(args) -> dict:
         if not Path(directory).is_dir():
             raise InputError(f"{flag} {directory}: no such checkpoint directory")
         arch = checkpoint_architecture(directory)
+        role = "judge" if flag == "--judge" else "policy"
+        tp, pp = shapes[role]
         try:
-            validate(ParallelConfig(tp=args.tp, pp=args.pp), world_size(), arch.num_heads,
-                     arch.num_layers)  # fmt: skip
+            validate(ParallelConfig(tp=tp, pp=pp), world_size(), arch.num_heads, arch.num_layers)
         except InputError as err:
             raise InputError(
-                f"{flag} {directory} with --tp {args.tp} --pp {args.pp}: {err}"
+                f"{flag} {directory} in the {role} layout (--parallel {role}.tp={tp} "
+                f"{role}.pp={pp}): {err}"
             ) from None
         vocab_sizes[flag] = arch.vocab_size
         if flag != "--judge":
@@ -184,11 +163,18 @@ def validate_inputs(args) -> dict:
         prompt_sets[name] = read_prompts(
             path, tokenizer, vocab_sizes["--sft"], max_prompt_length, args.truncate_prompts
         )
+    if args.judge is None:  # a score function runs on every rank: no judge model to place
+        shapes["judge"] = shapes["policy"]
+    layouts = {
+        role: Layout(tp=tp, pp=pp, dp=world_size() // (tp * pp))
+        for role, (tp, pp) in shapes.items()
+    }
     return {
         "policy_dir": policy_dir,
         "reward_fn": reward_fn,
         "tokenizer": tokenizer,
         "prompt_sets": prompt_sets,
+        "layouts": layouts,
     }
 
 
@@ -246,18 +232,22 @@ def _check_judge(directory: str, kind: str) -> None:
 # ---------------------------------------------------------------- models
 
 
-def load_policy(directory: str, params_dtype: torch.dtype):
-    """The LM of an HF dir or a megatron-rlhf checkpoint, or the actor of a train-ppo one."""
+def load_policy(directory: str, params_dtype: torch.dtype, pg_collection=None):
+    """The LM of an HF dir or a megatron-rlhf checkpoint, or the actor of a train-ppo one, built
+    on ``pg_collection`` (default: the launch's one layout)."""
     from megatron_rlhf.checkpoint import checkpoint_architecture, is_hf_checkpoint, load_bloom
     from megatron_rlhf.checkpoint import dist as dist_ckpt
     from megatron_rlhf.models.bloom import BloomModel
 
     roles = [] if is_hf_checkpoint(directory) else dist_ckpt.read_metadata(directory).get("roles")
     if POLICY_ROLE not in (roles or []):
-        return load_bloom(directory, head="lm", params_dtype=params_dtype, init_weights=False)
+        return load_bloom(
+            directory, head="lm", params_dtype=params_dtype, init_weights=False,
+            pg_collection=pg_collection,
+        )  # fmt: skip
     model = BloomModel(
         checkpoint_architecture(directory), head="lm", params_dtype=params_dtype,
-        init_weights=False,
+        init_weights=False, pg_collection=pg_collection,
     )  # fmt: skip
     prefix = POLICY_ROLE + "."
     loaded = dist_ckpt.load(directory, model.sharded_state_dict(prefix=prefix))
@@ -311,41 +301,96 @@ def score_sets(experiences: dict, judge, judge_kind: str, reward_fn, batch_size:
 # ---------------------------------------------------------------- run
 
 
+def score_in_judge_layout(
+    outputs: list[dict], judge, judge_kind: str, batch_size: int, policy_groups
+):
+    """Fill ``scores`` of every generated batch (``outputs``: this policy replica's
+    ``generate_sets`` results) with the judge in its own layout: every batch of every policy
+    replica is handed to every rank, the judge's data-parallel rank ``j`` scores batches
+    ``j, j + dp, ...`` (the same batches a single process scores) and the scores are gathered
+    back. Collective over the world."""
+    import torch.distributed as dist
+
+    from megatron_rlhf.ppo.scoring import score
+
+    mine = [experience for out in outputs for batches in out.values() for experience in batches]
+    leader = policy_groups.tp.rank() == 0 and policy_groups.pp.rank() == 0
+    shared = [_cpu(experience) for experience in mine] if leader else None
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (policy_groups.dp.rank(), shared))
+    by_replica = dict(sorted((rank, batches) for rank, batches in everyone if batches is not None))
+    every_batch = [
+        (rank, i, b) for rank, batches in by_replica.items() for i, b in enumerate(batches)
+    ]
+    dp = judge.pg_collection.dp
+    scored = {}
+    for rank, i, experience in every_batch[dp.rank() :: dp.size()]:
+        score(experience, {"reward": judge}, judge_kind, 1.0, batch_size)
+        scored[(rank, i)] = experience.scores.cpu()
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, scored)
+    all_scores = {key: value for part in parts for key, value in part.items()}
+    for i, experience in enumerate(mine):
+        experience.scores = all_scores[(policy_groups.dp.rank(), i)].to(experience.sequences.device)
+
+
+def _cpu(experience):
+    from dataclasses import fields, replace
+
+    import torch
+
+    return replace(
+        experience,
+        **{
+            f.name: getattr(experience, f.name).cpu()
+            for f in fields(experience)
+            if isinstance(getattr(experience, f.name), torch.Tensor)
+        },
+    )
+
+
 def run(args, plan: dict) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.distributed import destroy, initialize_layouts
+    from megatron_rlhf.distributed.groups import seed_layout
 
     start = time.time()
     tokenizer, prompt_sets = plan["tokenizer"], plan["prompt_sets"]
     sampling = sampling_from_args(args, tokenizer)
-    arch = checkpoint_architecture(args.sft)
-    initialize(ParallelConfig(tp=args.tp, pp=args.pp), num_heads=arch.num_heads,
-               num_layers=arch.num_layers)  # fmt: skip
+    groups = initialize_layouts(plan["layouts"])
     try:
         dtype = torch.bfloat16 if (args.bf16 and torch.cuda.is_available()) else torch.float32
-        policy = load_policy(plan["policy_dir"], dtype)
-        dp = policy.pg_collection.dp
+        policy_groups = groups["policy"].pg_collection
+        seed_layout(groups["policy"], args.seed)
+        policy = load_policy(plan["policy_dir"], dtype, policy_groups)
+        dp = policy_groups.dp
         batches = {
             name: rank_batches(records, args.batch_size, sampling.pad_id, dp.rank(), dp.size())
             for name, records in prompt_sets.items()
         }
         policy_out = generate_sets(policy, batches, sampling, "policy")
         del policy
-        sft = load_bloom(args.sft, head="lm", params_dtype=dtype, init_weights=False)
+        sft = load_bloom(
+            args.sft, head="lm", params_dtype=dtype, init_weights=False,
+            pg_collection=policy_groups,
+        )  # fmt: skip
         sft_out = generate_sets(sft, batches, sampling, "sft")
         del sft
-        judge = None
-        if args.judge is not None:
+        if args.judge is None:
+            for out in (policy_out, sft_out):
+                score_sets(out, None, args.judge_kind, plan["reward_fn"], args.batch_size)
+        else:
             judge = load_bloom(
                 args.judge, head="scalar", num_scalar_outputs=2 if args.judge_kind == "am" else 1,
-                params_dtype=dtype, init_weights=False,
+                params_dtype=dtype, init_weights=False, pg_collection=groups["judge"].pg_collection,
             ).eval()  # fmt: skip
-        for out in (policy_out, sft_out):
-            score_sets(out, judge, args.judge_kind, plan["reward_fn"], args.batch_size)
-        del judge
+            score_in_judge_layout(
+                [policy_out, sft_out], judge, args.judge_kind, args.batch_size, policy_groups
+            )
+            del judge
         samples = sample_records(prompt_sets, policy_out, sft_out, tokenizer, args.tie_margin)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)
@@ -353,7 +398,7 @@ def run(args, plan: dict) -> int:
         destroy()
     merged = {(s["set"], s["index"]): s for part in gathered for s in part}
     samples = [merged[key] for key in sorted(merged, key=lambda k: (SET_NAMES.index(k[0]), k[1]))]
-    _check_finite(samples)
+    check_finite(samples)
     results = {name: summarize_samples([s for s in samples if s["set"] == name])
                for name in prompt_sets}  # fmt: skip
     report = {"sets": results, "settings": settings_of(args, plan)}
@@ -366,61 +411,6 @@ def run(args, plan: dict) -> int:
     print_summary("eval-policy", **fields, seconds=round(time.time() - start, 1),
                   output=args.output_dir)  # fmt: skip
     return 0
-
-
-def sample_records(prompt_sets: dict, policy_out: dict, sft_out: dict, tokenizer, margin) -> list:
-    """One JSON-ready record per prompt of this rank: both responses, scores and the verdict."""
-    import torch
-
-    records = []
-    for name, policy_batches in policy_out.items():
-        for policy_exp, sft_exp in zip(policy_batches, sft_out[name]):
-            policy_ids, sft_ids = _responses(policy_exp), _responses(sft_exp)
-            identical = torch.tensor([a == b for a, b in zip(policy_ids, sft_ids)])
-            verdict = verdicts(policy_exp.scores, sft_exp.scores, identical, margin)
-            for row, index in enumerate(policy_exp.prompt_index.tolist()):
-                record = {"set": name, "index": index, **prompt_sets[name][index][0]}
-                for who, ids, exp in (
-                    ("policy", policy_ids, policy_exp),
-                    ("sft", sft_ids, sft_exp),
-                ):
-                    if tokenizer is not None:
-                        record[f"{who}_response"] = tokenizer.decode(
-                            ids[row], skip_special_tokens=True
-                        )
-                    record[f"{who}_response_token_ids"] = ids[row]
-                    record[f"{who}_score"] = float(exp.scores[row])
-                record["score_diff"] = record["policy_score"] - record["sft_score"]
-                record["verdict"] = VERDICT_NAMES[int(verdict[row])]
-                records.append(record)
-    return records
-
-
-def _responses(experience) -> list[list[int]]:
-    mask = experience.response_mask.bool()  # (B, N)
-    return [experience.responses[row][mask[row]].tolist() for row in range(mask.shape[0])]
-
-
-def _check_finite(samples: list[dict]) -> None:
-    """Raise on every rank alike (all hold the gathered samples)."""
-    for sample in samples:
-        if not all(math.isfinite(sample[f"{who}_score"]) for who in ("policy", "sft")):
-            raise InputError(
-                f"--{sample['set']} prompt {sample['index']}: the judge gave a non-finite score "
-                f"(policy {sample['policy_score']}, SFT {sample['sft_score']}); check the judge "
-                "or the score function"
-            )
-
-
-def summarize_samples(samples: list[dict]) -> dict:
-    import torch
-
-    verdict = torch.tensor(
-        [{v: k for k, v in VERDICT_NAMES.items()}[s["verdict"]] for s in samples]
-    )
-    policy = torch.tensor([s["policy_score"] for s in samples], dtype=torch.float64)
-    sft = torch.tensor([s["sft_score"] for s in samples], dtype=torch.float64)
-    return summarize(verdict, policy, sft)
 
 
 def settings_of(args, plan: dict) -> dict:
@@ -438,61 +428,5 @@ def settings_of(args, plan: dict) -> dict:
         "seed": args.seed,
         "tp": args.tp,
         "pp": args.pp,
+        "parallel": {role: layout.as_dict() for role, layout in plan["layouts"].items()},
     }
-
-
-# ---------------------------------------------------------------- outputs
-
-
-def markdown_report(report: dict, label: str) -> str:
-    """Per-set table, then the row in the paper's Table 2 layout (percent)."""
-    settings, sets = report["settings"], report["sets"]
-    lines = [
-        f"# Policy vs SFT: `{label}`",
-        "",
-        f"- judge: `{settings['judge']}` ({settings['judge_kind']}), tie margin "
-        f"{settings['tie_margin']:g}",
-        f"- SFT: `{settings['sft']}`; decoding: "
-        + ("greedy" if settings["greedy"] else
-           f"temperature {settings['temperature']:g}, top-p {settings['top_p']:g}")
-        + f", max {settings['max_new_tokens']} new tokens, seed {settings['seed']}",
-        "",
-        "| set | prompts | Win % ↑ | Lose % ↓ | Tie % | Net win % ↑ | mean score policy "
-        "| mean score SFT |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]  # fmt: skip
-    for name, row in sets.items():
-        lines.append(
-            f"| {name} | {row['num_prompts']} | {100 * row['win_rate']:.2f} | "
-            f"{100 * row['lose_rate']:.2f} | {100 * row['tie_rate']:.2f} | "
-            f"{100 * row['net_win_rate']:.2f} | {row['mean_score_policy']:.4f} | "
-            f"{row['mean_score_sft']:.4f} |"
-        )
-    header, rule, cells = ["Model"], ["---"], [label]
-    for name in sets:
-        header += [f"{name.capitalize()} Win ↑", f"{name.capitalize()} Lose ↓",
-                   f"{name.capitalize()} Tie"]  # fmt: skip
-        rule += ["---:"] * 3
-        cells += [f"{100 * sets[name][key]:.2f}" for key in ("win_rate", "lose_rate", "tie_rate")]
-    lines += [
-        "",
-        "Table 2 layout (over the SFT model, percent):",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join(rule) + "|",
-        "| " + " | ".join(cells) + " |",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-OUTPUT_FILES = ("eval_policy_samples.jsonl", "eval_policy.md", "eval_policy.json")
-
-
-def write_outputs(out: Path, report: dict, samples: list[dict], label: str) -> None:
-    from megatron_rlhf.utils import write_jsonl
-
-    write_jsonl(out / OUTPUT_FILES[0], samples)
-    with atomic_output(out / OUTPUT_FILES[1]) as tmp:
-        tmp.write_text(markdown_report(report, label), encoding="utf-8")
-    write_json(out / OUTPUT_FILES[2], report)

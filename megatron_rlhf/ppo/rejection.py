@@ -10,6 +10,7 @@ from functools import partial
 
 import torch
 
+from megatron_rlhf.distributed.parallel import vocab_group
 from megatron_rlhf.ppo.experience import Experience
 from megatron_rlhf.ppo.losses import sft_nll
 from megatron_rlhf.ppo.scoring import response_logprobs
@@ -31,16 +32,22 @@ def select_best(scores: torch.Tensor, samples_per_prompt: int, threshold: float 
     return rows[keep]
 
 
-def nll_loss(temperature: float, logits: torch.Tensor, mb: dict):
+def nll_loss(temperature: float, tp_group, logits: torch.Tensor, mb: dict):
     logprobs = response_logprobs(
-        logits, mb["input_ids"], mb["prompt_length"], mb["response_mask"].shape[1], temperature
+        logits,
+        mb["input_ids"],
+        mb["prompt_length"],
+        mb["response_mask"].shape[1],
+        temperature,
+        tp_group=tp_group,
     )
     loss = sft_nll(logprobs, mb["response_mask"], "mean")  # token mean of the kept responses
     return loss, {"nll": loss.detach()}
 
 
-def rejection_update(experience: Experience, actor_engine, micro_batch_size: int) -> dict:
-    """One optimizer step of NLL on the selected responses (Eq. 4)."""
+def rejection_update(experience: Experience, actor, micro_batch_size: int) -> dict:
+    """One optimizer step of NLL on the selected responses (Eq. 4); ``actor`` is the actor's
+    :class:`~megatron_rlhf.ppo.setup.Role` and ``experience`` this DP rank's rows."""
     batch = experience.sequences.shape[0]
     usable = batch - batch % micro_batch_size
     if usable == 0:
@@ -54,5 +61,6 @@ def rejection_update(experience: Experience, actor_engine, micro_batch_size: int
         }
         for i in range(0, usable, micro_batch_size)
     ]
-    metrics = actor_engine.step(microbatches, partial(nll_loss, 1.0))
+    loss_fn = partial(nll_loss, 1.0, vocab_group(actor.groups))
+    metrics = actor.engine.step(microbatches, loss_fn)
     return {f"actor/{k}": v for k, v in metrics.items()} | {"kept": float(usable)}

@@ -7,13 +7,12 @@ from dataclasses import replace
 import torch
 
 from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
-from megatron_rlhf.distributed.role_groups import active
 from megatron_rlhf.generation import GenerationOutput, SamplingConfig, generate
 from megatron_rlhf.ppo.experience import Experience
 
 
 def rollout(actor, prompts: dict, sampling: SamplingConfig) -> Experience:
-    """Generate one response per prompt in the active layout; ``prompts`` is
+    """Generate one response per prompt (on the actor's groups); ``prompts`` is
     ``collate_prompts`` output."""
     out = generate(actor, prompts["input_ids"], prompts["attention_mask"], sampling)
     return _experience(prompts, out.response_ids, out.response_mask)
@@ -22,17 +21,16 @@ def rollout(actor, prompts: dict, sampling: SamplingConfig) -> Experience:
 def rollout_global(engine, prompts: dict, sampling: SamplingConfig, row_seeds) -> Experience:
     """The global batch's responses on every rank: each DP rank of ``engine.groups`` generates
     its rows (row ``i`` sampled from ``row_seeds[i]``), then the rows are gathered back."""
-    groups = engine.groups
+    dp = engine.groups.dp
     batch = prompts["input_ids"].shape[0]
-    with active(groups):
-        rows = dp_rows(batch, groups.layout.dp, groups.dp_rank)
-        out: GenerationOutput = engine.generate(
-            prompts["input_ids"][rows],
-            prompts["attention_mask"][rows],
-            replace(sampling, row_seeds=tuple(int(seed) for seed in row_seeds[rows])),
-        )
-        response_ids = gather_rows(out.response_ids, groups.dp_group, sampling.pad_id)
-        response_mask = gather_rows(out.response_mask, groups.dp_group, 0)
+    rows = dp_rows(batch, dp.size(), dp.rank())
+    out: GenerationOutput = engine.generate(
+        prompts["input_ids"][rows],
+        prompts["attention_mask"][rows],
+        replace(sampling, row_seeds=tuple(int(seed) for seed in row_seeds[rows])),
+    )
+    response_ids = gather_rows(out.response_ids, dp, sampling.pad_id)
+    response_mask = gather_rows(out.response_mask, dp, 0)
     return _experience(prompts, response_ids, response_mask)
 
 

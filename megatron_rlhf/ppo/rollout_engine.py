@@ -2,9 +2,9 @@
 
 The PPO loop only sees :class:`RolloutEngine`: before each rollout it calls ``refresh()`` (bring
 the generation weights up to date with the actor's last update), then ``ppo.rollout.rollout_global``
-calls ``generate(...)`` inside ``active(engine.groups)`` on every rank of the world with this
-rank's data-parallel share of the global prompts, and hands the responses back to every rank
-(``distributed/handoff.py``). Two engines today:
+calls ``generate(...)`` on every rank of the world with this rank's share of the global prompts
+(split over the data-parallel group of ``engine.groups``), and hands the responses back to every
+rank (``distributed/handoff.py``). Two engines today:
 
 - :class:`TrainingLayoutEngine`: the actor generates in its own training layout (no copy).
 - :class:`ReshardedEngine`: a second copy of the actor in the rollout layout
@@ -14,8 +14,8 @@ rank's data-parallel share of the global prompts, and hands the responses back t
 
 Plugging in another engine (vLLM, Megatron-Core's inference engine; pipelined micro-batches at
 PP > 1 are already inside ``generate``):
-write a class with ``groups`` (the :class:`~megatron_rlhf.distributed.role_groups.LayoutGroups`
-it generates in), ``refresh()`` and ``generate(prompt_ids, prompt_mask, sampling) ->
+write a class with ``groups`` (the ``ProcessGroupCollection`` of the layout it generates in),
+``refresh()`` and ``generate(prompt_ids, prompt_mask, sampling) ->
 GenerationOutput`` with the contract of :func:`megatron_rlhf.generation.generate` (left-padded
 prompts of this rank's rows; every rank of a replica gets the same outputs; honour
 ``sampling.row_seeds`` so that tokens do not depend on the layout), and return it from
@@ -28,13 +28,14 @@ from typing import Protocol
 
 import torch
 
-from megatron_rlhf.distributed.role_groups import LayoutGroups, active
+from megatron_rlhf.distributed.groups import LayoutGroups
 from megatron_rlhf.generation import GenerationOutput, SamplingConfig, generate
 
 
 class RolloutEngine(Protocol):
-    groups: LayoutGroups
-    """The layout the engine generates in (its DP ranks split the global prompts)."""
+    groups: object
+    """The process groups (a ``ProcessGroupCollection``) the engine generates on; its DP ranks
+    split the global prompts."""
 
     def refresh(self) -> None:
         """Make the generation weights equal the actor's current weights (collective)."""
@@ -42,14 +43,14 @@ class RolloutEngine(Protocol):
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig
     ) -> GenerationOutput:
-        """Responses of this rank's rows; called inside ``active(self.groups)``."""
+        """Responses of this rank's rows (collective over ``self.groups``)."""
 
 
 class TrainingLayoutEngine:
     """The actor generates in its training layout."""
 
-    def __init__(self, actor, groups: LayoutGroups):
-        self.actor, self.groups = actor, groups
+    def __init__(self, actor):
+        self.actor, self.groups = actor, actor.pg_collection
 
     def refresh(self) -> None:
         pass
@@ -61,8 +62,8 @@ class TrainingLayoutEngine:
 class ReshardedEngine:
     """A copy of the actor in the rollout layout, refit from the actor before each rollout."""
 
-    def __init__(self, actor, model, groups: LayoutGroups):
-        self.actor, self.model, self.groups = actor, model, groups
+    def __init__(self, actor, model):
+        self.actor, self.model, self.groups = actor, model, model.pg_collection
         self.model.requires_grad_(False)
         self.copy_service = refit_copy_service()
 
@@ -102,10 +103,8 @@ def refit_copy_service():
 def build_rollout_engine(
     actor, actor_groups: LayoutGroups, rollout_groups: LayoutGroups, build_copy
 ) -> RolloutEngine:
-    """The training-layout engine when the layouts agree, else a resharded copy of the actor;
-    ``build_copy()`` builds an (unloaded) actor model under the active rollout groups."""
+    """The training-layout engine when the layouts agree, else a resharded copy of the actor
+    (a model); ``build_copy(rollout_groups)`` builds an unloaded actor model on those groups."""
     if rollout_groups is actor_groups:
-        return TrainingLayoutEngine(actor, actor_groups)
-    with active(rollout_groups):
-        copy = build_copy()
-    return ReshardedEngine(actor, copy, rollout_groups)
+        return TrainingLayoutEngine(actor)
+    return ReshardedEngine(actor, build_copy(rollout_groups))

@@ -9,21 +9,13 @@ from this rank's vocabulary shard of the logits through the fused ``token_logpro
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state
 
 from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
-from megatron_rlhf.distributed.parallel import is_last_stage, model_groups
+from megatron_rlhf.distributed.parallel import is_last_stage, model_groups, vocab_group
 from megatron_rlhf.distributed.pipeline import broadcast_from_last_stage, pipeline_forward
-from megatron_rlhf.distributed.role_groups import active
 from megatron_rlhf.kernels import token_logprobs
 from megatron_rlhf.ppo.experience import Experience
 from megatron_rlhf.reward.model import NUM_OUTPUTS, advantage_scores, read_scalars
-
-
-def tp_group_or_none():
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_tensor_model_parallel_group()
 
 
 def response_logprobs(
@@ -33,17 +25,19 @@ def response_logprobs(
     response_length: int,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    *,
+    tp_group,
 ):
     """log pi(a_t | s_t) (B, N) of the response tokens (and the entropy per position).
 
-    Columns past ``prompt_length + response_length`` (extra right padding) are ignored.
+    ``tp_group``: the group the model's vocabulary is split over
+    (``distributed.parallel.vocab_group(model_groups(model))``; None at tp = 1). Columns past
+    ``prompt_length + response_length`` (extra right padding) are ignored.
     """
     end = prompt_length + response_length
     predicting = logits_shard[:, prompt_length - 1 : end - 1]  # (B, N, V/tp)
     targets = sequences[:, prompt_length:end]  # (B, N)
-    return token_logprobs(
-        predicting, targets, temperature, tp_group_or_none(), return_entropy=return_entropy
-    )
+    return token_logprobs(predicting, targets, temperature, tp_group, return_entropy=return_entropy)
 
 
 def sequence_scores(
@@ -96,12 +90,12 @@ def score(
         seq, mask = experience.sequences[rows], experience.attention_mask[rows]
         outputs = {role: pipeline_forward(model, seq, mask) for role, model in models.items()}
         for role, output in outputs.items():
-            last_stage = is_last_stage(model_groups(models[role]))
+            groups = model_groups(models[role])
             name, value, shape = _from_output(
-                role, output, seq, mask, p, n, temperature, reward_kind, last_stage
+                role, output, seq, mask, p, n, temperature, reward_kind, groups
             )
             parts.setdefault(name, []).append(
-                broadcast_from_last_stage(value, shape, torch.float32)
+                broadcast_from_last_stage(value, shape, torch.float32, groups)
             )
         if reward_fn is not None:
             parts.setdefault("scores", []).append(
@@ -124,8 +118,7 @@ FIELD_OF_ROLE = {
 
 def score_in_layouts(
     experience: Experience,
-    models: dict,
-    groups: dict,
+    roles: list,
     reward_kind: str,
     temperature: float,
     micro_batch_size: int,
@@ -133,36 +126,39 @@ def score_in_layouts(
 ) -> Experience:
     """:func:`score` with every role in its own layout, on the global batch held by every rank.
 
-    Each role's DP rank scores its rows of the batch (``handoff.dp_rows``) on its layout's
-    groups; the role's field is then gathered over its DP group, so every rank of the world
-    ends with the global ``logprobs``, ``ref_logprobs``, ``values`` and ``scores``.
+    ``roles``: :class:`~megatron_rlhf.ppo.setup.Role` values (actor, reference, critic,
+    reward; any subset). Each role's DP rank scores its rows of the batch
+    (``handoff.dp_rows``) on its model's groups; the role's field is then gathered over its DP
+    group, so every rank of the world ends with the global ``logprobs``, ``ref_logprobs``,
+    ``values`` and ``scores``.
     """
     batch = experience.sequences.shape[0]
-    for role, model in models.items():
-        role_groups = groups[role]
-        with active(role_groups):
-            rows = dp_rows(batch, role_groups.layout.dp, role_groups.dp_rank)
-            part = score(
-                experience.select(torch.arange(batch)[rows]),
-                {role: model},
-                reward_kind,
-                temperature,
-                micro_batch_size,
-            )
-            name = FIELD_OF_ROLE[role]
-            setattr(experience, name, gather_rows(getattr(part, name), role_groups.dp_group))
+    for role in roles:
+        dp = role.groups.dp
+        rows = dp_rows(batch, dp.size(), dp.rank())
+        part = score(
+            experience.select(torch.arange(batch)[rows]),
+            {role.name: role.model},
+            reward_kind,
+            temperature,
+            micro_batch_size,
+        )
+        name = FIELD_OF_ROLE[role.name]
+        setattr(experience, name, gather_rows(getattr(part, name), dp))
     if reward_fn is not None:
         experience.scores = function_scores(reward_fn, experience)
     return experience
 
 
-def _from_output(role, output, seq, mask, p, n, temperature, reward_kind, last_stage: bool):
+def _from_output(role, output, seq, mask, p, n, temperature, reward_kind, groups):
     """(experience field, its value on the model's last stage else None, its shape) for one
-    role."""
-    rows = seq.shape[0]
+    role whose model has ``groups``."""
+    rows, last_stage = seq.shape[0], is_last_stage(groups)
     if role in ("actor", "reference"):
         name = "logprobs" if role == "actor" else "ref_logprobs"
-        value = response_logprobs(output, seq, p, n, temperature) if last_stage else None
+        value = None
+        if last_stage:
+            value = response_logprobs(output, seq, p, n, temperature, tp_group=vocab_group(groups))
         return name, value, (rows, n)
     if role == "critic":
         return "values", output[:, p - 1 : p - 1 + n, 0].float() if last_stage else None, (rows, n)

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from megatron_rlhf.checkpoint import checkpoint_architecture, is_hf_checkpoint, load_bloom
-from megatron_rlhf.checkpoint.dist import read_metadata
+from megatron_rlhf.checkpoint import CheckpointInfo, describe_checkpoint, load_bloom
 from megatron_rlhf.checkpoint.hf_io import hf_reward_outputs
 from megatron_rlhf.data.tokenizer import check_same_tokenizer
-from megatron_rlhf.distributed.layouts import check_global_batch, resolve_layouts
+from megatron_rlhf.distributed.layouts import Layout, check_global_batch, resolve_layouts
 from megatron_rlhf.ppo.config import TrainPPOConfig
 from megatron_rlhf.training.command import use_bf16
 from megatron_rlhf.utils import InputError
@@ -30,17 +29,38 @@ def role_paths(config: TrainPPOConfig) -> dict[str, str]:
     return paths
 
 
-def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
-    """Every check that needs no model memory; returns the architectures by role.
+@dataclass(frozen=True)
+class PPOPlan:
+    """A train-ppo config resolved once, before any model memory: each role's checkpoint (a run
+    directory replaced by its latest checkpoint) read once, and each role's layout."""
 
-    A role given as a training run directory is replaced by its latest checkpoint."""
+    config: TrainPPOConfig
+    """The config with ``models.*`` resolved to checkpoint directories (what is saved)."""
+    checkpoints: dict[str, CheckpointInfo]
+    """actor, reference, critic and (with a reward model) reward."""
+    layouts: dict[str, Layout]
+    """Every role of :func:`layout_roles`, the rollout included."""
+
+    @property
+    def archs(self) -> dict:
+        return {role: info.arch for role, info in self.checkpoints.items()}
+
+
+def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
+    """Every check that needs no model memory; returns the resolved plan (``config`` itself is
+    not changed)."""
     from megatron_rlhf.training.checkpointing import checkpoint_in
     from megatron_rlhf.training.engine import optim_problems
 
-    models = config.models
-    for role in ROLE_KEYS:
-        if getattr(models, role) is not None:
-            setattr(models, role, checkpoint_in(getattr(models, role)))
+    models = replace(
+        config.models,
+        **{
+            role: checkpoint_in(getattr(config.models, role))
+            for role in ROLE_KEYS
+            if getattr(config.models, role) is not None
+        },
+    )
+    config = replace(config, models=models)
     problems = optim_problems(config.actor_optim, "actor_optim")
     problems += optim_problems(config.critic_optim, "critic_optim")
     if problems:
@@ -49,11 +69,12 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
         raise InputError(
             "set exactly one of models.reward (a reward/advantage model) and models.reward_fn"
         )
-    archs = {}
+    checkpoints = {}
     for role, path in role_paths(config).items():
         if not Path(path).is_dir():
             raise InputError(f"models.{role}: checkpoint directory {path} does not exist")
-        archs[role] = checkpoint_architecture(path)
+        checkpoints[role] = describe_checkpoint(path)
+    archs = {role: info.arch for role, info in checkpoints.items()}
     layouts = resolve_layouts(config.parallel, world_size, archs, roles=layout_roles(config))
     vocabs = {role: arch.vocab_size for role, arch in archs.items()}
     if len(set(vocabs.values())) > 1:
@@ -62,11 +83,12 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
         )
     if models.reward is not None:
         expected = 2 if models.reward_kind == "am" else 1
-        if is_hf_checkpoint(models.reward):
+        reward = checkpoints["reward"]
+        if reward.is_hf:
             labels = hf_reward_outputs(models.reward, "models.reward")
             meta = {"head": "scalar", "num_scalar_outputs": labels}
         else:
-            meta = read_metadata(models.reward)
+            meta = reward.meta
         if meta["head"] != "scalar" or meta["num_scalar_outputs"] != expected:
             raise InputError(
                 f"models.reward: {models.reward} has a {meta['head']!r} head with "
@@ -74,7 +96,7 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
                 f"needs a scalar head with {expected}"
             )
     vocab = vocabs["actor"]
-    actor_tokenizer = _same_tokenizer_for_every_role(config)
+    actor_tokenizer = _same_tokenizer_for_every_role(config, checkpoints)
     prompts_tokenizer = _dataset_tokenizer(config.data.prompts, "data.prompts", vocab)
     check_same_tokenizer(
         prompts_tokenizer, f"data.prompts ({config.data.prompts})",
@@ -102,7 +124,7 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> dict:
                 "the policy's tokenizer"
             )
     check_batches(config, layouts)
-    return archs
+    return PPOPlan(config=config, checkpoints=checkpoints, layouts=layouts)
 
 
 def layout_roles(config: TrainPPOConfig) -> tuple[str, ...]:
@@ -126,11 +148,11 @@ def check_batches(config: TrainPPOConfig, layouts: dict) -> None:
             )
 
 
-def _same_tokenizer_for_every_role(config: TrainPPOConfig) -> dict | None:
+def _same_tokenizer_for_every_role(config: TrainPPOConfig, checkpoints: dict) -> dict | None:
     """The actor's tokenizer identity; every role whose tokenizer is known must share it."""
     from megatron_rlhf.checkpoint.dist import tokenizer_of
 
-    known = {role: tokenizer_of(path) for role, path in role_paths(config).items()}
+    known = {role: tokenizer_of(info.path, info.meta) for role, info in checkpoints.items()}
     known = {role: t for role, t in known.items() if t and t.get("fingerprint")}
     if len({t["fingerprint"] for t in known.values()}) > 1:
         described = "; ".join(
@@ -161,67 +183,105 @@ def _tokenizer_identity(tokenizer: dict) -> tuple:
     return (tokenizer["vocab_size"], tokenizer["eos_id"], tokenizer["pad_id"])
 
 
-@dataclass
+@dataclass(eq=False)
+class Role:
+    """One model of the run with the process groups it was built on (and, for a trained role,
+    its TrainEngine): what rollout, scoring, the update and evaluation take."""
+
+    name: str
+    model: torch.nn.Module
+    groups: object  # its ProcessGroupCollection (model.pg_collection): .tp, .pp, .dp
+    engine: object = None  # training.TrainEngine of the actor and the critic
+
+    @property
+    def arch(self):
+        return self.model.arch
+
+    @property
+    def dp(self) -> tuple[int, int]:
+        """(data-parallel size, this rank's data-parallel rank) of the role's layout."""
+        return self.groups.dp.size(), self.groups.dp.rank()
+
+
+@dataclass(eq=False)
 class Roles:
-    actor: torch.nn.Module
-    reference: torch.nn.Module
-    critic: torch.nn.Module
-    reward: torch.nn.Module | None
+    actor: Role
+    reference: Role
+    critic: Role
+    reward: Role | None
+    rollout: object  # ppo.rollout_engine.RolloutEngine
 
 
-def build_roles(config: TrainPPOConfig, groups: dict) -> Roles:
-    """Load the four models, each on its own layout's groups (``role_groups.active``)."""
-    from megatron_rlhf.distributed.role_groups import active
+def build_roles(plan: PPOPlan, groups: dict, seed: int) -> Roles:
+    """Load every model on its own layout's groups (the model-parallel RNG seeded per layout),
+    wrap the actor and the critic in their TrainEngines, and set up the rollout engine."""
+    from megatron_rlhf.distributed.groups import seed_layout
+    from megatron_rlhf.ppo.rollout_engine import build_rollout_engine
+    from megatron_rlhf.training import TrainEngine
 
+    config, checkpoints = plan.config, plan.checkpoints
     dtype = torch.bfloat16 if use_bf16(config.train.bf16, "train.bf16") else torch.float32
-    paths = role_paths(config)
     common = dict(params_dtype=dtype, sequence_parallel=config.parallel.sequence_parallel)
     trained = dict(common, recompute_activations=config.train.recompute_activations)
-    with active(groups["actor"]):
-        actor = load_bloom(paths["actor"], head="lm", init_weights=False, **trained)
-    with active(groups["reference"]):
-        reference = load_bloom(paths["reference"], head="lm", init_weights=False, **common).eval()
-    critic_is_value_model = (
-        not is_hf_checkpoint(paths["critic"])
-        and read_metadata(paths["critic"]).get("num_scalar_outputs") == 1
+
+    def load(role: str, **kwargs):
+        seed_layout(groups[role], seed)
+        pg_collection = groups[role].pg_collection
+        model = load_bloom(checkpoints[role], pg_collection=pg_collection, **kwargs)
+        return model, pg_collection
+
+    updates = config.train.steps * config.ppo.epochs * config.ppo.num_minibatches
+    actor_model, actor_groups = load("actor", head="lm", init_weights=False, **trained)
+    actor = Role(
+        "actor",
+        actor_model,
+        actor_groups,
+        TrainEngine(actor_model, config.actor_optim, updates, "actor."),
     )
-    with active(groups["critic"]):
-        critic = load_bloom(
-            paths["critic"],
-            head="scalar",
-            num_scalar_outputs=1,
-            trunk_only=not critic_is_value_model,
-            **trained,
-        )
+    reference_model, reference_groups = load("reference", head="lm", init_weights=False, **common)
+    reference = Role("reference", reference_model.eval(), reference_groups)
+    critic_info = checkpoints["critic"]
+    critic_is_value_model = (
+        not critic_info.is_hf and critic_info.meta.get("num_scalar_outputs") == 1
+    )
+    critic_model, critic_groups = load(
+        "critic",
+        head="scalar",
+        num_scalar_outputs=1,
+        trunk_only=not critic_is_value_model,
+        **trained,
+    )
+    critic = Role(
+        "critic",
+        critic_model,
+        critic_groups,
+        TrainEngine(critic_model, config.critic_optim, updates, "critic."),
+    )
     reward = None
-    if "reward" in paths:
+    if "reward" in checkpoints:
         outputs = 2 if config.models.reward_kind == "am" else 1
-        with active(groups["reward"]):
-            reward = load_bloom(
-                paths["reward"],
-                head="scalar",
-                num_scalar_outputs=outputs,
-                init_weights=False,
-                **common,
-            ).eval()
+        reward_model, reward_groups = load(
+            "reward", head="scalar", num_scalar_outputs=outputs, init_weights=False, **common
+        )
+        reward = Role("reward", reward_model.eval(), reward_groups)
     for frozen in (reference, reward):
         if frozen is not None:
-            frozen.requires_grad_(False)
-    return Roles(actor=actor, reference=reference, critic=critic, reward=reward)
+            frozen.model.requires_grad_(False)
 
+    def build_copy(rollout_groups):
+        from megatron_rlhf.models.bloom import BloomModel
 
-def build_actor_copy(config: TrainPPOConfig):
-    """An unloaded actor (the rollout layout's copy, filled by resharding before each use)."""
-    from megatron_rlhf.models.bloom import BloomModel
+        seed_layout(rollout_groups, seed)
+        return BloomModel(
+            checkpoints["actor"].arch,
+            head="lm",
+            init_weights=False,
+            pg_collection=rollout_groups.pg_collection,
+            **common,
+        )
 
-    dtype = torch.bfloat16 if use_bf16(config.train.bf16, "train.bf16") else torch.float32
-    return BloomModel(
-        checkpoint_architecture(config.models.actor),
-        head="lm",
-        params_dtype=dtype,
-        sequence_parallel=config.parallel.sequence_parallel,
-        init_weights=False,
-    )
+    rollout = build_rollout_engine(actor.model, groups["actor"], groups["rollout"], build_copy)
+    return Roles(actor=actor, reference=reference, critic=critic, reward=reward, rollout=rollout)
 
 
 def import_reward_fn(spec: str, key: str = "models.reward_fn"):

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlhf.config import describe_config, load_config, to_dict
+from megatron_rlhf.config import load_config, to_dict
 from megatron_rlhf.distributed import destroy
 from megatron_rlhf.distributed.handoff import dp_rows
-from megatron_rlhf.distributed.layouts import resolve_layouts
 from megatron_rlhf.generation import SamplingConfig
 from megatron_rlhf.ppo.advantages import compute_advantages, global_mean_var, global_moments
 from megatron_rlhf.ppo.config import TrainPPOConfig
@@ -29,24 +28,21 @@ from megatron_rlhf.ppo.control import KLController, RewardNormalizer
 from megatron_rlhf.ppo.losses import explained_variance
 from megatron_rlhf.ppo.rejection import rejection_update, repeat_prompts, select_best
 from megatron_rlhf.ppo.rollout import rollout_global, step_row_seeds
-from megatron_rlhf.ppo.rollout_engine import build_rollout_engine
 from megatron_rlhf.ppo.run_io import RunData, RunLogger
 from megatron_rlhf.ppo.scoring import score_in_layouts
 from megatron_rlhf.ppo.setup import (
-    build_actor_copy,
+    PPOPlan,
     build_roles,
     import_reward_fn,
-    layout_roles,
     validate_config,
     world_size,
 )
-from megatron_rlhf.ppo.train_cli import build_parser
 from megatron_rlhf.ppo.update import ppo_update
 from megatron_rlhf.training.command import say_if_finished
 from megatron_rlhf.training.guards import NonFiniteGuard
 from megatron_rlhf.training.run_dir import first_logged, open_run
 from megatron_rlhf.training.signals import EXIT_SAVED_ON_SIGNAL, ExitSignals, stopped_message
-from megatron_rlhf.utils import InputError, is_rank0, print_summary, run_command
+from megatron_rlhf.utils import InputError, is_rank0, print_summary
 
 RESUMABLE_CHANGES = (
     "train.steps",
@@ -63,24 +59,16 @@ RESUMABLE_CHANGES = (
 the checkpoint and the trainer state are layout-independent."""
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    if args.print_config:
-        print(describe_config(TrainPPOConfig))
-        return 0
-    return run_command("train-ppo", lambda: train(args), distributed=True)
-
-
 def train(args) -> int:
+    """Run ``train-ppo`` with parsed arguments (``train_cli.main`` parses them)."""
     from megatron_rlhf.training.memory_check import check_ppo
 
     config = load_config(TrainPPOConfig, args.config, args.overrides)
-    archs = validate_config(config, world_size())
-    layouts = resolve_layouts(config.parallel, world_size(), roles=layout_roles(config))
-    check_ppo(config, archs, layouts, args.skip_memory_check)  # before any model is built
+    plan = validate_config(config, world_size())
+    check_ppo(plan.config, plan.archs, plan.layouts, args.skip_memory_check)  # before any model
     exit_signals = ExitSignals(config.train.exit_signals, "train-ppo")
     try:
-        return PPOTrainer(config, args.overwrite, args.force_config_change).fit(exit_signals)
+        return PPOTrainer(plan, args.overwrite, args.force_config_change).fit(exit_signals)
     finally:
         exit_signals.restore()
 
@@ -88,32 +76,17 @@ def train(args) -> int:
 class PPOTrainer:
     """Holds the run's state; ``fit()`` reads like the algorithm."""
 
-    def __init__(
-        self, config: TrainPPOConfig, overwrite: bool = False, force_config_change: bool = False
-    ):
+    def __init__(self, plan: PPOPlan, overwrite: bool = False, force_config_change: bool = False):
+        """``plan``: :func:`~megatron_rlhf.ppo.setup.validate_config`'s resolution of the
+        config (every role's checkpoint and layout)."""
         from megatron_rlhf.distributed import initialize_layouts
-        from megatron_rlhf.training import TrainEngine
 
-        self.config = config
+        self.config = config = plan.config
         train = config.train
-        self.layouts = resolve_layouts(config.parallel, world_size(), roles=layout_roles(config))
-        self.groups = initialize_layouts(self.layouts, seed=train.seed)
-        self.roles = build_roles(config, self.groups)
+        self.roles = build_roles(plan, initialize_layouts(plan.layouts), seed=train.seed)
+        self.actor, self.critic = self.roles.actor, self.roles.critic
         self.reward_fn = (
             import_reward_fn(config.models.reward_fn) if config.models.reward_fn else None
-        )
-        updates = train.steps * config.ppo.epochs * config.ppo.num_minibatches
-        self.actor = TrainEngine(
-            self.roles.actor, config.actor_optim, updates, "actor.", self.groups["actor"]
-        )
-        self.critic = TrainEngine(
-            self.roles.critic, config.critic_optim, updates, "critic.", self.groups["critic"]
-        )
-        self.rollout_engine = build_rollout_engine(
-            self.roles.actor,
-            self.groups["actor"],
-            self.groups["rollout"],
-            lambda: build_actor_copy(config),
         )
         self.kl = KLController(
             config.ppo.kl.coef, config.ppo.kl.adaptive, config.ppo.kl.target, config.ppo.kl.horizon
@@ -141,10 +114,10 @@ class PPOTrainer:
             prompts = self.data.next_prompts()
             if config.ppo.algorithm == "rejection_sampling":
                 prompts = repeat_prompts(prompts, config.ppo.rejection_samples_per_prompt)
-            self.rollout_engine.refresh()
+            self.roles.rollout.refresh()
             rows = prompts["input_ids"].shape[0]
             experience = rollout_global(
-                self.rollout_engine,
+                self.roles.rollout,
                 prompts,
                 self.sampling(),
                 step_row_seeds(config.train.seed, self.step, rows),
@@ -152,8 +125,7 @@ class PPOTrainer:
             timings["rollout"], t0 = time.time() - t0, time.time()
             experience = score_in_layouts(
                 experience,
-                self.scoring_models(),
-                self.groups,
+                self.scoring_roles(),
                 config.models.reward_kind,
                 config.rollout.temperature,
                 config.ppo.micro_batch_size,
@@ -235,25 +207,20 @@ class PPOTrainer:
         ppo, batch = self.config.ppo, self.config.rollout.prompts_per_step
         return self.data.rehearsal_minibatches(batch // ppo.num_minibatches // ppo.micro_batch_size)
 
-    def scoring_models(self) -> dict:
+    def scoring_roles(self) -> list:
+        roles = self.roles
+        scored = [roles.actor, roles.reference, roles.critic]
         if self.config.ppo.algorithm == "rejection_sampling":
-            return {} if self.roles.reward is None else {"reward": self.roles.reward}
-        models = {
-            "actor": self.roles.actor,
-            "reference": self.roles.reference,
-            "critic": self.roles.critic,
-        }
-        if self.roles.reward is not None:
-            models["reward"] = self.roles.reward
-        return models
+            scored = []
+        return scored + ([roles.reward] if roles.reward is not None else [])
 
     def rejection_step(self, experience) -> dict:
-        ppo, groups = self.config.ppo, self.groups["actor"]
+        ppo, (dp, dp_rank) = self.config.ppo, self.actor.dp
         kept = select_best(
             experience.scores, ppo.rejection_samples_per_prompt, ppo.rejection_threshold
         )
-        usable = len(kept) - len(kept) % (ppo.micro_batch_size * groups.layout.dp)
-        mine = kept[:usable][dp_rows(usable, groups.layout.dp, groups.dp_rank)]
+        usable = len(kept) - len(kept) % (ppo.micro_batch_size * dp)
+        mine = kept[:usable][dp_rows(usable, dp, dp_rank)]
         return rejection_update(experience.select(mine), self.actor, ppo.micro_batch_size)
 
     def rollout_metrics(self, experience, timings: dict) -> dict:
@@ -314,11 +281,11 @@ class PPOTrainer:
         # The trainer state is global (positions count global samples): kept in the metadata
         # too, so a run resumes at another world size or layout.
         schedulers = {
-            "actor": self.actor.scheduler_state(),
-            "critic": self.critic.scheduler_state(),
+            "actor": self.actor.engine.scheduler_state(),
+            "critic": self.critic.engine.scheduler_state(),
         }
         metadata = model_metadata(
-            self.roles.actor,
+            self.actor.model,
             roles=roles,
             config=to_dict(self.config),
             trainer_state=state,
@@ -327,7 +294,7 @@ class PPOTrainer:
         save_training_checkpoint(
             self.output_dir,
             step,
-            {"actor": self.actor, "critic": self.critic},
+            {"actor": self.actor.engine, "critic": self.critic.engine},
             metadata,
             state,
             tokenizer_dir=self.config.models.tokenizer or self.config.models.actor,
@@ -346,7 +313,7 @@ class PPOTrainer:
         )
         if latest is None:
             return
-        engines = {"actor": self.actor, "critic": self.critic}
+        engines = {"actor": self.actor.engine, "critic": self.critic.engine}
         state = load_training_checkpoint(latest, engines)
         if not state:  # saved at another world size: the global state from the metadata
             from megatron_rlhf.checkpoint.dist import read_metadata

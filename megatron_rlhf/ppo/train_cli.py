@@ -23,7 +23,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    build_parser().parse_args(argv)  # --help and usage errors before the heavy imports
-    from megatron_rlhf.ppo.train import main as train
+    """``train-ppo``: --help and usage errors before the heavy imports, then the trainer."""
+    args = build_parser().parse_args(argv)
+    if args.print_config:
+        from megatron_rlhf.config import describe_config
+        from megatron_rlhf.ppo.config import TrainPPOConfig
 
-    return train(argv)
+        print(describe_config(TrainPPOConfig))
+        return 0
+    from megatron_rlhf.ppo.train import train
+    from megatron_rlhf.utils import run_command
+
+    return run_command("train-ppo", lambda: train(args), distributed=True)

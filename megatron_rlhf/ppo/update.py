@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.distributed.handoff import dp_rows
-from megatron_rlhf.distributed.parallel import compute_device, is_last_stage
+from megatron_rlhf.distributed.parallel import compute_device, is_last_stage, vocab_group
 from megatron_rlhf.kernels import token_logprobs
 from megatron_rlhf.ppo.experience import Experience
 from megatron_rlhf.ppo.losses import masked_mean, policy_loss, ppo_sr_loss, sft_nll, value_loss
-from megatron_rlhf.ppo.scoring import response_logprobs, tp_group_or_none
+from megatron_rlhf.ppo.scoring import response_logprobs
 
 
 def right_pad(rows: torch.Tensor, width: int, value: int) -> torch.Tensor:
@@ -57,8 +57,11 @@ def actor_loss(
     logits: torch.Tensor,
     mb: dict,
     rehearsal_nll_reduction: str = "sum",
+    *,
+    tp_group,
 ):
-    """The actor's loss on one microbatch from its vocab-sharded logits (B, S, V/tp).
+    """The actor's loss on one microbatch from its vocab-sharded logits (B, S, V/tp), split over
+    ``tp_group`` (``vocab_group`` of the actor's groups).
 
     Token sums divided by the global minibatch's token counts (``mb["tokens"]``, and
     ``mb["rehearsal_rows"]`` or ``mb["rehearsal_tokens"]`` by the NLL's reduction): the microbatches of every DP rank add up to the global token
@@ -73,6 +76,7 @@ def actor_loss(
         mb["response_mask"].shape[1],
         temperature,
         return_entropy=True,
+        tp_group=tp_group,
     )
     loss_ppo, metrics = policy_loss(
         logprobs,
@@ -88,7 +92,7 @@ def actor_loss(
     if "rehearsal_loss_mask" in mb:
         rehearsal_logits = logits[ppo_rows:, :-1]  # (R, S - 1, V/tp)
         targets = mb["input_ids"][ppo_rows:, 1:]  # (R, S - 1)
-        rehearsal_logprobs = token_logprobs(rehearsal_logits, targets, 1.0, tp_group_or_none())
+        rehearsal_logprobs = token_logprobs(rehearsal_logits, targets, 1.0, tp_group)
         nll = sft_nll(
             rehearsal_logprobs,
             mb["rehearsal_loss_mask"][:, 1:],
@@ -122,8 +126,8 @@ CRITIC_METRICS = ("value_loss", "value_clip_fraction")
 
 def ppo_update(
     experience: Experience,
-    actor_engine,
-    critic_engine,
+    actor,
+    critic,
     ppo,
     temperature: float,
     generator: torch.Generator,
@@ -134,8 +138,9 @@ def ppo_update(
 ) -> dict:
     """``ppo.epochs`` epochs of ``ppo.num_minibatches`` optimizer steps over the global batch.
 
-    ``experience`` is the global batch (every rank holds it). Each global minibatch is split
-    over each engine's data-parallel ranks (``engine.groups``); losses are token means over
+    ``experience`` is the global batch (every rank holds it); ``actor`` and ``critic`` are
+    :class:`~megatron_rlhf.ppo.setup.Role` values. Each global minibatch is split over each
+    role's data-parallel ranks (``role.groups.dp``); losses are token means over
     the global minibatch, so any mix of layouts takes the single-process step. With
     rehearsal, ``rehearsal_minibatches`` yields the global minibatch's rehearsal microbatches
     (one per global actor microbatch). Returns metrics averaged over minibatches, summed over
@@ -151,7 +156,7 @@ def ppo_update(
             tokens = float(experience.response_mask[rows].sum())
             rehearsal = next(rehearsal_minibatches) if rehearsal_minibatches else None
             actor_mbs = _actor_microbatches(
-                experience, rows, actor_engine, ppo.micro_batch_size, tokens, rehearsal, pad_id
+                experience, rows, actor.groups, ppo.micro_batch_size, tokens, rehearsal, pad_id
             )
             loss_fn = partial(
                 actor_loss,
@@ -159,8 +164,9 @@ def ppo_update(
                 rehearsal_gamma,
                 temperature,
                 rehearsal_nll_reduction=rehearsal_nll_reduction,
+                tp_group=vocab_group(actor.groups),
             )
-            actor_metrics = actor_engine.step(actor_mbs, loss_fn)
+            actor_metrics = actor.engine.step(actor_mbs, loss_fn)
             critic_mbs = [
                 {
                     "input_ids": m.sequences,
@@ -171,26 +177,25 @@ def ppo_update(
                     "response_mask": m.response_mask,
                     "tokens": tokens,
                 }
-                for m in _my_microbatches(experience, rows, critic_engine, ppo.micro_batch_size)
+                for m in _my_microbatches(experience, rows, critic.groups, ppo.micro_batch_size)
             ]
-            _set_loss_scale(critic_mbs, critic_engine)
-            critic_metrics = critic_engine.step(critic_mbs, partial(critic_loss, ppo.value_clip))
+            _set_loss_scale(critic_mbs, critic.groups)
+            critic_metrics = critic.engine.step(critic_mbs, partial(critic_loss, ppo.value_clip))
             actor_keys = ACTOR_METRICS + (("rehearsal_nll",) if rehearsal else ())
-            for prefix, engine, metrics, keys, count in (
-                ("actor", actor_engine, actor_metrics, actor_keys, len(actor_mbs)),
-                ("critic", critic_engine, critic_metrics, CRITIC_METRICS, len(critic_mbs)),
+            for role, metrics, keys, count in (
+                (actor, actor_metrics, actor_keys, len(actor_mbs)),
+                (critic, critic_metrics, CRITIC_METRICS, len(critic_mbs)),
             ):
-                summed = _sum_over_replicas(engine, metrics, keys, count)
+                summed = _sum_over_replicas(role.groups, metrics, keys, count)
                 summed |= {k: metrics[k] for k in ("lr", "grad_norm") if k in metrics}
                 for key, value in summed.items():
-                    totals.setdefault(f"{prefix}/{key}", []).append(value)
+                    totals.setdefault(f"{role.name}/{key}", []).append(value)
     return {key: sum(values) / len(values) for key, values in totals.items()}
 
 
-def _my_microbatches(experience, rows, engine, micro_batch_size: int) -> list[Experience]:
-    """This DP rank's microbatches of the global minibatch ``rows``."""
-    groups = engine.groups
-    mine = rows[dp_rows(rows.shape[0], groups.layout.dp, groups.dp_rank)]
+def _my_microbatches(experience, rows, groups, micro_batch_size: int) -> list[Experience]:
+    """This DP rank's (of ``groups``) microbatches of the global minibatch ``rows``."""
+    mine = rows[dp_rows(rows.shape[0], groups.dp.size(), groups.dp.rank())]
     return [
         experience.select(mine[i : i + micro_batch_size])
         for i in range(0, mine.shape[0], micro_batch_size)
@@ -198,12 +203,12 @@ def _my_microbatches(experience, rows, engine, micro_batch_size: int) -> list[Ex
 
 
 def _actor_microbatches(
-    experience, rows, engine, micro_batch_size, tokens, rehearsal, pad_id
+    experience, rows, groups, micro_batch_size, tokens, rehearsal, pad_id
 ) -> list[dict]:
-    micro = _my_microbatches(experience, rows, engine, micro_batch_size)
+    micro = _my_microbatches(experience, rows, groups, micro_batch_size)
     mine = rehearsal
     if rehearsal is not None:  # this rank's share of the global rehearsal microbatches
-        mine = rehearsal[dp_rows(len(rehearsal), engine.groups.layout.dp, engine.groups.dp_rank)]
+        mine = rehearsal[dp_rows(len(rehearsal), groups.dp.size(), groups.dp.rank())]
     mbs = [actor_microbatch(m, mine[i] if mine else None, pad_id) for i, m in enumerate(micro)]
     rehearsal_tokens = sum(float(r["loss_mask"][:, 1:].sum()) for r in rehearsal or [])
     rehearsal_rows = sum(r["loss_mask"].shape[0] for r in rehearsal or [])
@@ -211,20 +216,20 @@ def _actor_microbatches(
         mb["tokens"], mb["rehearsal_tokens"] = tokens, rehearsal_tokens
         mb["rehearsal_rows"] = rehearsal_rows
     _pad_to_common_width(mbs, pad_id)
-    _set_loss_scale(mbs, engine)
+    _set_loss_scale(mbs, groups)
     return mbs
 
 
-def _set_loss_scale(microbatches: list[dict], engine) -> None:
-    scale = len(microbatches) * engine.groups.layout.dp
+def _set_loss_scale(microbatches: list[dict], groups) -> None:
+    scale = len(microbatches) * groups.dp.size()
     for mb in microbatches:
         mb["loss_scale"] = scale
 
 
-def _sum_over_replicas(engine, metrics: dict, keys, num_microbatches: int) -> dict:
+def _sum_over_replicas(groups, metrics: dict, keys, num_microbatches: int) -> dict:
     """Each metric summed over microbatches and DP replicas (one contribution per replica:
-    its last pipeline stage, TP rank 0), then handed to every rank of the world."""
-    groups = engine.module.pg_collection
+    its last pipeline stage, TP rank 0, of ``groups``), then handed to every rank of the
+    world."""
     contributes = is_last_stage(groups) and groups.tp.rank() == 0
     values = torch.tensor(
         [metrics[k] * num_microbatches if contributes else 0.0 for k in keys],

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_rlhf.distributed.layouts import add_parallel_arguments, parallel_from_args
 from megatron_rlhf.utils import (
     InputError,
     check_output_path,
@@ -69,8 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="output JSONL (written atomically)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     parser.add_argument("--tokenizer", help="HF tokenizer dir for text (default: --load)")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
+    add_parallel_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
     parser.add_argument("--no-eos", action="store_true", help="do not append EOS to text")
     parser.add_argument(
@@ -102,6 +102,7 @@ def run(args) -> int:
     from megatron_rlhf.distributed import ParallelConfig, initialize
     from megatron_rlhf.training import run_lock
 
+    parallel_from_args(args)  # args.tp, args.pp
     check_output_path(args.output, args.overwrite)
     run_lock.lock_output(args.output, "--output")
     if args.batch_size < 1:

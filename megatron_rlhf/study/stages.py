@@ -176,7 +176,7 @@ def train_policy(*, out: Path, sft: Path, reward: Path, reward_kind: str, prompt
     """One train-ppo run (an arm); ``settings`` holds what every arm shares. The critic starts
     from the reward model's trunk (the RM's head is its initial value head; the AM's two-output
     head is replaced by a fresh one). Returns the run dir."""
-    from megatron_rlhf.ppo.train import main as train_ppo
+    from megatron_rlhf.ppo.train_cli import main as train_ppo
 
     argv = [f"models.actor={sft}", f"models.critic={reward}", f"models.reward={reward}",
             f"models.reward_kind={reward_kind}", f"data.prompts={prompts}",

@@ -15,7 +15,6 @@ of each microbatch is averaged over microbatches (and data-parallel replicas, by
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -87,22 +86,13 @@ class TrainEngine:
         optim: OptimConfig,
         total_steps: int,
         checkpoint_prefix: str = "",
-        groups=None,
     ):
-        """``groups``: the model's :class:`~megatron_rlhf.distributed.role_groups.LayoutGroups`
-        when several layouts share the world (every call then runs on them); None: the
-        process-wide Megatron-Core state."""
+        """Every collective runs on ``model.pg_collection``, the groups the model was built on
+        (one layout among several, or the launch's only one)."""
         self.module = model
         self.checkpoint_prefix = checkpoint_prefix  # e.g. "critic." when roles share a checkpoint
-        self.groups = groups
-        with self.on_groups():
-            self._build(model, optim, total_steps)
-
-    def on_groups(self):
-        """The context in which this engine's collectives run (its layout's groups)."""
-        from megatron_rlhf.distributed.role_groups import active
-
-        return contextlib.nullcontext() if self.groups is None else active(self.groups)
+        self.groups = model.pg_collection
+        self._build(model, optim, total_steps)
 
     def _build(self, model, optim: OptimConfig, total_steps: int) -> None:
         config = model.config
@@ -112,7 +102,7 @@ class TrainEngine:
             overlap_grad_reduce=False,
             use_distributed_optimizer=use_distributed_optimizer,
         )
-        groups = model.pg_collection  # the model's own layout, passed to everything below
+        groups = self.groups  # the model's own layout, passed to everything below
         self.model = DistributedDataParallel(
             config=config, ddp_config=ddp_config, module=model, pg_collection=groups
         )
@@ -142,10 +132,6 @@ class TrainEngine:
         self.clip_grad = optim.clip_grad
 
     def step(self, microbatches: list[dict], loss_fn, forward_only: bool = False) -> dict:
-        with self.on_groups():
-            return self._step(microbatches, loss_fn, forward_only)
-
-    def _step(self, microbatches: list[dict], loss_fn, forward_only: bool = False) -> dict:
         """Forward/backward over ``microbatches`` (same shapes), then one optimizer step.
 
         Each microbatch holds ``input_ids`` (B, S) and ``padding_mask`` (B, S) plus whatever
@@ -158,7 +144,7 @@ class TrainEngine:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
         batch, seq = microbatches[0]["input_ids"].shape
-        groups = self.module.pg_collection
+        groups = self.groups
         forward_backward = get_forward_backward_func(pp_size=groups.pp.size())
         losses = forward_backward(
             forward_step_func=partial(_forward_step, loss_fn),
@@ -203,20 +189,16 @@ class TrainEngine:
         """Model and optimizer state for Megatron's dist_checkpointing (any layout for the
         model; the optimizer state follows the model's sharding). ``is_loading`` allocates
         the optimizer state first so that it can be loaded into."""
-        with self.on_groups():
-            model_state = self.module.sharded_state_dict(prefix=self.checkpoint_prefix)
-            return {
-                "model": model_state,
-                "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
-            }
+        model_state = self.module.sharded_state_dict(prefix=self.checkpoint_prefix)
+        return {
+            "model": model_state,
+            "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        }
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         prefix = self.checkpoint_prefix
-        with self.on_groups():
-            self.module.load_state_dict(
-                {k.removeprefix(prefix): v for k, v in loaded["model"].items()}
-            )
-            self.optimizer.load_state_dict(loaded["optimizer"])
+        self.module.load_state_dict({k.removeprefix(prefix): v for k, v in loaded["model"].items()})
+        self.optimizer.load_state_dict(loaded["optimizer"])
 
     def scheduler_state(self) -> dict:
         return {"scheduler": self.scheduler.state_dict(), "steps_done": self.steps_done}

@@ -112,6 +112,35 @@ class BloomModel(GPTModel):
             mark_tensor_parallel_weights(self)
         self.uses_te_attention = use_te_attention
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Megatron-Core's sharded state dict, its replica ids taken from this model's own
+        data-parallel group (Megatron-Core falls back to the global state without one)."""
+        metadata = dict(metadata or {})
+        metadata.setdefault("dp_cp_group", self.pg_collection.dp_cp)
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
+    def tie_embeddings_and_output_weights_state_dict(
+        self, sharded_state_dict, output_layer_weight_key, first_stage_word_emb_key, metadata
+    ) -> None:
+        """Megatron-Core's, with the last stage's copy of the tied embedding given its replica id
+        from this model's own data-parallel group (0.16.1 reads the global one there,
+        language_module.py:352). Other stages: Megatron-Core's own."""
+        if not self.post_process or self.pre_process:
+            return super().tie_embeddings_and_output_weights_state_dict(
+                sharded_state_dict, output_layer_weight_key, first_stage_word_emb_key, metadata
+            )
+        from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+        del sharded_state_dict[output_layer_weight_key]
+        sharded_state_dict[output_layer_weight_key] = make_tp_sharded_tensor_for_checkpoint(
+            tensor=self.shared_embedding_or_output_weight(),
+            key=first_stage_word_emb_key,
+            replica_id=(1, 0, self.pg_collection.dp_cp.rank()),  # a copy of the first stage's
+            allow_shape_mismatch=True,
+            tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
+
     def _add_bloom_modules(self, arch, head, num_scalar_outputs, pre_process, post_process):
         """BLOOM's embedding LayerNorm and, on the last stage, the scalar head and its norm."""
         config, tp = self.config, self.config.tensor_model_parallel_size
