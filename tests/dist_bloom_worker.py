@@ -73,7 +73,7 @@ def compare_logits(name: str, model, ids, mask, ref, vocab_size: int) -> None:
             record(name, False, "a non-last stage returned logits")
         return
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    full = gather_vocab_shards(shard)  # (B, S, V_pad)
+    full = gather_vocab_shards(shard, model.pg_collection.tp)  # (B, S, V_pad)
     expected_shape = (*ids.shape, model.vocab_size // tp)
     real = mask.bool()
     diff = (full[..., :vocab_size] - ref)[real].abs().max().item()

@@ -68,9 +68,7 @@ def check_global_state_sealed(groups, hf_dir) -> str:
             assert "model_groups(model)" in str(err), (what, str(err))
         else:
             raise AssertionError(f"{what}: read the global parallel state without an error")
-    model = BloomModel(
-        checkpoint_architecture(hf_dir), pg_collection=groups["actor"].pg_collection
-    )
+    model = BloomModel(checkpoint_architecture(hf_dir), pg_collection=groups["actor"].pg_collection)
     assert model.pg_collection is groups["actor"].pg_collection
     return f"{len(stray_reads)} stray reads of the global state raise; explicit groups build"
 

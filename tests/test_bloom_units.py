@@ -314,3 +314,56 @@ def test_loaded_models_mark_their_tensor_parallel_weights(single_process):
         assert loaded == initialised
         assert loaded["embedding.word_embeddings.weight"] == (True, 0, 1)
         assert loaded["decoder.layers.0.mlp.linear_fc2.weight"] == (True, 1, 1)
+
+
+@pytest.mark.parametrize("use_kv_cache", [True, False], ids=["kv_cache", "no_cache"])
+def test_ended_rows_leave_the_decode_batch_and_nothing_else_changes(
+    single_process, hf_dir, use_kv_cache
+):
+    """Rows that emit EOS leave the decode batch (their KV cache compacted away), so later steps
+    compute fewer rows; every row's tokens, mask and log-probs equal that row generated alone
+    (per-row seeds make a row's samples independent of its batch)."""
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.generation import SamplingConfig, generate
+
+    model = load_bloom(hf_dir, init_weights=False).eval()
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, [6, 2, 8, 4, 1, 5], seed=11)
+    seeds = (101, 102, 103, 104, 105, 106)
+    sampling = SamplingConfig(
+        max_new_tokens=12, temperature=0.9, top_p=0.95, row_seeds=seeds, eos_id=-1,
+        use_kv_cache=use_kv_cache,
+    )  # fmt: skip
+    endless = generate(model, ids, mask, sampling).response_ids.tolist()
+
+    def end_steps(token):  # the step at which each row would end with EOS := token
+        return {row.index(token) if token in row else None for row in endless}
+
+    # EOS := the drawn token that ends the rows at the most different steps
+    sampling.eos_id = max(
+        sorted({t for row in endless for t in row}), key=lambda t: len(end_steps(t))
+    )
+    batch_sizes = []
+    hook = model.register_forward_pre_hook(lambda _, args: batch_sizes.append(args[0].shape[0]))
+    try:
+        out = generate(model, ids, mask, sampling)
+    finally:
+        hook.remove()
+    lengths = out.response_mask.sum(dim=1).tolist()
+    assert len(set(lengths)) >= 3 and min(lengths) < 12, lengths
+    assert batch_sizes[0] == 6 and batch_sizes[-1] < 6, batch_sizes  # ended rows left
+    assert batch_sizes == sorted(batch_sizes, reverse=True)
+    steps = len(batch_sizes)
+    alive_rows = sum(int((out.response_mask[:, step] == 1).sum()) for step in range(steps))
+    assert sum(batch_sizes) == alive_rows  # each step computed exactly the rows still going
+    for row in range(ids.shape[0]):
+        real = mask[row].bool()
+        alone = generate(
+            model, ids[row][real][None], torch.ones(1, int(real.sum()), dtype=torch.long),
+            SamplingConfig(**{**vars(sampling), "row_seeds": (seeds[row],)}),
+        )  # fmt: skip
+        n = alone.response_ids.shape[1]
+        assert torch.equal(out.response_ids[row, :n], alone.response_ids[0]), row
+        assert torch.equal(out.response_mask[row, :n], alone.response_mask[0]), row
+        assert not out.response_mask[row, n:].any()
+        diff = (out.response_logprobs[row, :n] - alone.response_logprobs[0]).abs().max()
+        assert diff <= 1e-5, (row, float(diff))

@@ -28,7 +28,12 @@ from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
 pytestmark = pytest.mark.slow  # one 4-rank launch (~1 min) behind every test here
 
 WORKER = Path(__file__).with_name("dist_layouts_worker.py")
-CHECKS = ["global_state_sealed", "handoff_gather_rows", "rollout_greedy_layouts", "rollout_sampled_layouts"]
+CHECKS = [
+    "global_state_sealed",
+    "handoff_gather_rows",
+    "rollout_greedy_layouts",
+    "rollout_sampled_layouts",
+]
 LAYOUTS = [
     "parallel.actor.tp=2", "parallel.actor.pp=2", "parallel.critic.tp=2", "parallel.reward.tp=1",
     "parallel.rollout.tp=2", "parallel.rollout.pp=1",

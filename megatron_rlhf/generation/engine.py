@@ -3,7 +3,11 @@
 Prompts are left-padded so every row's next token sits in the last column; ALiBi positions come
 from the padding mask, so padding changes nothing. Each step the last pipeline stage turns the
 TP-gathered logits of the last position into the next token (greedy, or temperature + top-p
-sampling, identical on every TP rank). Rows stop at EOS; the loop stops when every row has.
+sampling, identical on every TP rank). Rows stop at EOS and leave the decode batch: the rows
+still decoding are moved to the front of their KV-cache slots (``MicroBatch.compact``, one copy
+of the live rows' cache after a step in which some row ended), so a decode step computes only
+them and a rollout costs about the sum of its rows' lengths, not batch x longest. The loop stops
+when every row has ended.
 ``response_logprobs`` are the log-probabilities of the chosen tokens under the model at
 temperature 1.
 
@@ -49,6 +53,11 @@ class SamplingConfig:
     """Padding token written after EOS (BLOOM: 3)."""
     use_kv_cache: bool = True
     """Reuse the keys/values of earlier positions (False recomputes the prefix each step)."""
+    drop_ended_rows: bool = True
+    """Take rows that emitted EOS out of the decode batch (their KV cache compacted away), so
+    later steps compute only the rows still going; False keeps the batch shape fixed (every
+    step computes every row, as static-shape decoding, e.g. a CUDA graph, needs). Tokens do
+    not depend on it."""
     pipeline_micro_batches: int = 0
     """At PP > 1, split the batch into this many micro-batches that flow through the stages
     together, so every stage works at every decode step (0: one per stage; 1: the whole batch
@@ -82,7 +91,11 @@ def _choose(logits: torch.Tensor, sampling: SamplingConfig, uniforms) -> torch.T
 
 class MicroBatch:
     """Rows ``rows`` of the batch: prompt plus generated ids and mask in preallocated
-    (b, P + max_new) buffers, per-token log-probs and which rows have ended."""
+    (b, P + max_new) buffers, per-token log-probs and which rows have ended.
+
+    ``live`` (k,) lists the rows still in the decode batch, in the order of their KV-cache slots
+    (``rows.start + i`` holds ``live[i]``): a step's inputs, logits and chosen tokens are those
+    k rows; ended rows keep pad ids, a 0 mask and 0 log-probs, as the buffers start."""
 
     def __init__(self, rows: slice, prompt_ids, prompt_mask, sampling: SamplingConfig, device):
         batch, self.prompt_length = prompt_ids.shape
@@ -94,12 +107,19 @@ class MicroBatch:
         self.mask[:, : self.prompt_length] = prompt_mask
         self.logprobs = torch.zeros((batch, sampling.max_new_tokens), device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.live = torch.arange(batch, device=device)
+
+    @property
+    def size(self) -> int:
+        """Rows in the decode batch now."""
+        return self.live.shape[0]
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's input ids (the new token with a cache, else all) and key mask (b, Sk)."""
+        """This step's input ids of the live rows (the new token with a cache, else all) and
+        their key mask (k, Sk)."""
         end = self.prompt_length + self.step
         first = end - 1 if (self.sampling.use_kv_cache and self.step > 0) else 0
-        return self.ids[:, first:end], self.mask[:, :end]
+        return self.ids[self.live, first:end], self.mask[self.live, :end]
 
     def point_cache(self, context: StaticInferenceContext | None) -> None:
         """Aim the shared KV cache at these rows and this step's positions."""
@@ -112,19 +132,40 @@ class MicroBatch:
         else:
             context.enable_decode_mode()
 
-    def append(self, chosen=None, logprob=None, alive=None) -> torch.Tensor:
-        """Record this step's token (pad after EOS) and return the alive column (b,); stages
-        that never see tokens pass the ``alive`` column they were sent."""
+    def append(self, chosen=None, logprob=None, alive=None, finished=None) -> torch.Tensor:
+        """Record this step's tokens of the live rows (k,) and return the alive column (b,);
+        stages that never see tokens pass the ``alive`` and ``finished`` columns (b,) they
+        were sent."""
         column = self.prompt_length + self.step
         if alive is None:
             alive = ~self.finished
-            self.ids[:, column] = torch.where(alive, chosen, self.sampling.pad_id)
-            self.finished |= alive & (chosen == self.sampling.eos_id)
+            live_alive = alive[self.live]  # all True unless a step ran without compact()
+            self.ids[self.live, column] = torch.where(live_alive, chosen, self.sampling.pad_id)
+            self.finished[self.live] |= live_alive & (chosen == self.sampling.eos_id)
+        else:
+            self.finished = finished.clone()
         if logprob is not None:
-            self.logprobs[:, self.step] = torch.where(alive, logprob, 0.0)
+            self.logprobs[self.live, self.step] = torch.where(alive[self.live], logprob, 0.0)
         self.mask[:, column] = alive.long()
         self.step += 1
         return alive
+
+    def compact(self, context: StaticInferenceContext | None) -> None:
+        """Drop the rows that have ended from the decode batch: the KV cache of the rows that
+        stay moves to the front of this micro-batch's slots (the live rows' cache copied once,
+        up to the filled length). Every stage of a pipeline calls it after the same step."""
+        if not self.sampling.drop_ended_rows:
+            return
+        stay = (~self.finished[self.live]).nonzero().squeeze(-1)  # positions in slot order
+        if stay.shape[0] == self.live.shape[0] or stay.shape[0] == 0:
+            return
+        if context is not None:
+            start, filled = self.rows.start, self.prompt_length + self.step
+            for key, value in context.key_value_memory_dict.values():
+                for memory in (key, value):
+                    kept = memory[:filled, start + stay]  # a copy: safe to write back over
+                    memory[:filled, start : start + stay.shape[0]] = kept
+        self.live = self.live[stay]
 
     @property
     def done(self) -> bool:
@@ -138,9 +179,12 @@ def split_rows(batch: int, parts: int) -> list[slice]:
 
 
 def choose_for(micro_batch: MicroBatch, logits, uniforms) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token and its temperature-1 log-prob per row from the last stage's (b, S, V) logits."""
-    last = logits[:, -1, :].float()  # (b, V)
-    rows = None if uniforms is None else uniforms[micro_batch.step, micro_batch.rows]
+    """Token and its temperature-1 log-prob per live row from the last stage's (k, S, V)
+    logits."""
+    last = logits[:, -1, :].float()  # (k, V)
+    rows = None
+    if uniforms is not None:
+        rows = uniforms[micro_batch.step, micro_batch.rows][micro_batch.live]
     chosen = _choose(last, micro_batch.sampling, rows)
     return chosen, last.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
 
@@ -208,6 +252,8 @@ def generate(
         while not micro_batch.done:
             logits = stage_forward(model, micro_batch, context)
             micro_batch.append(*choose_for(micro_batch, logits, uniforms))
+            if not micro_batch.done:
+                micro_batch.compact(context)
         return collect([micro_batch])
     finally:
         model.train(was_training)

@@ -9,10 +9,11 @@ moment. Each micro-batch stops on its own once its rows have all ended (it leave
 
 Messages, all point-to-point between the ranks of this rank's pipeline (same TP rank), sent
 with ``isend`` so no stage waits for a receiver:
-- stage s -> s+1: a header ``[m, step, alive_0 .. alive_{b-1}]`` (the new mask column of the
-  micro-batch, which later stages cannot derive without the tokens; ``m = -1`` ends the loop),
-  then the (Sq, b, H) hidden states;
-- last -> first stage: the chosen tokens (b,) of micro-batch m.
+- stage s -> s+1: a header ``[m, step, alive_0 .. alive_{b-1}, finished_0 .. finished_{b-1}]``
+  (the new mask column of the micro-batch and which rows have ended, which later stages cannot
+  derive without the tokens; ``m = -1`` ends the loop), then the (Sq, k, H) hidden states of
+  the k rows still decoding (every stage drops ended rows after the same step);
+- last -> first stage: the chosen tokens (k,) of micro-batch m.
 Stages keep their own copy of every micro-batch's mask and of Megatron-Core's
 ``StaticInferenceContext`` (their layers' KV cache), addressed per micro-batch. At the end the
 last stage broadcasts ids, mask and log-probs (one collective) so every stage returns the same
@@ -62,17 +63,25 @@ class _Links:
         while self.pending and self.pending[0].is_completed():
             self.pending.popleft()
 
-    def send_header(self, index: int, step: int = 0, alive=None) -> None:
-        header = torch.zeros(2 + self.max_rows, dtype=torch.long, device=self.device)
+    def send_header(self, index: int, step: int = 0, alive=None, finished=None) -> None:
+        width = self.max_rows
+        header = torch.zeros(2 + 2 * width, dtype=torch.long, device=self.device)
         header[0], header[1] = index, step
         if alive is not None:
             header[2 : 2 + alive.shape[0]] = alive.long()
+            header[2 + width : 2 + width + finished.shape[0]] = finished.long()
         self._isend(header, self.next)
 
-    def recv_header(self) -> tuple[int, int, torch.Tensor]:
-        header = torch.empty(2 + self.max_rows, dtype=torch.long, device=self.device)
+    def recv_header(self) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        width = self.max_rows
+        header = torch.empty(2 + 2 * width, dtype=torch.long, device=self.device)
         dist.recv(header, src=self.prev)
-        return int(header[0]), int(header[1]), header[2:].bool()
+        return (
+            int(header[0]),
+            int(header[1]),
+            header[2 : 2 + width].bool(),
+            header[2 + width :].bool(),
+        )
 
     def send_hidden(self, hidden) -> None:
         self._isend(hidden, self.next)
@@ -125,11 +134,11 @@ def _first_stage(model, micro_batches, context, links: _Links) -> None:
     while ring:
         index = ring.popleft()
         micro_batch = micro_batches[index]
-        rows = micro_batch.rows.stop - micro_batch.rows.start
-        alive = micro_batch.append(chosen=links.recv_tokens(rows))
+        alive = micro_batch.append(chosen=links.recv_tokens(micro_batch.size))
         if micro_batch.done:
             continue
-        links.send_header(index, micro_batch.step, alive)
+        micro_batch.compact(context)
+        links.send_header(index, micro_batch.step, alive, micro_batch.finished)
         links.send_hidden(stage_forward(model, micro_batch, context))
         ring.append(index)
     links.send_header(_END)
@@ -141,7 +150,7 @@ def _later_stage(model, micro_batches, context, links: _Links, uniforms) -> None
     config, groups = model.config, model_groups(model)
     last = is_last_stage(groups)
     while True:
-        index, step, alive = links.recv_header()
+        index, step, alive, finished = links.recv_header()
         if index == _END:
             if not last:
                 links.send_header(_END)
@@ -149,20 +158,26 @@ def _later_stage(model, micro_batches, context, links: _Links, uniforms) -> None
         micro_batch = micro_batches[index]
         rows = micro_batch.rows.stop - micro_batch.rows.start
         if step > 0 and not last:  # the last stage appends when it picks the tokens
-            micro_batch.append(alive=alive[:rows])
+            micro_batch.append(alive=alive[:rows], finished=finished[:rows])
+            micro_batch.compact(context)
         input_ids, _ = micro_batch.inputs()
         seq = input_ids.shape[1]
         if config.sequence_parallel:
             seq //= groups.tp.size()
-        hidden = links.recv_hidden((seq, rows, config.hidden_size), config.params_dtype)
+        hidden = links.recv_hidden((seq, micro_batch.size, config.hidden_size), config.params_dtype)
         output = stage_forward(model, micro_batch, context, hidden)
         if not last:
-            links.send_header(index, step, alive[:rows] if step > 0 else None)
+            if step > 0:
+                links.send_header(index, step, alive[:rows], finished[:rows])
+            else:
+                links.send_header(index, step)
             links.send_hidden(output)
             continue
         chosen, logprob = choose_for(micro_batch, output, uniforms)
         micro_batch.append(chosen=chosen, logprob=logprob)
         links.send_tokens(chosen)
+        if not micro_batch.done:
+            micro_batch.compact(context)
 
 
 def _broadcast_from_last_stage(micro_batches, sampling, groups) -> GenerationOutput:
