@@ -222,6 +222,58 @@ def test_logits_match_transformers_single_process(single_process, hf_dir):
         assert diff <= 1e-5, (row, diff)
 
 
+def test_packed_row_logits_equal_each_sequence_alone_and_transformers(single_process, hf_dir):
+    """Several sequences in one row (the key mask holds each one's id): block-diagonal causal
+    attention with ALiBi positions restarting per sequence gives every token the logits of its
+    sequence alone, in fp32 against transformers too; padding after the pack is harmless, and
+    a scalar head reads the same values."""
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.models.bloom.model import attention_mask_for
+
+    lengths = [5, 1, 7, 3]
+    generator = torch.Generator().manual_seed(21)
+    sequences = [torch.randint(4, ARCH_A.vocab_size, (n,), generator=generator) for n in lengths]
+    width = sum(lengths) + 2  # two padding columns after the pack
+    packed_ids = torch.full((2, width), 3, dtype=torch.long)
+    packed_mask = torch.zeros((2, width), dtype=torch.long)
+    start = 0
+    for i, seq in enumerate(sequences):
+        packed_ids[0, start : start + len(seq)] = seq
+        packed_mask[0, start : start + len(seq)] = i + 1
+        start += len(seq)
+    packed_ids[1, 2 : 2 + lengths[2]] = sequences[2]  # row 1: one sequence, left-padded
+    packed_mask[1, 2 : 2 + lengths[2]] = 1
+    # the mask: block-diagonal causal (brute force), padding keys masked
+    mask = attention_mask_for(packed_mask, width)[0, 0]  # (S, S) True = masked
+    for q in range(width):
+        for k in range(width):
+            same = packed_mask[0, q] in (0, packed_mask[0, k])  # padding queries see all
+            expected = not (k <= q and packed_mask[0, k] > 0 and same)
+            assert bool(mask[q, k]) == expected, (q, k)
+
+    model = load_bloom(hf_dir).eval()
+    logits = _our_logits(model, packed_ids, packed_mask)  # (2, S, V)
+    hf = _hf_model(hf_dir)
+    start = 0
+    for i, seq in enumerate(sequences):
+        alone = _our_logits(model, seq[None], torch.ones(1, len(seq), dtype=torch.long))[0]
+        part = logits[0, start : start + len(seq)]
+        assert (part - alone).abs().max() <= 1e-5, (i, float((part - alone).abs().max()))
+        with torch.no_grad():
+            ref = hf(input_ids=seq[None]).logits[0]
+        diff = (part[:, : ARCH_A.vocab_size] - ref).abs().max()
+        assert diff <= 1e-4, (i, float(diff))
+        start += len(seq)
+    row1 = logits[1, 2 : 2 + lengths[2]]
+    assert (row1 - logits[0, 6 : 6 + lengths[2]]).abs().max() <= 1e-5  # padded = packed
+
+    scalar = load_bloom(hf_dir, head="scalar", num_scalar_outputs=2).eval()
+    with torch.no_grad():
+        packed_scores = scalar(packed_ids, packed_mask)
+        alone = scalar(sequences[3][None], torch.ones(1, lengths[3], dtype=torch.long))
+    assert (packed_scores[0, 13:16] - alone[0]).abs().max() <= 1e-5
+
+
 def test_scalar_head_matches_transformers_trunk(single_process, hf_dir):
     from megatron_rlhf.checkpoint import load_bloom
 

@@ -39,7 +39,15 @@ def alibi_slopes_for_rank(num_heads: int, tp_rank: int, tp_size: int) -> torch.T
     return alibi_slopes(num_heads)[tp_rank * heads_per_rank : (tp_rank + 1) * heads_per_rank]
 
 
-def positions_from_mask(key_valid: torch.Tensor) -> torch.Tensor:
-    """Key positions (B, S) counted from each row's first valid token; 0 on padding."""
-    key_valid = key_valid.to(torch.long)
-    return (key_valid.cumsum(dim=-1) - 1) * key_valid
+def positions_from_mask(key_mask: torch.Tensor) -> torch.Tensor:
+    """Key positions (B, S) counted over the real tokens of each row, from 0 at its first; 0 on
+    padding. ``key_mask`` is 0 on padding and 1, or, for sequences packed in one row, the
+    sequence's id (increasing along the row), on real tokens: positions restart at each id."""
+    segments = key_mask.to(torch.long)
+    valid = (segments > 0).long()
+    counted = valid.cumsum(dim=-1) - 1  # index among the row's real tokens
+    seen = torch.cummax(segments, dim=-1).values  # the largest id so far
+    before = torch.nn.functional.pad(seen[:, :-1], (1, 0))  # ... before this column
+    starts = (segments > before) & (valid > 0)  # first token of a sequence
+    first = torch.where(starts, counted, torch.zeros_like(counted))
+    return (counted - torch.cummax(first, dim=-1).values) * valid

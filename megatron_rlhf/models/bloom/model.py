@@ -39,18 +39,24 @@ HEADS = ("lm", "scalar")
 
 
 def attention_mask_for(padding_mask: torch.Tensor, query_length: int) -> torch.Tensor:
-    """Megatron's boolean mask (B, 1, Sq, Sk), True = masked, from a 0/1 key mask (B, Sk).
+    """Megatron's boolean mask (B, 1, Sq, Sk), True = masked, from a key mask (B, Sk).
 
-    Queries are the last ``query_length`` positions (all of them, or the new ones after a KV
-    cache); each sees the valid keys at or before its own position.
+    The key mask is 0 on padding and, on real tokens, 1, or the id of the sequence the token
+    belongs to when several sequences are packed in one row (ids increasing along the row:
+    ``1 1 1 2 2 3 0 0``). Queries are the last ``query_length`` positions (all of them, or the
+    new ones after a KV cache); each sees the real keys of its own sequence at or before its own
+    position: block-diagonal causal attention for a packed row, plain causal for a padded one.
     """
-    key_valid = padding_mask.bool()  # (B, Sk)
-    key_length = key_valid.shape[1]
-    query_positions = torch.arange(key_length - query_length, key_length, device=key_valid.device)
-    key_positions = torch.arange(key_length, device=key_valid.device)
+    segments = padding_mask.long()  # (B, Sk)
+    key_length = segments.shape[1]
+    query_positions = torch.arange(key_length - query_length, key_length, device=segments.device)
+    key_positions = torch.arange(key_length, device=segments.device)
     causal = key_positions[None, :] <= query_positions[:, None]  # (Sq, Sk)
-    allowed = causal[None, None] & key_valid[:, None, None, :]
-    return ~allowed
+    query_segments = segments[:, key_length - query_length :, None]  # (B, Sq, 1)
+    # a padding query (its output unused) sees every real key before it, as before packing
+    same = (query_segments == segments[:, None, :]) | (query_segments == 0)  # (B, Sq, Sk)
+    allowed = causal[None] & same & (segments > 0)[:, None, :]
+    return ~allowed[:, None]
 
 
 class BloomModel(GPTModel):
@@ -170,7 +176,7 @@ class BloomModel(GPTModel):
     def forward(
         self,
         input_ids: torch.Tensor,  # (B, Sq) token ids (ignored on non-first pipeline stages)
-        padding_mask: torch.Tensor,  # (B, Sk) 1 = real token, 0 = padding; Sk >= Sq with a cache
+        padding_mask: torch.Tensor,  # (B, Sk) 0 = padding, 1 (or a packed sequence's id) = real
         *,
         inference_context=None,
         runtime_gather_output: bool | None = None,
@@ -208,7 +214,7 @@ class BloomModel(GPTModel):
 
     def _key_positions(self, padding_mask: torch.Tensor, query_length: int):
         """Megatron's ``attention_bias`` for every layer: fp32 key positions (B, Sk) counted from
-        each row's first real token, from which the core attention builds the query-relative
+        the first real token of each row (of each packed sequence), from which the core attention builds the query-relative
         ALiBi bias; None for a batch TE's fused ALiBi takes (TE layers, no KV cache, every row
         right-padded), decided here once per forward (one host sync, TE layers only)."""
         if (
