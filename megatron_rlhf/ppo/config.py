@@ -91,6 +91,13 @@ class PPOConfig:
     """Optimizer steps per epoch (each over 1/num_minibatches of the rollout batch)."""
     micro_batch_size: int = 4
     """Sequences per forward/backward pass of every role (per data-parallel rank)."""
+    packing: bool = True
+    """Score (reference/old log-probs, values, rewards) packed micro-batches: the rows' real
+    tokens back to back, no padding computed; exact (equal to the padded pass on every response
+    token). The update still runs padded micro-batches of ``micro_batch_size`` rows."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of a packed scoring micro-batch (None: ``micro_batch_size`` x the step's
+    padded row width, the tokens a padded micro-batch holds)."""
     clip_ratio: float = 0.2
     """epsilon of the clipped policy objective: ratios outside [1 - eps, 1 + eps] get no
     gradient."""

@@ -1,7 +1,10 @@
 """Stage 2, score: old/reference log-probs, values and the reward/advantage score.
 
 Four forward passes over the same (prompt + response) sequences, run across the pipeline and
-broadcast from its last stage so every rank holds the full :class:`Experience`. Log-probs come
+broadcast from its last stage so every rank holds the full :class:`Experience`. With a token
+budget (``ppo.packing``) the rows' real tokens are packed back to back into micro-batches of at
+most that many tokens (``data/packing.py``: no padding computed; every value equals the padded
+pass's on the response tokens, 0 on padding), else ``micro_batch_size`` padded rows at a time. Log-probs come
 from this rank's vocabulary shard of the logits through the fused ``token_logprobs`` kernel
 (one all-reduce over the TP group; full logits are never gathered).
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rlhf.data.packing import pack_by_budget, pack_rows
 from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
 from megatron_rlhf.distributed.parallel import is_last_stage, model_groups, vocab_group
 from megatron_rlhf.distributed.pipeline import broadcast_from_last_stage, pipeline_forward
@@ -75,13 +79,17 @@ def score(
     temperature: float,
     micro_batch_size: int,
     reward_fn=None,
+    max_tokens: int | None = None,
 ) -> Experience:
-    """Fill what the given models provide, ``micro_batch_size`` rows at a time.
+    """Fill what the given models provide, ``micro_batch_size`` rows at a time, or, with
+    ``max_tokens``, packed micro-batches of at most that many real tokens.
 
     ``models`` maps roles to models: actor -> ``logprobs``, reference -> ``ref_logprobs``,
     critic -> ``values``, reward -> ``scores``. With ``reward_fn`` (a callable
     ``(prompt_ids, response_ids) -> float``) scores come from it instead of a reward model.
     """
+    if max_tokens is not None:
+        return _score_packed(experience, models, reward_kind, temperature, max_tokens, reward_fn)
     p, (batch, width) = experience.prompt_length, experience.sequences.shape
     n = width - p
     parts: dict[str, list[torch.Tensor]] = {}
@@ -108,6 +116,62 @@ def score(
     return experience
 
 
+def _score_packed(experience, models, reward_kind, temperature, max_tokens, reward_fn):
+    """:func:`score` over packed micro-batches: each row's real tokens (left-padded prompt,
+    then the response up to its end) back to back, at most ``max_tokens`` per pack."""
+    p, n = experience.prompt_length, experience.responses.shape[1]
+    prompt_lengths = experience.attention_mask[:, :p].sum(dim=1)  # (B,)
+    response_lengths = experience.response_mask.sum(dim=1)  # (B,)
+    lengths = (prompt_lengths + response_lengths).tolist()
+    parts: dict[str, list[torch.Tensor]] = {}
+    for rows in pack_by_budget(lengths, max_tokens):
+        index = torch.tensor(rows, device=experience.sequences.device)
+        packed = pack_rows(experience.sequences[index], experience.attention_mask[index])
+        prompt = prompt_lengths[index]
+        steps = torch.arange(n, device=index.device)
+        # the position predicting response token t of each row, and which (row, t) are real
+        predicting = (packed.starts + prompt - 1)[:, None] + steps[None, :]  # (k, N)
+        real = steps[None, :] < response_lengths[index][:, None]  # (k, N)
+        predicting = torch.where(real, predicting, 0)
+        last = packed.starts + packed.lengths - 1  # (k,) each row's last token
+        for role, model in models.items():
+            groups = model_groups(model)
+            output = pipeline_forward(model, packed.input_ids, packed.segments)
+            name, value, shape = _from_packed_output(
+                role, output, packed, predicting, real, last, packed.starts + prompt - 1,
+                temperature, reward_kind, groups,
+            )  # fmt: skip
+            parts.setdefault(name, []).append(
+                broadcast_from_last_stage(value, shape, torch.float32, groups)
+            )
+    for name, chunks in parts.items():
+        setattr(experience, name, torch.cat(chunks))
+    if reward_fn is not None:
+        experience.scores = function_scores(reward_fn, experience)
+    return experience
+
+
+def _from_packed_output(
+    role, output, packed, predicting, real, last, prompt_ends, temperature, reward_kind, groups
+):
+    """(field, value on the last stage else None, shape) of one role from a packed forward."""
+    rows, n = predicting.shape
+    if not is_last_stage(groups):
+        return FIELD_OF_ROLE[role], None, (rows,) if role == "reward" else (rows, n)
+    if role in ("actor", "reference"):
+        all_logprobs = token_logprobs(
+            output[:, :-1], packed.input_ids[:, 1:], temperature, vocab_group(groups)
+        )[0]  # (T - 1,) log p(token j + 1 | ..., token j)
+        return FIELD_OF_ROLE[role], all_logprobs[predicting] * real, (rows, n)
+    if role == "critic":
+        return "values", output[0, :, 0].float()[predicting] * real, (rows, n)
+    if output.shape[-1] != NUM_OUTPUTS[reward_kind]:
+        raise ValueError(f"a {reward_kind} scores with {NUM_OUTPUTS[reward_kind]} outputs")
+    scalars = output[0].float()  # (T, outputs)
+    expected = scalars[prompt_ends, 1] if output.shape[-1] == 2 else None
+    return "scores", advantage_scores(scalars[last, 0], expected), (rows,)
+
+
 FIELD_OF_ROLE = {
     "actor": "logprobs",
     "reference": "ref_logprobs",
@@ -123,6 +187,7 @@ def score_in_layouts(
     temperature: float,
     micro_batch_size: int,
     reward_fn=None,
+    max_tokens: int | None = None,
 ) -> Experience:
     """:func:`score` with every role in its own layout, on the global batch held by every rank.
 
@@ -142,6 +207,7 @@ def score_in_layouts(
             reward_kind,
             temperature,
             micro_batch_size,
+            max_tokens=max_tokens,
         )
         name = FIELD_OF_ROLE[role.name]
         setattr(experience, name, gather_rows(getattr(part, name), dp))

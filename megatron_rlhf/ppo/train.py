@@ -130,6 +130,7 @@ class PPOTrainer:
                 config.rollout.temperature,
                 config.ppo.micro_batch_size,
                 self.reward_fn,
+                max_tokens=self.scoring_budget(experience),
             )
             timings["score"], t0 = time.time() - t0, time.time()
             if config.ppo.algorithm == "rejection_sampling":
@@ -206,6 +207,14 @@ class PPOTrainer:
             return None
         ppo, batch = self.config.ppo, self.config.rollout.prompts_per_step
         return self.data.rehearsal_minibatches(batch // ppo.num_minibatches // ppo.micro_batch_size)
+
+    def scoring_budget(self, experience) -> int | None:
+        """Tokens per packed scoring micro-batch (None: padded micro-batches)."""
+        ppo = self.config.ppo
+        if not ppo.packing:
+            return None
+        width = experience.sequences.shape[1]
+        return ppo.max_tokens_per_micro_batch or ppo.micro_batch_size * width
 
     def scoring_roles(self) -> list:
         roles = self.roles

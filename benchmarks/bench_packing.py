@@ -1,0 +1,246 @@
+"""Padding that is not computed (issue 21): a rollout whose rows end early, and PPO scoring of
+ragged rows, each against the padded way, side by side.
+
+    python benchmarks/bench_packing.py [--reps 3 --seeds 0 1 --threads 2 --sizes tiny real \\
+        --parts rollout scoring]
+
+One process, ``--threads`` torch threads; the two ways alternate inside every repetition; each
+seed is a fresh random model and batch. Sizes: ``tiny`` 4 layers x 128, vocab 1,024; ``real``
+BLOOM-560m's width and vocabulary (hidden 1,024, 16 heads, vocab 250,880) with 4 layers, where
+the LM head is most of the work.
+
+rollout: B=16 left-padded prompts of 32 down to 2 tokens, temperature-1 sampling with per-row
+seeds, ``--new-tokens`` at most. ``drop_ended_rows=True`` (the default: a row that emits EOS
+leaves the batch, its KV cache compacted away) against ``False`` (every step computes every
+row until the last one ends, the engine before). Tokens, masks and log-probs are compared.
+Lengths follow a known distribution instead of a trained model's: the random BLOOM's final
+LayerNorm is scaled down (logits near 0, tokens near uniform) and its bias points along the EOS
+token's embedding, which gets a logit ``alpha`` above the rest, so each step ends a row with
+probability ``p`` (geometric lengths), set so that ``--early-fraction`` (default 40 %, the
+issue's 30-50 %) of the rows end before ``--new-tokens``. tokens/s = generated tokens / s.
+
+scoring: ``ppo/scoring.score`` of the reference policy and a 2-output Advantage Model over one
+step's experience (B=8 at real width, 16 tiny), padded micro-batches of 4 rows against packed
+micro-batches of at most 4 x the padded width tokens (``ppo.packing``). Prompt lengths are
+log-normal (median 16 tokens, clipped to 1..48), response lengths geometric with mean 24,
+clipped to 1..64: a stand-in for a preference dataset's skew (not fitted to one). Log-probs and
+scores are compared (rel 1e-5). tokens/s = real (prompt + response) tokens / s.
+
+min / median / max over reps x seeds, ratio of medians; a claim holds only if every seed shows
+it. Measured: the README's benchmark section (the run prints the machine and its load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = {
+    "tiny": dict(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4),
+    "real": dict(vocab_size=250_880, hidden_size=1024, num_layers=4, num_heads=16),
+}
+PAD, EOS, BATCH = 3, 2, 16
+
+
+def prompts(seed: int, vocab: int):
+    """16 left-padded prompts of 32 down to 2 tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.full((BATCH, 32), PAD, dtype=torch.long)
+    mask = torch.zeros((BATCH, 32), dtype=torch.long)
+    for row in range(BATCH):
+        real = 32 - 2 * row
+        ids[row, 32 - real :] = torch.randint(4, vocab, (real,), generator=generator)
+        mask[row, 32 - real :] = 1
+    return ids, mask
+
+
+def eos_model(directory: Path, size: str, seed: int, stop_probability: float) -> None:
+    """A random BLOOM whose every step emits EOS with about ``stop_probability``."""
+    from megatron_rlhf.models.bloom.config import BloomArchitecture
+    from megatron_rlhf.models.bloom.tiny import random_hf_bloom
+
+    arch = BloomArchitecture(**SIZES[size])
+    model = random_hf_bloom(arch, seed=seed)
+    vocab = arch.vocab_size
+    alpha = math.log(stop_probability * (vocab - 1) / (1 - stop_probability))
+    with torch.no_grad():
+        ln_f = model.transformer.ln_f
+        ln_f.weight.mul_(1e-3)  # every logit near 0: tokens near uniform
+        direction = torch.randn(arch.hidden_size, generator=torch.Generator().manual_seed(seed))
+        direction /= direction.norm()
+        ln_f.bias.copy_(direction)
+        embeddings = model.transformer.word_embeddings.weight
+        embeddings[EOS] = alpha * direction  # logit(EOS) ~ alpha, the rest ~ 0
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def stop_probability(early_fraction: float, new_tokens: int) -> float:
+    """Per-step EOS probability that ends ``early_fraction`` of rows within ``new_tokens``."""
+    return 1 - (1 - early_fraction) ** (1 / new_tokens)
+
+
+def rollout_part(size: str, args) -> dict:
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.generation import SamplingConfig, generate
+
+    rates = {True: [], False: []}
+    lengths, per_seed = [], {}
+    p = stop_probability(args.early_fraction, args.new_tokens)
+    for seed in args.seeds:
+        with tempfile.TemporaryDirectory() as tmp:
+            eos_model(Path(tmp), size, seed, p)
+            model = load_bloom(tmp, init_weights=False).eval()
+        ids, mask = prompts(seed, SIZES[size]["vocab_size"])
+        row_seeds = tuple(seed * 1000 + row for row in range(BATCH))
+        seconds = {True: [], False: []}
+        outputs = {}
+        for _ in range(args.reps):
+            for drop in (True, False):
+                sampling = SamplingConfig(
+                    max_new_tokens=args.new_tokens, row_seeds=row_seeds, eos_id=EOS,
+                    pad_id=PAD, drop_ended_rows=drop,
+                )  # fmt: skip
+                start = time.perf_counter()
+                outputs[drop] = generate(model, ids, mask, sampling)
+                seconds[drop].append(time.perf_counter() - start)
+        a, b = outputs[True], outputs[False]
+        assert torch.equal(a.response_ids, b.response_ids), "tokens differ"
+        assert torch.equal(a.response_mask, b.response_mask), "masks differ"
+        row_lengths = a.response_mask.sum(dim=1).tolist()
+        lengths += row_lengths
+        for drop in (True, False):
+            rates[drop] += [sum(row_lengths) / t for t in seconds[drop]]
+        per_seed[seed] = {
+            "ratio": statistics.median(seconds[False]) / statistics.median(seconds[True]),
+            "diff": float((a.response_logprobs - b.response_logprobs).abs().max()),
+        }
+        del model
+    early = sum(n < args.new_tokens for n in lengths) / len(lengths)
+    shape = f"{100 * early:.0f} % end early, mean length {statistics.mean(lengths):.1f}"
+    return {"rates": rates, "per_seed": per_seed, "shape": shape}
+
+
+def ragged_experience(seed: int, batch: int, vocab: int):
+    """One step's experience: log-normal prompts (median 16, 1..48), geometric responses (mean
+    24, 1..64), left-padded prompts then right-padded responses."""
+    from megatron_rlhf.ppo.experience import Experience
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = (16 * torch.exp(0.6 * torch.randn(batch, generator=g))).round().clamp(1, 48).long()
+    response = (torch.log(torch.rand(batch, generator=g)) / math.log(1 - 1 / 24)).ceil()
+    response = response.clamp(1, 64).long()
+    p, n = int(prompt.max()), int(response.max())
+    sequences = torch.full((batch, p + n), PAD, dtype=torch.long)
+    mask = torch.zeros((batch, p + n), dtype=torch.long)
+    for row in range(batch):
+        first, end = p - int(prompt[row]), p + int(response[row])
+        sequences[row, first:end] = torch.randint(4, vocab, (end - first,), generator=g)
+        mask[row, first:end] = 1
+    return Experience(
+        sequences=sequences, attention_mask=mask, response_mask=mask[:, p:].clone(),
+        prompt_index=torch.arange(batch), prompt_length=p,
+    )  # fmt: skip
+
+
+def scoring_part(size: str, args) -> dict:
+    from dataclasses import replace
+
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.models.bloom.config import BloomArchitecture
+    from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
+    from megatron_rlhf.ppo.scoring import score
+
+    batch = 8 if size == "real" else 16
+    rates = {True: [], False: []}
+    per_seed, fill = {}, []
+    for seed in args.seeds:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_random_hf_bloom(tmp, BloomArchitecture(**SIZES[size]), seed=seed)
+            models = {
+                "reference": load_bloom(tmp, init_weights=False).eval(),
+                "reward": load_bloom(tmp, head="scalar", num_scalar_outputs=2).eval(),
+            }
+        experience = ragged_experience(seed, batch, SIZES[size]["vocab_size"])
+        tokens = int(experience.attention_mask.sum())
+        fill.append(tokens / experience.attention_mask.numel())
+        budget = 4 * experience.sequences.shape[1]
+        seconds = {True: [], False: []}
+        outputs = {}
+        for _ in range(args.reps):
+            for packed in (True, False):
+                start = time.perf_counter()
+                outputs[packed] = score(
+                    replace(experience), models, "am", 1.0, micro_batch_size=4,
+                    max_tokens=budget if packed else None,
+                )  # fmt: skip
+                seconds[packed].append(time.perf_counter() - start)
+        real = experience.response_mask.bool()
+        a, b = outputs[True], outputs[False]
+        diff = float((a.ref_logprobs - b.ref_logprobs)[real].abs().max())
+        diff = max(diff, float((a.scores - b.scores).abs().max()))
+        for packed in (True, False):
+            rates[packed] += [tokens / t for t in seconds[packed]]
+        per_seed[seed] = {
+            "ratio": statistics.median(seconds[False]) / statistics.median(seconds[True]),
+            "diff": diff,
+        }
+        del models
+    shape = f"B={batch}, {100 * statistics.mean(fill):.0f} % of the padded batch is real tokens"
+    return {"rates": rates, "per_seed": per_seed, "shape": shape}
+
+
+PARTS = {"rollout": rollout_part, "scoring": scoring_part}
+
+
+def stats(rates: list[float]) -> str:
+    return f"{min(rates):7.1f} / {statistics.median(rates):7.1f} / {max(rates):7.1f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["tiny", "real"])
+    parser.add_argument("--parts", nargs="+", choices=sorted(PARTS), default=sorted(PARTS))
+    parser.add_argument("--new-tokens", type=int, default=64, help="rollout length budget")
+    parser.add_argument("--early-fraction", type=float, default=0.4)
+    args = parser.parse_args()
+    if args.reps < 3 or len(args.seeds) < 2:
+        parser.error("measure with >= 3 reps and >= 2 seeds")
+    torch.set_num_threads(args.threads)
+    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+
+    initialize(ParallelConfig())
+    print(f"machine: {os.cpu_count()} CPUs, {args.threads} threads, load {os.getloadavg()}")
+    print(f"{args.reps} reps x seeds {args.seeds}; tokens/s min / median / max")
+    print("| part | size | batch | not padded | padded | ratio of medians | per seed | max diff |")
+    print("|---|---|---|---:|---:|---:|---|---:|")
+    try:
+        for part in args.parts:
+            for size in args.sizes:
+                result = PARTS[part](size, args)
+                rates = result["rates"]
+                ratio = statistics.median(rates[True]) / statistics.median(rates[False])
+                seeds = ", ".join(f"{r['ratio']:.2f}x" for r in result["per_seed"].values())
+                diff = max(r["diff"] for r in result["per_seed"].values())
+                print(
+                    f"| {part} | {size} | {result['shape']} | {stats(rates[True])} | "
+                    f"{stats(rates[False])} | {ratio:.2f}x | {seeds} | {diff:.1e} |",
+                    flush=True,
+                )
+    finally:
+        destroy()
+    print(f"load at the end {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
