@@ -73,6 +73,46 @@ def check_global_state_sealed(groups, hf_dir) -> str:
     return f"{len(stray_reads)} stray reads of the global state raise; explicit groups build"
 
 
+def check_packed_rows(groups, hf_dir) -> str:
+    """A packed row (sequences back to back, the key mask holding their ids) gives each token
+    the logits of its padded row and of transformers, at TP2xPP2 (actor), TP2 (rollout) and TP1
+    (single)."""
+    from dist_bloom_common import ARCH_A, left_padded_batch
+    from transformers import BloomForCausalLM
+
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.data.packing import pack_rows
+    from megatron_rlhf.distributed.parallel import is_last_stage
+    from megatron_rlhf.distributed.pipeline import gather_vocab_shards, pipeline_forward
+
+    lengths = [5, 2, 7, 3]
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, lengths, seed=9)
+    packed = pack_rows(ids, mask)
+    with torch.no_grad():
+        hf = BloomForCausalLM.from_pretrained(hf_dir).eval()
+        reference = hf(input_ids=ids, attention_mask=mask).logits  # (B, S, V)
+    worst = 0.0
+    for role in ("actor", "rollout", "single"):
+        model = load_bloom(hf_dir, pg_collection=groups[role].pg_collection).eval()
+        with torch.no_grad():
+            padded = pipeline_forward(model, ids, mask)
+            in_pack = pipeline_forward(model, packed.input_ids, packed.segments)
+        pg = model.pg_collection
+        if not is_last_stage(pg):
+            assert padded is None and in_pack is None, role
+            continue
+        padded = gather_vocab_shards(padded, pg.tp)[..., : ARCH_A.vocab_size]
+        in_pack = gather_vocab_shards(in_pack, pg.tp)[0, :, : ARCH_A.vocab_size]
+        for row in range(len(lengths)):
+            start, n = int(packed.starts[row]), lengths[row]
+            mine = in_pack[start : start + n]
+            real = mask[row].bool()
+            assert (mine - padded[row][real]).abs().max() <= 1e-5, (role, row)
+            worst = max(worst, float((mine - reference[row][real]).abs().max()))
+    assert worst <= 1e-4, worst
+    return f"packed = padded rows (1e-5) and transformers (max {worst:.1e}) at TP2xPP2, TP2, TP1"
+
+
 def rollouts(groups, hf_dir, sampling):
     """Global responses from the training layout, the resharded layout and TP1 (DP4)."""
     from dist_bloom_common import ARCH_A, left_padded_batch
@@ -135,6 +175,7 @@ def main() -> None:
     checks = {
         "global_state_sealed": lambda: check_global_state_sealed(groups, args.hf),
         "handoff_gather_rows": lambda: check_handoff(groups),
+        "packed_rows_layouts": lambda: check_packed_rows(groups, args.hf),
         "rollout_greedy_layouts": lambda: check_rollouts(groups, args.hf, greedy=True),
         "rollout_sampled_layouts": lambda: check_rollouts(groups, args.hf, greedy=False),
     }

@@ -1,6 +1,7 @@
 """Per-role layouts on 4 gloo ranks, in one torchrun launch (``dist_layouts_worker.py``):
 
-- hand-offs between layouts; rollouts from the training layout (TP2xPP2), the resharded rollout
+- Megatron-Core's global state sealed; packed rows' logits equal the padded rows' and
+  transformers' at TP2xPP2, TP2 and TP1; hand-offs between layouts; rollouts from the training layout (TP2xPP2), the resharded rollout
   layout (TP2, DP2, refit by Megatron-Core's ``swap_model_weights``) and TP1/DP4 give identical
   greedy and row-seeded sampled tokens;
 - then one ``train-ppo`` step with actor/reference TP2xPP2, critic TP2 (DP2), reward TP1 (DP4)
@@ -31,6 +32,7 @@ WORKER = Path(__file__).with_name("dist_layouts_worker.py")
 CHECKS = [
     "global_state_sealed",
     "handoff_gather_rows",
+    "packed_rows_layouts",
     "rollout_greedy_layouts",
     "rollout_sampled_layouts",
 ]
