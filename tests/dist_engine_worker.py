@@ -56,8 +56,9 @@ def main() -> None:
 
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.distributed.parallel import vocab_group
     from megatron_rlhf.training import OptimConfig, TrainEngine
-    from megatron_rlhf.training.sft import sft_loss, tp_group_of
+    from megatron_rlhf.training.sft import sft_loss
 
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(4, 250, (4, 11), generator=generator)
@@ -79,7 +80,7 @@ def main() -> None:
         initialize(ParallelConfig(tp=tp, pp=pp))
         model = load_bloom(args.hf)
         engine = TrainEngine(model, OptimConfig(lr=1e-2, warmup_fraction=0.0), total_steps=4)
-        loss_fn = partial(sft_loss, tp_group=tp_group_of(model.pg_collection))
+        loss_fn = partial(sft_loss, tp_group=vocab_group(model.pg_collection))
         metrics = engine.step(microbatches, loss_fn)
         losses = [None] * dist.get_world_size()
         dist.all_gather_object(losses, metrics.get("loss"))

@@ -126,7 +126,9 @@ class SFTTask(loop.Task):
         )  # fmt: skip
 
     def loss_fn(self, groups):
-        return partial(sft_loss, tp_group=tp_group_of(groups))
+        from megatron_rlhf.distributed.parallel import vocab_group
+
+        return partial(sft_loss, tp_group=vocab_group(groups))
 
     def evaluate(self, engine, eval_set, batches) -> dict:
         return evaluate(engine, eval_set, batches)
@@ -135,11 +137,6 @@ class SFTTask(loop.Task):
         del metrics["nll_sum"], metrics["tokens"]  # per-microbatch; the loss says it all
         metrics["response_tokens"] = batches.last_step_tokens
         return metrics
-
-
-def tp_group_of(groups):
-    """The TP group of a model's ``groups`` for the vocab-parallel kernels (None: tp = 1)."""
-    return groups.tp if groups.tp.size() > 1 else None
 
 
 def sft_loss(logits: torch.Tensor, microbatch: dict, tp_group=None):
@@ -219,10 +216,10 @@ def evaluate(engine, eval_set, batches: SequenceBatches) -> dict:
     """Held-out NLL per response token (and its perplexity) over ``eval_set`` (all ranks)."""
     import torch.distributed as dist
 
-    from megatron_rlhf.distributed.parallel import is_last_stage, model_groups
+    from megatron_rlhf.distributed.parallel import is_last_stage, model_groups, vocab_group
 
     groups = model_groups(engine.module)
-    tp_group = tp_group_of(groups)
+    tp_group = vocab_group(groups)
     sums = []
 
     def loss_fn(output, microbatch):
