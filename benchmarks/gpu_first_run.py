@@ -384,7 +384,8 @@ def check_mfu_560m(run: Run) -> dict:
     engine.step(batch, lm_loss)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    figures = train_step_throughput(arch, batch, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    figures = train_step_throughput(arch, batch, seconds, model.pg_collection)
     return {"layers": arch.num_layers, "tokens_per_step": 8 * s["mfu_seq"], **figures}
 
 

@@ -4,7 +4,8 @@ A config file (YAML or JSON) mirrors a tree of ``@dataclass`` configs; ``section
 overrides any leaf from the command line (values parsed as YAML scalars: ``lr=1e-5``,
 ``rehearsal.enabled=false``). An unknown key, a wrong type or a missing required value raises
 :class:`~megatron_rlhf.utils.InputError` naming the file and the dotted key, with the closest
-valid key. ``to_dict`` gives the resolved config that is saved beside every checkpoint.
+valid key (or, for a key listed in its section's ``MOVED_KEYS`` class attribute, the dotted key
+that replaced it). ``to_dict`` gives the resolved config that is saved beside every checkpoint.
 
 ``config_parser`` gives a command ``--config``, the overrides and ``--print-config``,
 which lists every key with its default and the first line of the docstring under its field
@@ -163,6 +164,12 @@ def _build(cls, raw: dict, prefix: str, source: str):
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         key = unknown[0]
+        moved = getattr(cls, "MOVED_KEYS", {}).get(key)
+        if moved is not None:
+            raise InputError(
+                f"{source}: config key {prefix}{key} has moved to {moved}; write "
+                f"{moved}={json.dumps(raw[key])} instead"
+            )
         close = difflib.get_close_matches(key, list(fields), n=1)
         hint = f"; did you mean {prefix}{close[0]}?" if close else ""
         raise InputError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ def main() -> None:
 
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.distributed.parallel import vocab_group
     from megatron_rlhf.training import OptimConfig, TrainEngine
     from megatron_rlhf.training.sft import sft_loss
 
@@ -78,7 +80,8 @@ def main() -> None:
         initialize(ParallelConfig(tp=tp, pp=pp))
         model = load_bloom(args.hf)
         engine = TrainEngine(model, OptimConfig(lr=1e-2, warmup_fraction=0.0), total_steps=4)
-        metrics = engine.step(microbatches, sft_loss)
+        loss_fn = partial(sft_loss, tp_group=vocab_group(model.pg_collection))
+        metrics = engine.step(microbatches, loss_fn)
         losses = [None] * dist.get_world_size()
         dist.all_gather_object(losses, metrics.get("loss"))
         loss = next(value for value in losses if value is not None)
@@ -141,14 +144,15 @@ SFT_STEPS, SFT_BATCH, SFT_MAX_LENGTH, SFT_SEED = 3, 8, 12, 5
 
 
 def sft_command_checks(args) -> dict:
-    from megatron_rlhf.training.command import ModelConfig
+    from megatron_rlhf.training.command import LayoutConfig, ModelConfig
     from megatron_rlhf.training.engine import OptimConfig
     from megatron_rlhf.training.sft import DataConfig, SFTConfig, TrainConfig, run
 
     runs = {}
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
         config = SFTConfig(
-            model=ModelConfig(load=args.hf, tp=tp, pp=pp),
+            model=ModelConfig(load=args.hf),
+            parallel=LayoutConfig(tp=tp, pp=pp),
             data=DataConfig(
                 train=f"{args.sft_data}/train",
                 eval=f"{args.sft_data}/eval",

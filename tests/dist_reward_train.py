@@ -37,6 +37,7 @@ def config_for(args, loss: str, tp: int, pp: int, output_dir: Path, **train):
     from megatron_rlhf.reward.train import (
         AMConfig,
         DataConfig,
+        LayoutConfig,
         ModelConfig,
         RewardTrainConfig,
         TrainConfig,
@@ -57,7 +58,8 @@ def config_for(args, loss: str, tp: int, pp: int, output_dir: Path, **train):
     eval_fraction = settings.pop("eval_fraction", 0.0)
     return RewardTrainConfig(
         loss=loss,
-        model=ModelConfig(load=getattr(args, f"hf_{loss}"), tp=tp, pp=pp),
+        model=ModelConfig(load=getattr(args, f"hf_{loss}")),
+        parallel=LayoutConfig(tp=tp, pp=pp),
         data=DataConfig(train=args.data, eval_fraction=eval_fraction),
         am=AMConfig(margin=1.5),
         optim=OptimConfig(lr=3e-3, warmup_fraction=0.0, weight_decay=0.01),

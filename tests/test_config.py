@@ -53,3 +53,34 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
     path.write_text("load: x\nlearning_rate: 3\n")
     with pytest.raises(InputError, match=r"bad.yaml: unknown config key learning_rate"):
         load_config(Run, path)
+
+
+@pytest.mark.parametrize("command", ["train-sft", "train-reward"])
+@pytest.mark.parametrize(
+    "old, new, value",
+    [
+        ("model.tp", "parallel.tp", "2"),
+        ("model.pp", "parallel.pp", "2"),
+        ("model.sequence_parallel", "parallel.sequence_parallel", "true"),
+    ],
+)
+def test_moved_layout_keys_name_the_parallel_section(tmp_path, command, old, new, value):
+    """train-sft and train-reward take their layout in ``parallel`` like train-ppo; the old
+    ``model.tp``-style keys are refused, in a file or as an override, naming the new key."""
+    from megatron_rlhf.reward.train import RewardTrainConfig
+    from megatron_rlhf.training.sft import SFTConfig
+
+    cls = {"train-sft": SFTConfig, "train-reward": RewardTrainConfig}[command]
+    required = ["model.load=m", "data.train=d", "train.output_dir=o"]
+    with pytest.raises(InputError) as error:
+        load_config(cls, None, [*required, f"{old}={value}"])
+    assert str(error.value) == (
+        f"command line: config key {old} has moved to {new}; write {new}={value} instead"
+    )
+    section, key = old.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  load: m\n  {key}: {value}\n")
+    with pytest.raises(InputError, match=f"^{path}: config key {old} has moved to {new};"):
+        load_config(cls, path, required[1:])
+    layout = load_config(cls, None, [*required, f"{new}={value}"]).parallel
+    assert getattr(layout, key) == (True if value == "true" else int(value))

@@ -217,12 +217,12 @@ def test_deepspeed_backend_refuses_model_parallel_layouts(tmp_path):
         [
             "backend=deepspeed",
             "model.load=/nonexistent",
-            "model.tp=2",
+            "parallel.tp=2",
             "deepspeed.zero_stage=4",
             "data.train=/nonexistent",
             f"train.output_dir={tmp_path}",
         ],
     )
-    with pytest.raises(InputError, match="model.tp=1 model.pp=1") as error:
+    with pytest.raises(InputError, match="parallel.tp=1 parallel.pp=1") as error:
         train(config)
     assert "deepspeed.zero_stage=4 must be 1, 2 or 3" in str(error.value)

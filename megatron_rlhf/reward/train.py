@@ -1,7 +1,7 @@
 """``torchrun ... -m megatron_rlhf train-reward --config FILE [key=value ...]``: RM or AM training.
 
     torchrun --nproc-per-node 8 -m megatron_rlhf train-reward \\
-        --config examples/reward/bloomz_7b1_am.yaml model.tp=2 optim.lr=5e-6
+        --config examples/reward/bloomz_7b1_am.yaml parallel.tp=2 optim.lr=5e-6
 
 ``loss: rm`` trains a Reward Model (Eq. 1) with a 1-output scalar head r(x, y); ``loss: am`` an
 Advantage Model (Eqs. 5-8) with a 2-output head, r(x, y) and e_τ(x) (see reward/model.py). The
@@ -21,6 +21,10 @@ BLOOM trunk with the same scalar head under DeepSpeed ZeRO stage ``deepspeed.zer
 (1-3, optional ``deepspeed.offload_optimizer``), data parallel only, with everything above
 shared; its checkpoints are read wherever a reward checkpoint is (reward/train_deepspeed.py).
 
+This module holds what is the reward model's in the shared loop (training/loop.py): the
+preference pairs and their batching, the loss and the held-out evaluation; the config and its
+checks are reward/config.py's, the command line reward/train_cli.py's.
+
 Importance weights (Eq. 8): with ``am.policy_column: k``, column k of the preference data's
 behaviour log-probs is taken as π_φ(y|x), the policy whose expected reward e_τ models (e.g. the
 SFT model that sampled the comparisons), and all K columns are the collecting policies π'_k;
@@ -30,83 +34,26 @@ Without it (the default) the log-probs are ignored and a = r - e_τ(x) (K = 0).
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 
-from megatron_rlhf.reward.losses import DEFAULT_MARGIN
-from megatron_rlhf.training import command
-from megatron_rlhf.training.command import (
-    ModelConfig,
-    RunLog,
-    every,
-    log,
-    reduce_metrics,
-    to_device,
-    tokenizer_dir,
+from megatron_rlhf.reward.config import (
+    AMConfig,
+    DataConfig,
+    RewardTrainConfig,
+    TrainConfig,
+    check_policy_column,
+    config_problems,
 )
-from megatron_rlhf.training.deepspeed_engine import DeepSpeedConfig
-from megatron_rlhf.training.engine import OptimConfig, optim_problems
-from megatron_rlhf.training.throughput import train_step_throughput
-from megatron_rlhf.utils import InputError, is_rank0, write_json
+from megatron_rlhf.training import command, loop
+from megatron_rlhf.training.command import LayoutConfig, ModelConfig, to_device
+from megatron_rlhf.utils import InputError
 
-
-@dataclass(kw_only=True)
-class DataConfig:
-    """Preference data: prefixes written by ``tools/preprocess_data.py --kind preference``."""
-
-    train: str
-    """Training pairs."""
-    eval: str | None = None
-    """Held-out pairs; None holds out ``eval_fraction`` of ``train``."""
-    eval_fraction: float = 0.0
-    """Share of ``train`` held out for evaluation when ``eval`` is None (0: no evaluation)."""
-    max_length: int | None = None
-    """Longest prompt + response allowed (None: the model's max_sequence_length)."""
-
-
-@dataclass(kw_only=True)
-class AMConfig:
-    """Advantage Model settings (ignored for ``loss: rm``)."""
-
-    margin: float = DEFAULT_MARGIN
-    """m(x) of Eq. 6 (the paper: 2.5)."""
-    policy_column: int | None = None
-    """Behaviour log-prob column holding π_φ(y|x) (see the module docstring); None: K = 0."""
-    num_policies: float | None = None
-    """N of Eq. 8 (default K + 1)."""
-    max_importance_weight: float = 1.0
-    """Clip of each importance weight w_k of Eq. 8; K × this must stay below N, so that
-    Σ_k w_k / N < 1 and a rises with r (see reward/losses.py)."""
-
-
-@dataclass(kw_only=True)
-class TrainConfig(command.TrainConfig):
-    """Batching, evaluation, checkpointing and logging (an example is a preference pair)."""
-
-    global_batch_size: int = 180
-    """Pairs per optimizer step (paper: 180 English, 480 Chinese)."""
-
-
-@dataclass(kw_only=True)
-class RewardTrainConfig:
-    """``train-reward``: one Reward Model or Advantage Model run."""
-
-    loss: Literal["am", "rm"] = "am"
-    """am: Advantage Model (Eq. 6); rm: Reward Model (Eq. 1)."""
-    backend: Literal["megatron", "deepspeed"] = "megatron"
-    """megatron: Megatron-Core BLOOM, any TP/PP/DP; deepspeed: transformers' BLOOM under
-    DeepSpeed ZeRO, data parallel only (reward/train_deepspeed.py)."""
-    model: ModelConfig
-    data: DataConfig
-    am: AMConfig = field(default_factory=AMConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig
-    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-    """ZeRO settings (``backend: deepspeed`` only)."""
+__all__ = [  # the config's names stay importable from here
+    "AMConfig", "DataConfig", "LayoutConfig", "ModelConfig", "RewardTrainConfig", "TrainConfig",
+    "evaluate", "main", "make_loss_fn", "train",
+]  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
@@ -126,138 +73,71 @@ def _summary(config: RewardTrainConfig, result: dict) -> dict:
     )
 
 
-def train(
-    config: RewardTrainConfig,
-    overwrite: bool = False,
-    force_config_change: bool = False,
-    skip_memory_check: bool = False,
-) -> dict:
+def train(config: RewardTrainConfig, **options) -> dict:
     """Run (or resume) the training run; returns per-step metrics, the last evaluation and the
-    final checkpoint. ``overwrite`` / ``force_config_change``: see training/run_dir.py;
-    ``skip_memory_check``: see training/memory_check.py. Collective over every rank."""
-    from megatron_rlhf.checkpoint import checkpoint_architecture
-    from megatron_rlhf.config import to_dict
-    from megatron_rlhf.distributed import ParallelConfig, initialize
-    from megatron_rlhf.training.guards import NonFiniteGuard
+    final checkpoint. ``options``: training/loop.py ``train``'s (overwrite,
+    force_config_change, skip_memory_check). Collective over every rank."""
+    return loop.train(RewardTask(config), **options)
 
-    start_time = time.time()
-    _check_config(config)
-    arch = checkpoint_architecture(config.model.load)
-    dp_size = initialize(
-        ParallelConfig(
-            tp=config.model.tp,
-            pp=config.model.pp,
-            sequence_parallel=config.model.sequence_parallel,
-            seed=config.model.seed,
-        ),
-        num_heads=arch.num_heads,
-        num_layers=arch.num_layers,
-    )
-    batches = PairBatches.for_layout(config.train, dp_size, config.model)
-    dataset, train_set, eval_set = _open_data(config, arch.max_sequence_length, arch.vocab_size)
-    batches.pad_id = dataset.pad_id if dataset.pad_id is not None else 0
-    total_steps = config.train.steps or int(
-        config.train.epochs * len(train_set) // config.train.global_batch_size
-    )
-    if total_steps < 1:
-        raise InputError(
-            f"{config.data.train}: {len(train_set)} training pairs make no whole global batch "
-            f"of train.global_batch_size={config.train.global_batch_size} in train.epochs="
-            f"{config.train.epochs}; lower the batch size or set train.steps"
-        )
-    output_dir = Path(config.train.output_dir)
-    import torch
 
-    from megatron_rlhf.reward.model import NUM_OUTPUTS
-    from megatron_rlhf.training.memory_check import check_trainer
-    from megatron_rlhf.training.signals import ExitSignals, stopped_message
+class RewardTask(loop.Task):
+    """``train-reward`` in the shared loop: preference pairs, Eq. 1 or Eq. 6, ranking
+    accuracy and ECE on the held-out pairs; the engine and checkpoints of ``config.backend``."""
 
-    sharded_optimizer = config.backend == "deepspeed" or torch.cuda.is_available()
-    max_length = min(config.data.max_length or arch.max_sequence_length, arch.max_sequence_length)
-    check_trainer(
-        arch, config, dp_size, max_length, 2, "scalar",
-        command.use_bf16(config.model.bf16), sharded_optimizer, skip_memory_check,
-    )  # fmt: skip
+    name, examples, rows_per_example, head = "train-reward", "pairs", 2, "scalar"
+    config: RewardTrainConfig
 
-    guard = NonFiniteGuard(config.train.max_nonfinite_skips)
-    if config.backend == "deepspeed":
-        from megatron_rlhf.reward import train_deepspeed
+    def config_problems(self) -> list[str]:
+        return config_problems(self.config)
 
-        engine, step, consumed, checkpoint = train_deepspeed.build_engine(
-            config, total_steps, batches.num_microbatches, guard, overwrite, force_config_change
-        )
-    else:
-        engine, step, consumed, checkpoint = command.build_engine(
-            "train-reward",
-            config,
-            arch,
-            total_steps,
-            check_saved=_check_saved_loss(config),
-            guard=guard,
-            overwrite=overwrite,
-            force_config_change=force_config_change,
-            head="scalar",
-            num_scalar_outputs=NUM_OUTPUTS[config.loss],
-        )
-    command.say_if_finished("train-reward", checkpoint, step, total_steps)
-    if is_rank0():
-        write_json(output_dir / "config.json", to_dict(config))
+    def open_data(self, arch) -> loop.Data:
+        return _open_data(self.config, arch.max_sequence_length, arch.vocab_size)
 
-    loss_fn = make_loss_fn(config)
-    steps = batches.train_steps(train_set, config.train.seed, consumed)
-    metadata = {"loss": config.loss, "config": to_dict(config)}
-    tokenizer_source = tokenizer_dir(dataset, config.model.load)
-    logger = RunLog("train-reward", output_dir, step, total_steps)
-    history, last_eval, saved_step, stopped_by = [], None, step, None
+    def sharded_optimizer(self) -> bool:
+        return self.config.backend == "deepspeed" or super().sharded_optimizer()
 
-    def save() -> Path:
-        return _save(
-            config,
-            engine,
-            output_dir,
-            {**metadata, "step": step, "eval": last_eval},
-            {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
-            tokenizer_source,
-        )
+    def build_engine(self, arch, total_steps, num_microbatches, guard, overwrite, force_change):
+        from megatron_rlhf.reward.model import NUM_OUTPUTS
 
-    exit_signals = ExitSignals(config.train.exit_signals, "train-reward")
-    try:
-        while step < total_steps:
-            microbatches, started = next(steps), time.time()
-            metrics = reduce_metrics(engine.step(microbatches, loss_fn))
-            metrics |= train_step_throughput(
-                engine.module.arch, microbatches, time.time() - started
+        if self.config.backend == "deepspeed":
+            from megatron_rlhf.reward import train_deepspeed
+
+            return train_deepspeed.build_engine(
+                self.config, total_steps, num_microbatches, guard, overwrite, force_change
             )
-            step += 1
-            consumed += config.train.global_batch_size
-            guard.check(step, metrics)
-            history.append(metrics)
-            logger.advance(loss=metrics["loss"], acc=metrics["accuracy"])
-            if every(step, config.train.log_interval):
-                logger.write("train", step, metrics)
-            last = step == total_steps
-            if eval_set is not None and (last or every(step, config.train.eval_interval)):
-                last_eval = evaluate(engine, eval_set, config, batches)
-                logger.write("eval", step, eval_scalars(last_eval))
-            if last or every(step, config.train.save_interval):
-                checkpoint, saved_step = save(), step
-            stopped_by = exit_signals.agreed()
-            if stopped_by is not None:
-                if saved_step != step:
-                    checkpoint, saved_step = save(), step
-                stopped_message("train-reward", stopped_by, step, checkpoint)
-                break
-    finally:
-        exit_signals.restore()
-        logger.close()
-    return {
-        "step": step,
-        "history": history,
-        "eval": last_eval,
-        "checkpoint": str(checkpoint),
-        "seconds": time.time() - start_time,
-        "stopped_by": stopped_by.name if stopped_by is not None else None,
-    }
+        return command.build_engine(
+            self.name, self.config, arch, total_steps,
+            check_saved=_check_saved_loss(self.config), guard=guard, overwrite=overwrite,
+            force_config_change=force_change, head=self.head,
+            num_scalar_outputs=NUM_OUTPUTS[self.config.loss],
+        )  # fmt: skip
+
+    def batches(self, groups, data: loop.Data, num_microbatches: int, max_length: int):
+        return PairBatches.of(self.config, groups, num_microbatches, data.dataset.pad_id)
+
+    def loss_fn(self, groups):
+        return make_loss_fn(self.config)
+
+    def evaluate(self, engine, eval_set, batches) -> dict:
+        return evaluate(engine, eval_set, self.config, batches)
+
+    def progress(self, metrics: dict) -> dict:
+        return {"loss": metrics["loss"], "acc": metrics["accuracy"]}
+
+    def eval_scalars(self, result: dict) -> dict:
+        return eval_scalars(result)
+
+    def metadata(self) -> dict:
+        return {"loss": self.config.loss, **super().metadata()}
+
+    def save(self, engine, output_dir: Path, metadata: dict, trainer_state: dict, tokenizer):
+        if self.config.backend == "deepspeed":
+            from megatron_rlhf.reward import train_deepspeed
+
+            return train_deepspeed.save_checkpoint(
+                engine, output_dir, metadata, trainer_state, tokenizer
+            )
+        return super().save(engine, output_dir, metadata, trainer_state, tokenizer)
 
 
 def make_loss_fn(config: RewardTrainConfig, sink: list | None = None):
@@ -333,64 +213,17 @@ def check_pairs(dataset, max_length: int) -> None:
         )
 
 
-@dataclass
-class PairBatches:
+class PairBatches(loop.Batches):
     """How this rank turns preference pairs into microbatches of (2P, S) rows."""
 
-    micro_batch_size: int
-    num_microbatches: int
-    dp_rank: int
-    dp_size: int
-    width_multiple: int
-    pad_id: int = 0
-
-    @classmethod
-    def for_layout(cls, train: TrainConfig, dp_size: int, model: ModelConfig) -> PairBatches:
-        from megatron.core import parallel_state
-
-        if train.global_batch_size % (train.micro_batch_size * dp_size):
-            raise InputError(
-                f"train.global_batch_size={train.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size={train.micro_batch_size} × data-parallel size "
-                f"{dp_size} (= world size / (tp·pp)); change one of them"
-            )
-        return cls(
-            micro_batch_size=train.micro_batch_size,
-            num_microbatches=train.global_batch_size // (train.micro_batch_size * dp_size),
-            dp_rank=parallel_state.get_data_parallel_rank(),
-            dp_size=dp_size,
-            width_multiple=model.tp if model.sequence_parallel else 1,
-        )
-
     def train_steps(self, dataset, seed: int, consumed: int):
-        """Endless iterator of this rank's microbatches, one list per optimizer step.
-
-        The pairs follow :class:`~megatron_rlhf.data.ShardedSampler`'s stream from global
-        position ``consumed``, so a resumed run sees exactly what an uninterrupted one would.
-        """
-        from megatron_rlhf.data import ShardedSampler
-
-        sampler = ShardedSampler(
-            len(dataset),
-            self.dp_rank,
-            self.dp_size,
-            seed,
-            consumed_samples=consumed,
-            micro_batch_size=self.micro_batch_size,
-        )
-        positions = iter(sampler)
-        while True:
-            chunks = [
-                [dataset[next(positions)] for _ in range(self.micro_batch_size)]
-                for _ in range(self.num_microbatches)
-            ]
+        """Endless iterator of this rank's microbatches, one list per optimizer step."""
+        for chunks in self.step_chunks(dataset, seed, consumed):
             yield self.collate(chunks)
 
     def eval_microbatches(self, dataset):
-        """This rank's share of ``dataset``, one microbatch (a list of one) at a time."""
-        mine = list(range(self.dp_rank, len(dataset), self.dp_size))
-        for start in range(0, len(mine), self.micro_batch_size):
-            chunk = [dataset[i] for i in mine[start : start + self.micro_batch_size]]
+        """This rank's share of ``dataset``: (a list of one microbatch, its pair count)."""
+        for chunk in self.eval_chunks(dataset):
             yield self.collate([chunk]), len(chunk)
 
     def collate(self, chunks: list[list[dict]]) -> list[dict]:
@@ -402,8 +235,8 @@ class PairBatches:
 def evaluate(engine, eval_set, config: RewardTrainConfig, batches: PairBatches) -> dict:
     """Loss, accuracy, ECE and per-task score statistics on the held-out pairs (all ranks)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
+    from megatron_rlhf.distributed.parallel import is_last_stage, model_groups
     from megatron_rlhf.reward import calibration
 
     sink: list = []
@@ -411,10 +244,8 @@ def evaluate(engine, eval_set, config: RewardTrainConfig, batches: PairBatches) 
     loss_sum = 0.0
     for microbatches, pairs in batches.eval_microbatches(eval_set):
         loss_sum += engine.step(microbatches, loss_fn, forward_only=True).get("loss", 0.0) * pairs
-    reports = (
-        parallel_state.is_pipeline_last_stage()
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-    )
+    groups = model_groups(engine.module)
+    reports = is_last_stage(groups) and groups.tp.rank() == 0
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (sink, loss_sum) if reports else ([], 0.0))
     chosen, rejected, task_ids = [], [], []
@@ -466,79 +297,21 @@ def _check_saved_loss(config: RewardTrainConfig):
     return check
 
 
-def _save(config, engine, output_dir: Path, metadata: dict, trainer_state: dict, tokenizer):
-    """``output_dir/step_N`` written by the configured backend; returns its path."""
-    if config.backend == "deepspeed":
-        from megatron_rlhf.reward import train_deepspeed
-
-        return train_deepspeed.save_checkpoint(
-            engine, output_dir, metadata, trainer_state, tokenizer
-        )
-    from megatron_rlhf.checkpoint.dist import model_metadata
-    from megatron_rlhf.training.checkpointing import save_training_checkpoint
-
-    return save_training_checkpoint(
-        output_dir,
-        metadata["step"],
-        {"model": engine},
-        model_metadata(engine.module, **metadata),
-        trainer_state,
-        tokenizer_dir=tokenizer,
-    )
-
-
-def _check_config(config: RewardTrainConfig) -> None:
-    problems = command.config_problems(config.train, config.data)
-    if config.am.margin <= 0:
-        problems.append(f"am.margin={config.am.margin} must be > 0")
-    problems += optim_problems(config.optim, "optim")
-    if config.backend == "deepspeed":
-        from megatron_rlhf.reward.train_deepspeed import config_problems
-
-        problems += config_problems(config)
-    if problems:
-        raise InputError("invalid train-reward config: " + "; ".join(problems))
-
-
-def _check_policy_column(config: RewardTrainConfig, dataset) -> None:
-    column, count = config.am.policy_column, dataset.num_behaviour_policies
-    if config.loss != "am" or column is None:
-        if count and config.loss == "am":
-            log(
-                "train-reward",
-                f"note: {dataset.prefix} has {count} behaviour log-probs per "
-                "response, unused without am.policy_column (a = r - e_τ)",
-            )
-        return
-    if not 0 <= column < count:
-        raise InputError(
-            f"am.policy_column={column}: {dataset.prefix} has {count} behaviour log-prob "
-            f"columns; choose one in [0, {count}) or leave am.policy_column unset"
-        )
-    num_policies = config.am.num_policies or count + 1
-    if not 0 < config.am.max_importance_weight < num_policies / count:
-        raise InputError(
-            f"am.max_importance_weight={config.am.max_importance_weight} with K={count} "
-            f"behaviour policies and N={num_policies}: need 0 < K × max_importance_weight < N, "
-            "or Σ_k w_k / N can reach 1 and Eq. 8 ranks against r; lower it or raise "
-            "am.num_policies"
-        )
-
-
-def _open_data(config: RewardTrainConfig, model_max_length: int, model_vocab: int):
-    """(training dataset, training pairs, held-out pairs or None), every pair checked."""
+def _open_data(config: RewardTrainConfig, model_max_length: int, model_vocab: int) -> loop.Data:
+    """The training dataset, training pairs and held-out pairs (or None), every pair checked."""
     from megatron_rlhf.data import PreferenceDataset
 
     max_length = config.data.max_length or model_max_length
     dataset = PreferenceDataset(config.data.train)
     command.check_data_fits_model(dataset, "data.train", config.model.load, model_vocab)
     check_pairs(dataset, max_length)
-    _check_policy_column(config, dataset)
+    check_policy_column(config, dataset)
     if config.data.eval is not None:
         eval_set = PreferenceDataset(config.data.eval)
         command.check_data_fits_model(eval_set, "data.eval", config.model.load, model_vocab)
         check_pairs(eval_set, max_length)
-        return dataset, dataset, eval_set
+        return loop.Data(dataset, dataset, eval_set)
     if config.data.eval_fraction == 0:
-        return dataset, dataset, None
-    return dataset, *command.held_out_split(dataset, config.data.eval_fraction, config.train.seed)
+        return loop.Data(dataset, dataset, None)
+    split = command.held_out_split(dataset, config.data.eval_fraction, config.train.seed)
+    return loop.Data(dataset, *split)

@@ -11,7 +11,7 @@ DESCRIPTION = """\
 Train a Reward Model (loss: rm, Eq. 1) or an Advantage Model (loss: am, Eqs. 5-8).
 
     torchrun --nproc-per-node 8 -m megatron_rlhf train-reward \\
-        --config examples/reward/bloomz_7b1_am.yaml model.tp=2 optim.lr=5e-6
+        --config examples/reward/bloomz_7b1_am.yaml parallel.tp=2 optim.lr=5e-6
 
 Any tp/pp/dp; checkpoints in train.output_dir/step_N resume exactly and are model checkpoints
 for score and train-ppo. Every config key, its default and meaning: --print-config.

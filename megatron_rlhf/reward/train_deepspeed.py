@@ -3,7 +3,7 @@
 Everything else (data, losses, schedule, evaluation, logging) is reward/train.py's, shared with
 the Megatron backend. The model is transformers' BLOOM trunk with a scalar head
 (training/deepspeed_engine.py) under ZeRO stage ``deepspeed.zero_stage``, data parallel over
-every rank of the launch (``model.tp`` and ``model.pp`` must be 1).
+every rank of the launch (``parallel.tp`` and ``parallel.pp`` must be 1).
 
 A checkpoint ``train.output_dir/step_N`` holds two things:
 - the model, consolidated: ``model.safetensors`` with ``BloomForSequenceClassification``
@@ -38,12 +38,13 @@ TRAINER_STATE = "trainer_state.json"
 
 def config_problems(config) -> list[str]:
     """What in a ``backend: deepspeed`` config this backend cannot do."""
-    model, problems = config.model, []
-    if model.tp != 1 or model.pp != 1 or model.sequence_parallel:
+    layout, problems = config.parallel, []
+    if layout.tp != 1 or layout.pp != 1 or layout.sequence_parallel:
         problems.append(
             f"backend=deepspeed is data parallel only (ZeRO shards over the ranks): set "
-            f"model.tp=1 model.pp=1 model.sequence_parallel=false (got tp={model.tp}, "
-            f"pp={model.pp}), or use backend=megatron for tensor/pipeline parallelism"
+            f"parallel.tp=1 parallel.pp=1 parallel.sequence_parallel=false (got "
+            f"tp={layout.tp}, pp={layout.pp}), or use backend=megatron for tensor/pipeline "
+            "parallelism"
         )
     if config.deepspeed.zero_stage not in (1, 2, 3):
         problems.append(f"deepspeed.zero_stage={config.deepspeed.zero_stage} must be 1, 2 or 3")

@@ -1,10 +1,11 @@
-"""What the single-model training commands (``train-sft``, ``train-reward``) share.
+"""What the single-model training commands (``train-sft``, ``train-reward``) share besides
+their loop (training/loop.py).
 
-The ``model`` and ``train`` sections of their configs and their checks, the command-line
-wrapper, building (or resuming) the engine, the held-out split, the bf16 choice, averaging step
-metrics over the reporting ranks, and the run log: a tqdm bar, TensorBoard scalars and ``metrics.jsonl`` (one
-JSON line per logged step; a resumed run first drops the lines after its checkpoint, so the
-file reads like one uninterrupted run).
+The ``model``, ``parallel``, ``data`` and ``train`` sections of their configs and their
+checks, the command-line wrapper, building (or resuming) the engine, the held-out split, the
+bf16 choice, averaging step metrics over the reporting ranks, and the run log: a tqdm bar,
+TensorBoard scalars and ``metrics.jsonl`` (one JSON line per logged step; a resumed run first
+drops the lines after its checkpoint, so the file reads like one uninterrupted run).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -23,22 +24,49 @@ from megatron_rlhf.utils import InputError, atomic_output, is_rank0
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """Where the model comes from and how it is split."""
+    """Where the model comes from and how it is built (its layout: the ``parallel`` section)."""
+
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "tp": "parallel.tp",
+        "pp": "parallel.pp",
+        "sequence_parallel": "parallel.sequence_parallel",
+    }
+    """Layout keys this section once had, and where they are now (train-ppo's dialect)."""
 
     load: str
     """Hugging Face BLOOM directory or megatron-rlhf checkpoint with the same head."""
-    tp: int = 1
-    """Tensor-parallel size."""
-    pp: int = 1
-    """Pipeline-parallel size."""
-    sequence_parallel: bool = False
-    """Sequence parallelism over the TP group (tp > 1)."""
     bf16: bool | Literal["auto"] = "auto"
     """bf16 parameters; "auto" = bf16 on GPU, fp32 on CPU (bf16 needs a GPU)."""
     recompute_activations: bool = False
     """Recompute each layer's activations in the backward pass (saves memory)."""
     seed: int = 1234
     """Model-parallel RNG seed."""
+
+
+@dataclass(kw_only=True)
+class LayoutConfig:
+    """The ``parallel`` section: how the one trained model is split over the launch's ranks
+    (``train-ppo``'s ``parallel.tp/pp/sequence_parallel``, without per-role layouts)."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    sequence_parallel: bool = False
+    """Sequence parallelism over the TP group (tp > 1)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Training and held-out examples: ``tools/preprocess_data.py`` output prefixes (each
+    command's subclass adds ``max_length``)."""
+
+    train: str
+    """Training examples."""
+    eval: str | None = None
+    """Held-out examples; None holds out ``eval_fraction`` of ``train``."""
+    eval_fraction: float = 0.0
+    """Share of ``train`` held out for evaluation when ``eval`` is None (0: no evaluation)."""
 
 
 @dataclass(kw_only=True)
@@ -175,7 +203,7 @@ def build_engine(
     resume_from = resume_point(config, overwrite, force_config_change)
     model_kwargs.update(
         params_dtype=torch.bfloat16 if use_bf16(config.model.bf16) else torch.float32,
-        sequence_parallel=config.model.sequence_parallel,
+        sequence_parallel=config.parallel.sequence_parallel,
         recompute_activations=config.model.recompute_activations,
     )
     if resume_from is None:

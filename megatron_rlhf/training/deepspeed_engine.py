@@ -89,6 +89,14 @@ class ScalarBloom(torch.nn.Module):
         init_replicated_head(self.score, std=0.02)  # the Megatron head's initialisation
         self.score.to(dtype)
 
+    @property
+    def pg_collection(self):
+        """The launch's process groups, as a Megatron model keeps its own: ZeRO is data
+        parallel over every rank (TP = PP = 1), so these are the groups in force."""
+        from megatron_rlhf.distributed.parallel import current_groups
+
+        return current_groups()
+
     def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.transformer(
             input_ids=input_ids, attention_mask=padding_mask, use_cache=False

@@ -75,14 +75,15 @@ def check_trainer(
     skip: bool = False,
 ) -> None:
     """:func:`check_fits` for one trained model (``train-sft``, ``train-reward``): ``config``
-    has ``model`` (tp, pp, recompute, sequence parallelism) and ``train`` (batch sizes);
+    has ``model`` (recompute), ``parallel`` (tp, pp, sequence parallelism) and ``train``
+    (batch sizes);
     ``rows_per_example``: 2 for a preference pair."""
     from megatron_rlhf.distributed.layouts import Layout
     from megatron_rlhf.planning.memory import Workload, train_memory
     from megatron_rlhf.planning.shapes import shape_of
 
-    model, train = config.model, config.train
-    layout = Layout(tp=model.tp, pp=model.pp, dp=dp)
+    model, parallel, train = config.model, config.parallel, config.train
+    layout = Layout(tp=parallel.tp, pp=parallel.pp, dp=dp)
     work = Workload(
         micro_batch=train.micro_batch_size * rows_per_example,
         seq_len=seq_len,
@@ -90,13 +91,13 @@ def check_trainer(
         num_microbatches=max(1, train.global_batch_size // (train.micro_batch_size * dp)),
         element_bytes=2 if bf16 else 4,
         recompute=model.recompute_activations,
-        sequence_parallel=model.sequence_parallel,
+        sequence_parallel=parallel.sequence_parallel,
         distributed_optimizer=sharded_optimizer,
     )
     per_rank_rows = -(-train.global_batch_size // dp) * rows_per_example
     batch_keys = "train.micro_batch_size, data.max_length or model.recompute_activations=true"
     keys = _term_keys(
-        layout="model.tp or model.pp (or more ranks)",
+        layout="parallel.tp or parallel.pp (or more ranks)",
         batch=batch_keys,
         kv_cache=batch_keys,
         inputs="train.global_batch_size or data.max_length",

@@ -1,7 +1,7 @@
 """``torchrun ... -m megatron_rlhf train-sft --config FILE [key=value ...]``: supervised fine-tuning.
 
     torchrun --nproc-per-node 8 -m megatron_rlhf train-sft \\
-        --config examples/sft/tiny_cpu.yaml model.tp=2 model.pp=2 optim.lr=1e-5
+        --config examples/sft/tiny_cpu.yaml parallel.tp=2 parallel.pp=2 optim.lr=1e-5
 
 The SFT policy of the paper's pipeline (the initial policy of PPO, the reference model, the
 source of D_R's responses). The model comes from a Hugging Face BLOOM directory or an LM
@@ -21,53 +21,42 @@ config in its ``megatron_rlhf.json`` and loads as a policy anywhere (``generate`
 ``train.output_dir/tensorboard`` and one JSON line per logged step to ``metrics.jsonl``.
 
 In Python: ``run(config)`` (collective over the launch's ranks; returns the history, the last
-evaluation and the final checkpoint) or ``main(argv)`` (the command).
+evaluation and the final checkpoint) or ``main(argv)`` (the command). The loop is
+training/loop.py's, shared with ``train-reward``; this module holds the config, the sequences'
+batching, the loss and the held-out evaluation.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
 
 import numpy as np
 import torch
 
+from megatron_rlhf.training import command, loop
 from megatron_rlhf.training.command import (
+    LayoutConfig,
     ModelConfig,
-    RunLog,
     TrainConfig,
-    build_engine,
     check_data_fits_model,
     command_main,
     config_problems,
-    every,
     held_out_split,
     log,
-    reduce_metrics,
-    say_if_finished,
     to_device,
-    tokenizer_dir,
-    use_bf16,
 )
 from megatron_rlhf.training.engine import OptimConfig, optim_problems
-from megatron_rlhf.training.throughput import train_step_throughput
-from megatron_rlhf.utils import InputError, is_rank0, write_json
 
 COMMAND = "train-sft"
 
 
 @dataclass(kw_only=True)
-class DataConfig:
-    """SFT data: prefixes written by ``tools/preprocess_data.py --kind sft``."""
+class DataConfig(command.DataConfig):
+    """SFT data: prefixes written by ``tools/preprocess_data.py --kind sft`` (sequences:
+    prompt + response, the loss on the response)."""
 
-    train: str
-    """Training sequences (prompt + response, loss on the response)."""
-    eval: str | None = None
-    """Held-out sequences; None holds out ``eval_fraction`` of ``train``."""
-    eval_fraction: float = 0.0
-    """Share of ``train`` held out for evaluation when ``eval`` is None (0: no evaluation)."""
     max_length: int | None = None
     """Keep the first this many tokens of a sequence (None: the model's max_sequence_length)."""
 
@@ -77,7 +66,9 @@ class SFTConfig:
     """``train-sft``: one supervised fine-tuning run."""
 
     model: ModelConfig
-    """The initial policy (HF BLOOM or LM checkpoint) and its TP/PP layout."""
+    """The initial policy (HF BLOOM or LM checkpoint)."""
+    parallel: LayoutConfig = field(default_factory=LayoutConfig)
+    """Its TP/PP layout (data parallel over the rest of the launch)."""
     data: DataConfig
     """Training and held-out SFT sequences."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -101,135 +92,59 @@ def _summary(config: SFTConfig, result: dict) -> dict:
     )
 
 
-def run(
-    config: SFTConfig,
-    overwrite: bool = False,
-    force_config_change: bool = False,
-    skip_memory_check: bool = False,
-) -> dict:
+def run(config: SFTConfig, **options) -> dict:
     """Run (or resume) one SFT run; returns ``{"step", "history" (per-step metrics), "eval"
-    (the last evaluation or None), "checkpoint", "seconds"}``. ``overwrite`` /
-    ``force_config_change``: see training/run_dir.py; ``skip_memory_check``: see
-    training/memory_check.py. Collective over every rank."""
-    from megatron_rlhf.checkpoint import checkpoint_architecture
-    from megatron_rlhf.checkpoint.dist import model_metadata
-    from megatron_rlhf.config import to_dict
-    from megatron_rlhf.distributed import ParallelConfig, initialize
-    from megatron_rlhf.training.checkpointing import save_training_checkpoint
-    from megatron_rlhf.training.guards import NonFiniteGuard
-    from megatron_rlhf.training.memory_check import check_trainer
-    from megatron_rlhf.training.signals import ExitSignals, stopped_message
-
-    start_time = time.time()
-    _check_config(config)
-    arch = checkpoint_architecture(config.model.load)
-    dp_size = initialize(
-        ParallelConfig(
-            tp=config.model.tp,
-            pp=config.model.pp,
-            sequence_parallel=config.model.sequence_parallel,
-            seed=config.model.seed,
-        ),
-        num_heads=arch.num_heads,
-        num_layers=arch.num_layers,
-    )
-    dataset, train_set, eval_set = _open_data(config)
-    check_data_fits_model(dataset, "data.train", config.model.load, arch.vocab_size)
-    max_length = min(config.data.max_length or arch.max_sequence_length, arch.max_sequence_length)
-    batches = SequenceBatches.for_layout(config, dp_size, dataset, max_length)
-    total_steps = config.train.steps or int(
-        config.train.epochs * len(train_set) // config.train.global_batch_size
-    )
-    if total_steps < 1:
-        raise InputError(
-            f"{config.data.train}: {len(train_set)} training sequences make no whole global "
-            f"batch of train.global_batch_size={config.train.global_batch_size} in "
-            f"train.epochs={config.train.epochs}; lower the batch size or set train.steps"
-        )
-    output_dir = Path(config.train.output_dir)
-    check_trainer(
-        arch, config, dp_size, max_length, 1, "lm", use_bf16(config.model.bf16),
-        torch.cuda.is_available(), skip_memory_check,
-    )  # fmt: skip
-    guard = NonFiniteGuard(config.train.max_nonfinite_skips)
-    engine, step, consumed, checkpoint = build_engine(
-        COMMAND, config, arch, total_steps, guard=guard, overwrite=overwrite,
-        force_config_change=force_config_change, head="lm",
-    )  # fmt: skip
-    say_if_finished(COMMAND, checkpoint, step, total_steps)
-    if is_rank0():
-        write_json(output_dir / "config.json", to_dict(config))
-    _note_truncation(train_set, max_length)
-
-    steps = batches.train_steps(train_set, config.train.seed, consumed)
-    metadata = {"config": to_dict(config)}
-    tokenizer_source = tokenizer_dir(dataset, config.model.load)
-    logger = RunLog(COMMAND, output_dir, step, total_steps)
-    history, last_eval, saved_step, stopped_by = [], None, step, None
-
-    def save() -> Path:
-        meta = model_metadata(engine.module, **metadata, step=step, eval=last_eval)
-        return save_training_checkpoint(
-            output_dir,
-            step,
-            {"model": engine},
-            meta,
-            {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
-            tokenizer_dir=tokenizer_source,
-        )
-
-    exit_signals = ExitSignals(config.train.exit_signals, COMMAND)
-    try:
-        while step < total_steps:
-            microbatches, started = next(steps), time.time()
-            metrics = reduce_metrics(engine.step(microbatches, sft_loss))
-            metrics |= train_step_throughput(
-                engine.module.arch, microbatches, time.time() - started
-            )
-            del metrics["nll_sum"], metrics["tokens"]  # per-microbatch; the loss says it all
-            metrics["response_tokens"] = batches.last_step_tokens
-            step += 1
-            consumed += config.train.global_batch_size
-            guard.check(step, metrics)
-            history.append(metrics)
-            logger.advance(loss=metrics["loss"])
-            if every(step, config.train.log_interval):
-                logger.write("train", step, metrics)
-            last = step == total_steps
-            if eval_set is not None and (last or every(step, config.train.eval_interval)):
-                last_eval = evaluate(engine, eval_set, batches)
-                logger.write("eval", step, last_eval)
-            if last or every(step, config.train.save_interval):
-                checkpoint, saved_step = save(), step
-            stopped_by = exit_signals.agreed()
-            if stopped_by is not None:
-                if saved_step != step:
-                    checkpoint, saved_step = save(), step
-                stopped_message(COMMAND, stopped_by, step, checkpoint)
-                break
-    finally:
-        exit_signals.restore()
-        logger.close()
-    return {
-        "step": step,
-        "history": history,
-        "eval": last_eval,
-        "checkpoint": str(checkpoint),
-        "seconds": time.time() - start_time,
-        "stopped_by": stopped_by.name if stopped_by is not None else None,
-    }
+    (the last evaluation or None), "checkpoint", "seconds", "stopped_by"}``. ``options``:
+    training/loop.py ``train``'s (overwrite, force_config_change, skip_memory_check).
+    Collective over every rank."""
+    return loop.train(SFTTask(config), **options)
 
 
-def sft_loss(logits: torch.Tensor, microbatch: dict):
+class SFTTask(loop.Task):
+    """``train-sft`` in the shared loop: SFT sequences, the response tokens' NLL, the held-out
+    NLL per token."""
+
+    name, examples, rows_per_example, head = COMMAND, "sequences", 1, "lm"
+    config: SFTConfig
+
+    def config_problems(self) -> list[str]:
+        problems = config_problems(self.config.train, self.config.data)
+        if self.config.data.max_length is not None and self.config.data.max_length < 2:
+            problems.append(f"data.max_length={self.config.data.max_length} must be >= 2")
+        return problems + optim_problems(self.config.optim, "optim")
+
+    def open_data(self, arch) -> loop.Data:
+        data = _open_data(self.config)
+        check_data_fits_model(data.dataset, "data.train", self.config.model.load, arch.vocab_size)
+        return data
+
+    def batches(self, groups, data: loop.Data, num_microbatches: int, max_length: int):
+        _note_truncation(data.train_set, max_length)  # what these batches cut
+        return SequenceBatches.of(
+            self.config, groups, num_microbatches, data.dataset.pad_id,
+            max_length=max_length, dp_group=groups.dp if groups.dp.size() > 1 else None,
+        )  # fmt: skip
+
+    def loss_fn(self, groups):
+        from megatron_rlhf.distributed.parallel import vocab_group
+
+        return partial(sft_loss, tp_group=vocab_group(groups))
+
+    def evaluate(self, engine, eval_set, batches) -> dict:
+        return evaluate(engine, eval_set, batches)
+
+    def step_metrics(self, metrics: dict, batches) -> dict:
+        del metrics["nll_sum"], metrics["tokens"]  # per-microbatch; the loss says it all
+        metrics["response_tokens"] = batches.last_step_tokens
+        return metrics
+
+
+def sft_loss(logits: torch.Tensor, microbatch: dict, tp_group=None):
     """NLL of ``input_ids[:, 1:]`` over ``loss_mask[:, 1:]`` from the logits (B, S, V/tp),
-    summed and multiplied by ``microbatch["nll_scale"]`` (see :class:`SequenceBatches`)."""
-    from megatron.core import parallel_state
-
+    summed and multiplied by ``microbatch["nll_scale"]`` (see :class:`SequenceBatches`);
+    ``tp_group``: the model's TP group when tp > 1 (the logits are this rank's vocab shard)."""
     from megatron_rlhf.kernels import token_logprobs
 
-    tp_group = None
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        tp_group = parallel_state.get_tensor_model_parallel_group()
     logprobs = token_logprobs(logits[:, :-1], microbatch["input_ids"][:, 1:], 1.0, tp_group)
     mask = microbatch["loss_mask"][:, 1:].to(logprobs.dtype)  # (B, S-1)
     nll_sum = -(logprobs * mask).sum()
@@ -238,7 +153,7 @@ def sft_loss(logits: torch.Tensor, microbatch: dict):
 
 
 @dataclass
-class SequenceBatches:
+class SequenceBatches(loop.Batches):
     """How this rank turns SFT sequences into microbatches.
 
     The engine averages the microbatch losses over microbatches and DDP averages gradients over
@@ -247,60 +162,20 @@ class SequenceBatches:
     their count, whatever the layout.
     """
 
-    micro_batch_size: int
-    num_microbatches: int
-    dp_rank: int
-    dp_size: int
-    width_multiple: int
     max_length: int
-    pad_id: int
+    """Sequences keep their first this many tokens."""
+    dp_group: object = None
+    """The model's data-parallel group (None: dp = 1), over which response tokens are counted."""
     last_step_tokens: int = 0
     """Response tokens of the global batch last yielded by :meth:`train_steps`."""
-
-    @classmethod
-    def for_layout(cls, config: SFTConfig, dp_size: int, dataset, max_length: int):
-        from megatron.core import parallel_state
-
-        train = config.train
-        if train.global_batch_size % (train.micro_batch_size * dp_size):
-            raise InputError(
-                f"train.global_batch_size={train.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size={train.micro_batch_size} × data-parallel size "
-                f"{dp_size} (= world size / (tp·pp)); change one of them"
-            )
-        return cls(
-            micro_batch_size=train.micro_batch_size,
-            num_microbatches=train.global_batch_size // (train.micro_batch_size * dp_size),
-            dp_rank=parallel_state.get_data_parallel_rank(),
-            dp_size=dp_size,
-            width_multiple=config.model.tp if config.model.sequence_parallel else 1,
-            max_length=max_length,
-            pad_id=dataset.pad_id if dataset.pad_id is not None else 0,
-        )
 
     def train_steps(self, dataset, seed: int, consumed: int):
         """Endless iterator of this rank's microbatches, one list per optimizer step, from
         global stream position ``consumed`` (a resumed run sees what an uninterrupted one would)."""
-        from megatron_rlhf.data import ShardedSampler
-
-        positions = iter(
-            ShardedSampler(
-                len(dataset),
-                self.dp_rank,
-                self.dp_size,
-                seed,
-                consumed_samples=consumed,
-                micro_batch_size=self.micro_batch_size,
-            )
-        )
-        while True:
-            chunks = [
-                [dataset[next(positions)] for _ in range(self.micro_batch_size)]
-                for _ in range(self.num_microbatches)
-            ]
+        for chunks in self.step_chunks(dataset, seed, consumed):
             microbatches = self.collate(chunks)
             tokens = sum(int(mb["loss_mask"][:, 1:].sum()) for mb in microbatches)
-            total = _sum_over_dp(tokens)
+            total = _sum_over(self.dp_group, tokens)
             scale = self.num_microbatches * self.dp_size / max(total, 1)
             for mb in microbatches:
                 mb["nll_scale"] = torch.tensor(scale, dtype=torch.float32)
@@ -309,9 +184,7 @@ class SequenceBatches:
 
     def eval_microbatches(self, dataset):
         """This rank's share of ``dataset``, one microbatch (a list of one) at a time."""
-        mine = list(range(self.dp_rank, len(dataset), self.dp_size))
-        for start in range(0, len(mine), self.micro_batch_size):
-            chunk = [dataset[i] for i in mine[start : start + self.micro_batch_size]]
+        for chunk in self.eval_chunks(dataset):
             microbatches = self.collate([chunk])
             microbatches[0]["nll_scale"] = torch.tensor(0.0)
             yield microbatches
@@ -342,21 +215,21 @@ class SequenceBatches:
 def evaluate(engine, eval_set, batches: SequenceBatches) -> dict:
     """Held-out NLL per response token (and its perplexity) over ``eval_set`` (all ranks)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
+    from megatron_rlhf.distributed.parallel import is_last_stage, model_groups, vocab_group
+
+    groups = model_groups(engine.module)
+    tp_group = vocab_group(groups)
     sums = []
 
     def loss_fn(output, microbatch):
-        loss, metrics = sft_loss(output, microbatch)
+        loss, metrics = sft_loss(output, microbatch, tp_group)
         sums.append((float(metrics["nll_sum"]), float(metrics["tokens"])))
         return loss, metrics
 
     for microbatches in batches.eval_microbatches(eval_set):
         engine.step(microbatches, loss_fn, forward_only=True)
-    reports = (
-        parallel_state.is_pipeline_last_stage()
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-    )
+    reports = is_last_stage(groups) and groups.tp.rank() == 0
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sums if reports else [])
     nll = sum(s for part in gathered for s, _ in part)
@@ -365,37 +238,29 @@ def evaluate(engine, eval_set, batches: SequenceBatches) -> dict:
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
 
 
-def _sum_over_dp(count: int) -> int:
-    from megatron.core import parallel_state
-
-    if parallel_state.get_data_parallel_world_size() == 1:
+def _sum_over(group, count: int) -> int:
+    """``count`` summed over the ranks of ``group`` (None: this rank's)."""
+    if group is None:
         return count
     total = torch.tensor([count], dtype=torch.int64)
     if torch.cuda.is_available():
         total = total.cuda()
-    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    torch.distributed.all_reduce(total, group=group)
     return int(total.item())
 
 
-def _check_config(config: SFTConfig) -> None:
-    problems = config_problems(config.train, config.data)
-    if config.data.max_length is not None and config.data.max_length < 2:
-        problems.append(f"data.max_length={config.data.max_length} must be >= 2")
-    problems += optim_problems(config.optim, "optim")
-    if problems:
-        raise InputError(f"invalid {COMMAND} config: " + "; ".join(problems))
-
-
-def _open_data(config: SFTConfig):
-    """(training dataset, training sequences, held-out sequences or None)."""
+def _open_data(config: SFTConfig) -> loop.Data:
+    """The training dataset, training sequences and held-out sequences (or None)."""
     from megatron_rlhf.data import SFTDataset
 
     dataset = SFTDataset(config.data.train)
     if config.data.eval is not None:
-        return dataset, dataset, SFTDataset(config.data.eval)
+        return loop.Data(dataset, dataset, SFTDataset(config.data.eval))
     if config.data.eval_fraction == 0:
-        return dataset, dataset, None
-    return dataset, *held_out_split(dataset, config.data.eval_fraction, config.train.seed)
+        return loop.Data(dataset, dataset, None)
+    return loop.Data(
+        dataset, *held_out_split(dataset, config.data.eval_fraction, config.train.seed)
+    )
 
 
 def _note_truncation(train_set, max_length: int) -> None:

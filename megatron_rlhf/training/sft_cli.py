@@ -11,7 +11,7 @@ DESCRIPTION = """\
 Supervised fine-tuning of the SFT policy (NLL of the response tokens).
 
     torchrun --nproc-per-node 8 -m megatron_rlhf train-sft \\
-        --config examples/sft/tiny_cpu.yaml model.tp=2 model.pp=2 optim.lr=1e-5
+        --config examples/sft/tiny_cpu.yaml parallel.tp=2 parallel.pp=2 optim.lr=1e-5
 
 Any tp/pp/dp; checkpoints in train.output_dir/step_N resume exactly and load as a policy
 anywhere. Every config key, its default and meaning: --print-config.

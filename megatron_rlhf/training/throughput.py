@@ -64,14 +64,11 @@ def ppo_step_flops(roles, tokens: float, seq_len: int, epochs: int) -> float:
     return flops + epochs * train_flops(roles.critic.arch, tokens, seq_len)
 
 
-def train_step_throughput(arch, microbatches: list[dict], seconds: float) -> dict:
+def train_step_throughput(arch, microbatches: list[dict], seconds: float, groups) -> dict:
     """``step_throughput`` of one ``TrainEngine.step`` over ``microbatches`` (this rank's share
-    of the global batch; real tokens from ``padding_mask``, summed over data-parallel ranks)."""
-    from megatron.core import parallel_state
-
-    group = None
-    if parallel_state.get_data_parallel_world_size() > 1:
-        group = parallel_state.get_data_parallel_group()
+    of the global batch; real tokens from ``padding_mask``, summed over the data-parallel group
+    of ``groups``, the trained model's ProcessGroupCollection)."""
+    group = groups.dp if groups.dp.size() > 1 else None
     mask = torch.cat([mb["padding_mask"].reshape(-1) for mb in microbatches])
     tokens = global_token_count(mask, group)
     width = microbatches[0]["padding_mask"].shape[-1]
