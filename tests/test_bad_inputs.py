@@ -38,7 +38,7 @@ MODULES = {
     "eval-reward": "megatron_rlhf.reward.evaluate",
     "eval-policy": "megatron_rlhf.ppo.evaluate",
     "train-reward": "megatron_rlhf.reward.train",
-    "train-ppo": "megatron_rlhf.ppo.train",
+    "train-ppo": "megatron_rlhf.ppo.train_cli",
     "preprocess_data": "megatron_rlhf.data.preprocess",
     "build_rehearsal_clusters": "megatron_rlhf.rehearsal.build",
     "convert_checkpoint": "megatron_rlhf.checkpoint.convert",
