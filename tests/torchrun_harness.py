@@ -23,7 +23,8 @@ the next check still runs. Ranks write their own files, so a check may tear the 
 down (``train-ppo``'s main does) and nothing is gathered at the end; the launcher
 (``torchrun_util.run_checks``) merges the files: a check passes when every rank that recorded
 it passed. A collective that never completes ends the worker after ``--hang-seconds`` with
-every thread's stack on stderr, which the launcher shows.
+every thread's stack on stderr, which the launcher shows. For resume checks,
+:func:`run_killed_during_step` runs a training command that dies in the middle of a step.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ class Harness:
         """Record one result on this rank (the launcher merges the ranks)."""
         self.records[name] = (bool(ok), str(detail))
 
-    def main(self, argv: list[str] | None = None) -> argparse.Namespace:
-        """Run the checks named on the command line (all by default); returns the arguments."""
-        args = self.parser.parse_args(argv)
+    def main(self) -> None:
+        """Run the checks named on the command line (all by default), then tear down."""
+        args = self.parser.parse_args()
         faulthandler.dump_traceback_later(args.hang_seconds, exit=True)
         torch.set_num_threads(1)
         from megatron_rlhf.distributed import destroy, init_process_group
@@ -89,4 +90,30 @@ class Harness:
         if dist.is_initialized():  # a check may have torn it down (train-ppo's main does)
             destroy()
         faulthandler.cancel_dump_traceback_later()
-        return args
+
+
+class Killed(Exception):
+    """Stands in for the process being killed in the middle of a training step."""
+
+
+def run_killed_during_step(engine_class, step: int, run: Callable[[], object]) -> int:
+    """Call ``run()`` with ``engine_class.step`` raising :class:`Killed` at its ``step``-th
+    training (not forward-only) call, as if the process died there; returns how many training
+    steps began."""
+    original, calls = engine_class.step, []
+
+    def dying_step(self, microbatches, loss_fn, forward_only=False):
+        if not forward_only:
+            calls.append(1)
+            if len(calls) == step:
+                raise Killed(f"killed during step {step}")
+        return original(self, microbatches, loss_fn, forward_only)
+
+    engine_class.step = dying_step
+    try:
+        run()
+    except Killed:
+        pass
+    finally:
+        engine_class.step = original
+    return len(calls)
