@@ -14,12 +14,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "megatron_rlhf"
 
-# Cycles in files other people are changing now, to be cut there (issue 22); each entry is the
-# sorted modules of one cycle. Nothing else may be added here.
-KNOWN_CYCLES = [
-    ["megatron_rlhf.ppo.train", "megatron_rlhf.ppo.train_cli"],  # train-ppo's CLI split
-]
-
 
 def module_files() -> dict[str, Path]:
     files = {}
@@ -103,14 +97,8 @@ def describe(graph: dict[str, dict[str, int]], component: list[str]) -> str:
 
 def test_no_import_cycles():
     graph = import_graph()
-    found = [c for c in cycles(graph) if c not in KNOWN_CYCLES]
+    found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(describe(graph, c) for c in found)
-
-
-def test_known_cycles_still_exist():
-    """An entry of KNOWN_CYCLES that no longer exists is removed from the list."""
-    found = cycles(import_graph())
-    assert [c for c in KNOWN_CYCLES if c not in found] == []
 
 
 def test_the_graph_sees_every_import():
