@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlhf.distributed.layouts import Layout
-from megatron_rlhf.distributed.parallel import is_last_stage, model_groups
+from megatron_rlhf.distributed.parallel import is_last_stage, model_groups, vocab_group
 from megatron_rlhf.planning import hardware, memory
 from megatron_rlhf.planning.shapes import ModelShape, model_params
 
@@ -177,10 +177,9 @@ def _response_logprobs(model, logits_shard, ids, work: StudyWork) -> torch.Tenso
     through the fused kernel PPO's scoring and policy loss are built on."""
     from megatron_rlhf.kernels import token_logprobs
 
-    tp = model_groups(model).tp
     predicting = logits_shard[:, work.prompt_len - 1 : work.seq_len - 1]  # (B, N, V/tp)
     targets = ids[:, work.prompt_len : work.seq_len]  # (B, N)
-    return token_logprobs(predicting, targets, 1.0, tp if tp.size() > 1 else None)
+    return token_logprobs(predicting, targets, 1.0, vocab_group(model_groups(model)))
 
 
 def _train_step(model, stage, ids, mask, work: StudyWork):
