@@ -30,6 +30,10 @@ class InputError(ValueError):
     """Bad user input: the message names the file/line or config key and says how to fix it."""
 
 
+class NonFiniteError(InputError):
+    """A non-finite loss, gradient norm or tensor: the run stops (exit code 2)."""
+
+
 # OS errors a user can fix (a full disk, a path they may not write, a directory deleted while the
 # command ran) end in one line and exit code 2, like an InputError; any other is a bug: traceback.
 USER_OS_ERRORS = {
@@ -42,6 +46,19 @@ USER_OS_ERRORS = {
     errno.ENOTDIR: "a parent of this path is not a directory; fix the path",
     errno.ENOENT: "no such file or directory (was it moved or deleted while the command ran?)",
 }
+
+
+# What every command gives back when it ends, however it ended, registered by the modules that
+# hold it (utils imports none of them): the run and output locks (training/run_lock.py), and
+# torch.distributed with Megatron's groups for a command run distributed (distributed/).
+_AT_COMMAND_END: dict[bool, list[Callable[[], None]]] = {False: [], True: []}
+
+
+def at_command_end(hook: Callable[[], None], *, distributed: bool = False) -> None:
+    """Have :func:`run_command` call ``hook`` when a command ends (``distributed``: only a
+    command run with ``distributed=True``), after the hooks registered before it."""
+    if hook not in _AT_COMMAND_END[distributed]:
+        _AT_COMMAND_END[distributed].append(hook)
 
 
 def run_command(command: str, body: Callable[[], int], distributed: bool = False) -> int:
@@ -59,13 +76,8 @@ def run_command(command: str, body: Callable[[], int], distributed: bool = False
             raise
         message = os_error_message(os_error)
     finally:
-        from megatron_rlhf.training import run_lock
-
-        run_lock.release()  # this command's run or output locks, however it ended
-        if distributed:
-            from megatron_rlhf.distributed import destroy
-
-            destroy()
+        for hook in _AT_COMMAND_END[False] + (_AT_COMMAND_END[True] if distributed else []):
+            hook()
     print(f"{command}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
     return 2
 

@@ -1,7 +1,7 @@
 """torchrun worker (4 processes, gloo): BLOOM at TP=1/2/4 x PP=1/2/4 against transformers.
 
-    torchrun --nproc-per-node 4 tests/dist_bloom_worker.py --out OUT.json \\
-        --hf-a HF_DIR_A --hf-b HF_DIR_B --work SCRATCH_DIR [--groups logits ...]
+    torchrun --nproc-per-node 4 tests/dist_bloom_worker.py --out OUT_DIR \\
+        --hf-a HF_DIR_A --hf-b HF_DIR_B --work SCRATCH_DIR [--checks logits ...]
 
 Check groups: ``logits`` (LM logits at every layout, with sequence parallelism at TP=2),
 ``checkpoints`` (LM and scalar heads saved at TP2xPP2, loaded at the other layouts),
@@ -12,17 +12,12 @@ PP=4 pipelined with one micro-batch per stage, unpipelined, and 3 uneven micro-b
 parameter and buffer there, every parameter bf16, only the ALiBi slopes fp32).
 
 Every rank builds the transformers reference itself (tiny models), switches Megatron-Core's
-layout between checks, and records ``{check: (ok, detail)}`` for the checks it can judge (the
-last pipeline stage judges logits). Rank 0 merges all ranks' records (a check passes only if
-every rank that judged it agrees) and writes them as JSON for ``test_bloom_parallel.py``.
+layout between checks, and records the checks it can judge (the last pipeline stage judges
+logits); a check passes only if every rank that judged it agrees (``torchrun_harness``).
 """
 
 from __future__ import annotations
 
-import argparse
-import faulthandler
-import json
-import traceback
 from pathlib import Path
 
 import torch
@@ -37,6 +32,7 @@ from dist_bloom_common import (
     left_padded_batch,
 )
 from megatron.core import parallel_state
+from torchrun_harness import Harness
 
 from megatron_rlhf.checkpoint import dist as dist_ckpt
 from megatron_rlhf.checkpoint import load_bloom
@@ -47,11 +43,10 @@ from megatron_rlhf.utils import InputError
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 TOLERANCE = 1e-4
-RECORDS: dict[str, tuple[bool, str]] = {}
-
-
-def record(name: str, ok: bool, detail: str = "") -> None:
-    RECORDS[name] = (bool(ok), detail)
+harness = Harness(__doc__)
+harness.parser.add_argument("--hf-a", required=True)
+harness.parser.add_argument("--hf-b", required=True)
+harness.parser.add_argument("--work", type=Path, required=True)
 
 
 def use_layout(tp: int, pp: int, arch) -> None:
@@ -70,7 +65,7 @@ def compare_logits(name: str, model, ids, mask, ref, vocab_size: int) -> None:
         shard = pipeline_forward(model, ids, mask)  # (B, S, V_pad / tp) on the last stage
     if not parallel_state.is_pipeline_last_stage():
         if shard is not None:
-            record(name, False, "a non-last stage returned logits")
+            harness.record(name, False, "a non-last stage returned logits")
         return
     tp = parallel_state.get_tensor_model_parallel_world_size()
     full = gather_vocab_shards(shard, model.pg_collection.tp)  # (B, S, V_pad)
@@ -79,18 +74,19 @@ def compare_logits(name: str, model, ids, mask, ref, vocab_size: int) -> None:
     diff = (full[..., :vocab_size] - ref)[real].abs().max().item()
     padding_ok = bool((full[..., vocab_size:] == torch.finfo(full.dtype).min).all())
     ok = tuple(shard.shape) == expected_shape and diff <= TOLERANCE and padding_ok
-    record(
+    harness.record(
         name,
         ok,
         f"shard {tuple(shard.shape)} max|diff| {diff:.2e} padded-vocab-masked {padding_ok}",
     )
 
 
-def check_logits_parity(hf_dirs) -> None:
+@harness.check
+def logits(args) -> None:
     # 4 layers over 4 stages; 12 heads over 4 TP ranks (3 each, 256 vocab rows, the last 232
     # of them real for vocab 1000).
     extra = {"a": [(1, 4)], "b": [(4, 1)]}
-    for arch_name, arch, directory in (("a", ARCH_A, hf_dirs[0]), ("b", ARCH_B, hf_dirs[1])):
+    for arch_name, arch, directory in (("a", ARCH_A, args.hf_a), ("b", ARCH_B, args.hf_b)):
         ids, mask = left_padded_batch(arch.vocab_size, [10, 6, 1, 8], seed=11)
         with torch.no_grad():
             ref = hf_model(directory)(input_ids=ids, attention_mask=mask).logits
@@ -125,11 +121,13 @@ def compare_scalar(name: str, model, ids, mask, hf) -> None:
     ref = hf_scalar_reference(hf, ids, mask, head.weight, head.bias)
     diff = (values.double() - ref)[mask.bool()].abs().max().item()
     ok = tuple(values.shape) == (*ids.shape, 2) and diff <= TOLERANCE
-    record(name, ok, f"values {tuple(values.shape)} max|diff| {diff:.2e}")
+    harness.record(name, ok, f"values {tuple(values.shape)} max|diff| {diff:.2e}")
 
 
-def check_checkpoints(hf_a: str, work: Path) -> None:
+@harness.check
+def checkpoints(args) -> None:
     """Save at TP2xPP2 (LM and scalar heads), load at every other layout."""
+    hf_a, work = args.hf_a, args.work
     ids, mask = left_padded_batch(ARCH_A.vocab_size, [7, 3, 9], seed=12)
     hf = hf_model(hf_a)
     with torch.no_grad():
@@ -140,9 +138,9 @@ def check_checkpoints(hf_a: str, work: Path) -> None:
     dist_ckpt.save(lm_dir, model.sharded_state_dict(), dist_ckpt.model_metadata(model))
     try:  # every rank must refuse (a refusal on rank 0 alone would hang the others)
         dist_ckpt.save(lm_dir, model.sharded_state_dict(), dist_ckpt.model_metadata(model))
-        record("ckpt_save_refuses_existing_dir", False, "saved over an existing checkpoint")
+        harness.record("ckpt_save_refuses_existing_dir", False, "saved over an existing checkpoint")
     except InputError as err:
-        record("ckpt_save_refuses_existing_dir", "already exists" in str(err), str(err))
+        harness.record("ckpt_save_refuses_existing_dir", "already exists" in str(err), str(err))
     scalar = load_bloom(hf_a, head="scalar", num_scalar_outputs=2).eval()
     perturb_scalar_head(scalar)
     compare_scalar("scalar_head_tp2pp2", scalar, ids, mask, hf)
@@ -158,7 +156,7 @@ def check_checkpoints(hf_a: str, work: Path) -> None:
         ]
         ok = len(same) == len(names) and all(same)
         bad = [n for n, s in zip(names, same) if not s]
-        record(f"ckpt_tp2pp2_loads_at_tp{tp}pp{pp}_bit_exact", ok, f"differing: {bad[:4]}")
+        harness.record(f"ckpt_tp2pp2_loads_at_tp{tp}pp{pp}_bit_exact", ok, f"differing: {bad[:4]}")
         compare_logits(
             f"ckpt_tp2pp2_logits_at_tp{tp}pp{pp}", from_ckpt, ids, mask, ref, ARCH_A.vocab_size
         )
@@ -166,9 +164,11 @@ def check_checkpoints(hf_a: str, work: Path) -> None:
         compare_scalar(f"scalar_ckpt_tp2pp2_at_tp{tp}pp{pp}", from_ckpt, ids, mask, hf)
     try:
         load_bloom(lm_dir, head="scalar")
-        record("ckpt_wrong_head_refused", False, "an LM checkpoint loaded into a scalar head")
+        harness.record(
+            "ckpt_wrong_head_refused", False, "an LM checkpoint loaded into a scalar head"
+        )
     except InputError as err:
-        record("ckpt_wrong_head_refused", "'lm' head" in str(err), str(err))
+        harness.record("ckpt_wrong_head_refused", "'lm' head" in str(err), str(err))
 
 
 def greedy_config(use_kv_cache: bool, eos_id: int = EOS_ID, parts: int = 0) -> SamplingConfig:
@@ -202,10 +202,12 @@ def compare_generation(name: str, out, ref_tokens, ref_logprobs, eos_id: int) ->
     detail = f"tokens equal {same_tokens} mask equal {same_mask} logprob max|diff| {diff:.2e}"
     if not same_tokens:
         detail += f" ours {out.response_ids.tolist()} ref {ref_tokens.tolist()}"
-    record(name, ok, detail)
+    harness.record(name, ok, detail)
 
 
-def check_generation(hf_a: str) -> None:
+@harness.check
+def generation(args) -> None:
+    hf_a = args.hf_a
     ids, mask = left_padded_batch(ARCH_A.vocab_size, [7, 3, 9, 5], seed=13)
     hf = hf_model(hf_a)
     ref_tokens, ref_logprobs = hf_greedy(hf, ids, mask, max_new_tokens=10)
@@ -214,7 +216,7 @@ def check_generation(hf_a: str) -> None:
     row = ref_tokens[1].tolist()
     firsts = [t for i, t in enumerate(row) if i >= 2 and t not in row[:i] and t != EOS_ID]
     stop_token = firsts[0] if firsts else EOS_ID
-    record("generation_eos_token_usable", bool(firsts), f"stop token {stop_token} in {row}")
+    harness.record("generation_eos_token_usable", bool(firsts), f"stop token {stop_token} in {row}")
     stop_tokens, stop_logprobs = hf_greedy(hf, ids, mask, max_new_tokens=10, eos_id=stop_token)
     sampled = {}
     for tp, pp in LAYOUTS + [(1, 4)]:
@@ -246,9 +248,9 @@ def check_generation(hf_a: str) -> None:
             if seed == 7 and (tp, pp) != (1, 1):
                 tag = f"_micro_batches{parts}" if parts else ""
                 name = f"sampling_seed_reproducible_tp{tp}pp{pp}{tag}_vs_tp1"
-                record(name, torch.equal(tokens, base), str(tokens.tolist()))
+                harness.record(name, torch.equal(tokens, base), str(tokens.tolist()))
         differs = not torch.equal(sampled[(1, 1, 0, 8)], base)
-        record("sampling_other_seed_differs", differs, str(sampled[(1, 1, 0, 8)].tolist()))
+        harness.record("sampling_other_seed_differs", differs, str(sampled[(1, 1, 0, 8)].tolist()))
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:
@@ -291,8 +293,10 @@ def backward_grads(directory, head: str, ids, mask, sequence_parallel: bool):
     return full_grads(model)
 
 
-def check_gradients(hf_a: str) -> None:
+@harness.check
+def gradients(args) -> None:
     """Backward at TP=2 (with and without sequence parallelism) equals TP=1, both heads."""
+    hf_a = args.hf_a
     ids, mask = left_padded_batch(ARCH_A.vocab_size, [8, 5, 2, 8], seed=14)
     for head in ("lm", "scalar"):
         use_layout(1, 1, ARCH_A)
@@ -306,10 +310,11 @@ def check_gradients(hf_a: str) -> None:
                 worst, where = max((worst, where), (diff, name))
             name = f"{head}_grads_tp2pp1{'_sequence_parallel' if sequence_parallel else ''}_vs_tp1"
             ok = sorted(grads) == sorted(ref) and worst <= TOLERANCE
-            record(name, ok, f"worst relative diff {worst:.2e} at {where}")
+            harness.record(name, ok, f"worst relative diff {worst:.2e} at {where}")
 
 
-def check_placement() -> None:
+@harness.check
+def placement(args) -> None:
     from megatron_rlhf.models.bloom import BloomModel
 
     for tp, pp in LAYOUTS:
@@ -324,60 +329,8 @@ def check_placement() -> None:
             fp32 = {n for n, t in tensors if t.dtype != torch.bfloat16}
             slopes = {n for n, _ in model.named_buffers() if n.endswith("core_attention.slopes")}
             ok = not off and fp32 == slopes and len(slopes) == ARCH_B.num_layers // pp
-            record(f"meta_bf16_{head}_tp{tp}pp{pp}", ok, f"off meta {off}, not bf16 {fp32}")
-
-
-def run_checks(args) -> None:
-    use_layout(1, 1, ARCH_A)
-    work = Path(args.work)
-    groups = {
-        "logits": lambda: check_logits_parity((args.hf_a, args.hf_b)),
-        "checkpoints": lambda: check_checkpoints(args.hf_a, work),
-        "generation": lambda: check_generation(args.hf_a),
-        "gradients": lambda: check_gradients(args.hf_a),
-        "placement": check_placement,
-    }
-    for name in args.groups or groups:
-        check = groups[name]
-        try:
-            check()
-        except Exception:  # recorded, so the other groups still report
-            record(f"{name}_raised", False, traceback.format_exc()[-3000:])
-            raise
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--hf-a", required=True)
-    parser.add_argument("--hf-b", required=True)
-    parser.add_argument("--work", required=True)
-    parser.add_argument("--hang-seconds", type=float, default=400)
-    parser.add_argument("--groups", nargs="*", help="run only these check groups (debugging)")
-    args = parser.parse_args()
-    # A collective that never completes would otherwise hang until the launcher's timeout.
-    faulthandler.dump_traceback_later(args.hang_seconds, exit=True)
-    try:
-        run_checks(args)
-    finally:
-        write_records(args.out)
-
-
-def write_records(out: str) -> None:
-    if not dist.is_initialized():
-        return
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, RECORDS)
-    if dist.get_rank() != 0:
-        return
-    merged: dict[str, dict] = {}
-    for rank, records in enumerate(gathered):
-        for name, (ok, detail) in records.items():
-            entry = merged.setdefault(name, {"ok": True, "detail": ""})
-            entry["ok"] = entry["ok"] and ok
-            entry["detail"] += f"[rank {rank}] {detail} "
-    Path(out).write_text(json.dumps(merged, indent=2))
+            harness.record(f"meta_bf16_{head}_tp{tp}pp{pp}", ok, f"off meta {off}, not bf16 {fp32}")
 
 
 if __name__ == "__main__":  # the guard matters: dist_checkpointing spawns a helper process
-    main()
+    harness.main()

@@ -6,17 +6,22 @@
   the same per-step losses and held-out NLL, and its first loss equals a float64 transformers
   computation of the global batch's response-token mean NLL (sequences truncated to
   ``data.max_length``).
-
-Rank 0 writes ``{check: {"ok", "detail"}}`` to --out."""
+- PPO's adaptive KL controller at DP=2 moves exactly as at DP=1."""
 
 from __future__ import annotations
 
-import argparse
-import json
 from functools import partial
 
 import torch
 import torch.distributed as dist
+from torchrun_harness import Harness
+
+harness = Harness(__doc__)
+harness.parser.add_argument("--hf", required=True)
+harness.parser.add_argument(
+    "--sft-data", required=True, help="train and eval prefixes: DIR/{train,eval}"
+)
+harness.parser.add_argument("--work", required=True)
 
 
 def gathered_full_weights(model, arch) -> dict[str, torch.Tensor]:
@@ -43,15 +48,9 @@ def gathered_full_weights(model, arch) -> dict[str, torch.Tensor]:
     return {k: v for part in everything for k, v in part.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--hf", required=True)
-    parser.add_argument(
-        "--sft-data", required=True, help="train and eval prefixes: DIR/{train,eval}"
-    )
-    parser.add_argument("--work", required=True)
-    args = parser.parse_args()
+@harness.check
+def engine_step(args) -> None:
+    """One optimizer step at TP=2 and at PP=2 equals TP=1 (loss and updated weights)."""
     from megatron.core import parallel_state
 
     from megatron_rlhf.checkpoint import load_bloom
@@ -73,7 +72,7 @@ def main() -> None:
     ]  # fmt: skip
     for microbatch in microbatches:  # every rank holds both: the loss is their token mean
         microbatch["nll_scale"] = torch.tensor(2.0 / float(loss_mask[:, 1:].sum()))
-    results, reference = {}, None
+    reference = None
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
@@ -97,53 +96,20 @@ def main() -> None:
         # Adam's first step is ~lr * sign(grad): fp32 reduction-order noise in tiny gradients
         # moves a weight by a small fraction of the step, so the bound is relative to the step.
         ok = abs(loss - reference[0]) < 1e-6 and worst < 5e-3 * moved and moved > 1e-3
-        results[f"tp{tp}_pp{pp}_step_equals_tp1"] = {
-            "ok": ok,
-            "detail": f"loss {loss:.8f} vs {reference[0]:.8f}; weights max diff {worst:.2e} "
+        harness.record(
+            f"tp{tp}_pp{pp}_step_equals_tp1",
+            ok,
+            f"loss {loss:.8f} vs {reference[0]:.8f}; weights max diff {worst:.2e} "
             f"(step moved them {moved:.2e})",
-        }
-    results.update(sft_command_checks(args))
-    results.update(kl_controller_check())
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as handle:
-            json.dump(results, handle)
-
-
-def kl_controller_check() -> dict:
-    """The adaptive KL controller at DP=2 moves exactly as at DP=1: ``train-ppo`` gives every
-    rank the step's global batch, and the observation is its mean KL over the global rollout
-    count (neither one rank's share of the rollouts nor a sum of the replicas' copies)."""
-    from types import SimpleNamespace
-
-    from megatron_rlhf.distributed import ParallelConfig, initialize
-    from megatron_rlhf.ppo.control import KLController
-    from megatron_rlhf.ppo.train import observed_kl
-
-    initialize(ParallelConfig())  # TP1 PP1 on 2 ranks: DP = 2
-    generator = torch.Generator().manual_seed(21)
-    kl = [torch.rand(6, 5, generator=generator) * 3 for _ in range(2)]  # (B, N) per rank
-    settings = dict(init_coef=0.1, adaptive=True, target=1.0, horizon=40)
-    distributed, serial = KLController(**settings), KLController(**settings)
-    local_count = KLController(**settings)
-    for _ in range(3):
-        distributed.update(*observed_kl(SimpleNamespace(kl=torch.cat(kl))))  # the global batch
-        per_sequence = torch.cat(kl).double().sum(dim=1)
-        serial.update(float(per_sequence.mean()), len(per_sequence))
-        local_count.update(float(per_sequence.mean()), 6)  # the old rule: one rank's batch
-    return {
-        "kl_controller_dp2_equals_dp1": {
-            "ok": abs(distributed.coef - serial.coef) < 1e-12
-            and abs(local_count.coef - serial.coef) > 1e-4,
-            "detail": f"DP=2 coef {distributed.coef!r}, DP=1 {serial.coef!r}, counting one "
-            f"rank's rollouts {local_count.coef!r}",
-        }
-    }
+        )
 
 
 SFT_STEPS, SFT_BATCH, SFT_MAX_LENGTH, SFT_SEED = 3, 8, 12, 5
 
 
-def sft_command_checks(args) -> dict:
+@harness.check
+def sft_command(args) -> None:
+    """``train-sft`` at TP2 and PP2 equals TP1 x DP2; its first loss equals transformers'."""
     from megatron_rlhf.training.command import LayoutConfig, ModelConfig
     from megatron_rlhf.training.engine import OptimConfig
     from megatron_rlhf.training.sft import DataConfig, SFTConfig, TrainConfig, run
@@ -171,24 +137,21 @@ def sft_command_checks(args) -> dict:
         )
         result = run(config)
         runs[(tp, pp)] = ([m["loss"] for m in result["history"]], result["eval"]["loss"])
-    results = {}
     reference_losses, reference_eval = runs[(1, 1)]
     for tp, pp in ((2, 1), (1, 2)):
         losses, eval_loss = runs[(tp, pp)]
         worst = max(abs(a - b) for a, b in zip(losses, reference_losses))
-        results[f"sft_tp{tp}_pp{pp}_losses_equal_tp1_dp2"] = {
-            "ok": len(losses) == SFT_STEPS
-            and worst < 1e-5
-            and abs(eval_loss - reference_eval) < 1e-5,
-            "detail": f"losses {losses} vs {reference_losses}; eval {eval_loss} vs {reference_eval}",
-        }
+        harness.record(
+            f"sft_tp{tp}_pp{pp}_losses_equal_tp1_dp2",
+            len(losses) == SFT_STEPS and worst < 1e-5 and abs(eval_loss - reference_eval) < 1e-5,
+            f"losses {losses} vs {reference_losses}; eval {eval_loss} vs {reference_eval}",
+        )
     expected = float64_first_batch_nll(args)
-    results["sft_first_loss_equals_hf_float64"] = {
-        "ok": abs(reference_losses[0] - expected) < 1e-5
-        and reference_losses[-1] < reference_losses[0],
-        "detail": f"train-sft {reference_losses[0]:.8f} vs transformers float64 {expected:.8f}",
-    }
-    return results
+    harness.record(
+        "sft_first_loss_equals_hf_float64",
+        abs(reference_losses[0] - expected) < 1e-5 and reference_losses[-1] < reference_losses[0],
+        f"train-sft {reference_losses[0]:.8f} vs transformers float64 {expected:.8f}",
+    )
 
 
 def float64_first_batch_nll(args) -> float:
@@ -215,5 +178,35 @@ def float64_first_batch_nll(args) -> float:
     return nll / tokens
 
 
+@harness.check
+def kl_controller(args) -> None:
+    """The adaptive KL controller at DP=2 moves exactly as at DP=1: ``train-ppo`` gives every
+    rank the step's global batch, and the observation is its mean KL over the global rollout
+    count (neither one rank's share of the rollouts nor a sum of the replicas' copies)."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.ppo.control import KLController
+    from megatron_rlhf.ppo.train import observed_kl
+
+    initialize(ParallelConfig())  # TP1 PP1 on 2 ranks: DP = 2
+    generator = torch.Generator().manual_seed(21)
+    kl = [torch.rand(6, 5, generator=generator) * 3 for _ in range(2)]  # (B, N) per rank
+    settings = dict(init_coef=0.1, adaptive=True, target=1.0, horizon=40)
+    distributed, serial = KLController(**settings), KLController(**settings)
+    local_count = KLController(**settings)
+    for _ in range(3):
+        distributed.update(*observed_kl(SimpleNamespace(kl=torch.cat(kl))))  # the global batch
+        per_sequence = torch.cat(kl).double().sum(dim=1)
+        serial.update(float(per_sequence.mean()), len(per_sequence))
+        local_count.update(float(per_sequence.mean()), 6)  # the old rule: one rank's batch
+    harness.record(
+        "kl_controller_dp2_equals_dp1",
+        abs(distributed.coef - serial.coef) < 1e-12 and abs(local_count.coef - serial.coef) > 1e-4,
+        f"DP=2 coef {distributed.coef!r}, DP=1 {serial.coef!r}, counting one "
+        f"rank's rollouts {local_count.coef!r}",
+    )
+
+
 if __name__ == "__main__":
-    main()
+    harness.main()

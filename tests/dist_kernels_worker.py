@@ -1,7 +1,7 @@
 """Torchrun worker for ``tests/test_kernels_dist.py``: TP=2 against TP=1, and DP whitening.
 
 Run under ``torchrun --nproc-per-node 2`` over gloo. Every check runs on both ranks from the same
-seed; rank 0 writes ``{check: {"ok", "detail"}}`` (ok only if it passed on both ranks).
+seed (drawn per launch, named in every detail); it passes only if it passed on both ranks.
 References: the same call at TP=1 on the full vocabulary, a float64 ``log_softmax``,
 megatron-core's ``vocab_parallel_cross_entropy`` at TP=2, and whitening of all ranks' data
 gathered into one process.
@@ -9,17 +9,16 @@ gathered into one process.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import traceback
-from pathlib import Path
+import functools
 
 import torch
 import torch.distributed as dist
 from megatron_rlhf.kernels import masked_whiten, token_logprobs, token_logprobs_from_hidden
+from torchrun_harness import Harness
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter")
+harness = Harness(__doc__)
 
 
 @contextlib.contextmanager
@@ -163,45 +162,53 @@ def check_whiten_dp2(gen, group):
     return "; ".join(details)
 
 
-CHECKS = {
-    "logits_tp2_fp32": lambda gen, group: check_logits_tp2(gen, group, torch.float32),
-    "logits_tp2_bf16": lambda gen, group: check_logits_tp2(gen, group, torch.bfloat16),
-    "hidden_tp2": check_hidden_tp2,
-    "vs_megatron_core_tp2": check_vs_megatron_core,
-    "whiten_dp2": check_whiten_dp2,
-}
+@functools.cache
+def world_group():
+    return dist.new_group(list(range(dist.get_world_size())))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    group = dist.new_group(list(range(dist.get_world_size())))
+@functools.cache
+def shared_seed() -> int:
+    """A fresh seed per launch, the same on every rank."""
     seed = torch.tensor([torch.seed() % 2**31])
     dist.broadcast(seed, src=0)
-    results = {}
-    for name, check in CHECKS.items():
-        gen = torch.Generator().manual_seed(int(seed) + len(results))
-        try:
-            results[name] = {"ok": True, "detail": check(gen, group)}
-        except Exception:
-            results[name] = {"ok": False, "detail": traceback.format_exc()[-3000:]}
-    per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, results)
-    if dist.get_rank() == 0:
-        merged = {
-            name: {
-                "ok": all(r[name]["ok"] for r in per_rank),
-                "detail": f"seed {int(seed)}: "
-                + " | ".join(f"rank {i}: {r[name]['detail']}" for i, r in enumerate(per_rank)),
-            }
-            for name in CHECKS
-        }
-        args.out.write_text(json.dumps(merged, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    return int(seed)
+
+
+def seeded(offset: int, check) -> str:
+    """Run ``check(generator, group)`` from the launch's seed + ``offset``; name the seed."""
+    seed = shared_seed()
+    try:
+        detail = check(torch.Generator().manual_seed(seed + offset), world_group())
+    except Exception as err:
+        raise RuntimeError(f"seed {seed}") from err
+    return f"seed {seed}: {detail}"
+
+
+@harness.check
+def logits_tp2_fp32(args) -> str:
+    return seeded(0, lambda gen, group: check_logits_tp2(gen, group, torch.float32))
+
+
+@harness.check
+def logits_tp2_bf16(args) -> str:
+    return seeded(1, lambda gen, group: check_logits_tp2(gen, group, torch.bfloat16))
+
+
+@harness.check
+def hidden_tp2(args) -> str:
+    return seeded(2, check_hidden_tp2)
+
+
+@harness.check
+def vs_megatron_core_tp2(args) -> str:
+    return seeded(3, check_vs_megatron_core)
+
+
+@harness.check
+def whiten_dp2(args) -> str:
+    return seeded(4, check_whiten_dp2)
 
 
 if __name__ == "__main__":
-    main()
+    harness.main()

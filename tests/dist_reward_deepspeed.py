@@ -9,27 +9,26 @@ One launch (a launch costs 10-15 s of imports):
 - ``score`` of the preference pairs with the ZeRO-3 checkpoint at TP=2 and at TP=1 (DP=2)
   (WORK/scores_tp{2,1}.jsonl; the test compares them with the Megatron-trained AM's scores);
 - one ``train-ppo`` step with the ZeRO-3 AM as ``models.reward`` and as ``models.critic``'s
-  trunk, at TP=2.
-Rank 0 writes ``{check: {"ok", "detail"}}`` to --out.
+  trunk, at TP=2 (its main tears the process group down, so it runs last and only rank 0
+  judges it).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torchrun_harness import Harness, run_killed_during_step
 
 STAGES = (1, 2, 3)
-
-
-class Killed(Exception):
-    """Stands in for the process being killed in the middle of a step."""
+harness = Harness(__doc__)
+harness.parser.add_argument("--config", required=True)
+harness.parser.add_argument("--data", required=True)
+harness.parser.add_argument("--ppo-config", dest="ppo_config", required=True)
+harness.parser.add_argument("--work", type=Path, required=True)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -55,62 +54,52 @@ def train(args, output_dir: Path, *extra: str):
     return train_reward(load_config(RewardTrainConfig, argv[1], argv[2:]))
 
 
-def stage_checks(args, work: Path) -> dict:
-    checks = {}
+@harness.check
+def zero_stages(args) -> None:
     for stage in STAGES:
         # ZeRO-1 with transformers' gradient checkpointing: recomputation must not change a loss
         extra = ["model.recompute_activations=true"] if stage == 1 else []
-        result = train(args, work / f"zero{stage}", f"deepspeed.zero_stage={stage}", *extra)
+        result = train(args, args.work / f"zero{stage}", f"deepspeed.zero_stage={stage}", *extra)
         losses = [m["loss"] for m in result["history"]]
-        checks[f"zero{stage}_trains"] = (
+        harness.record(
+            f"zero{stage}_trains",
             len(losses) == 4 and all(map(torch.isfinite, torch.tensor(losses))),
             f"losses {losses}",
         )
-    return checks
 
 
-def resume_checks(args, work: Path) -> dict:
+@harness.check
+def zero3_resume(args) -> None:
     from megatron_rlhf.training.deepspeed_engine import DeepSpeedTrainEngine
 
-    whole = read_jsonl(work / "zero3" / "metrics.jsonl")
-    original_step, calls = DeepSpeedTrainEngine.step, []
-
-    def dying_step(self, microbatches, loss_fn, forward_only=False):
-        if not forward_only:
-            calls.append(1)
-            if len(calls) == 3:
-                raise Killed("killed during step 3")
-        return original_step(self, microbatches, loss_fn, forward_only)
-
-    killed = work / "zero3_killed"
-    DeepSpeedTrainEngine.step = dying_step
-    try:
-        train(args, killed, "deepspeed.zero_stage=3")
-    except Killed:
-        pass
-    finally:
-        DeepSpeedTrainEngine.step = original_step
+    whole = read_jsonl(args.work / "zero3" / "metrics.jsonl")
+    killed = args.work / "zero3_killed"
+    begun = run_killed_during_step(
+        DeepSpeedTrainEngine, 3, lambda: train(args, killed, "deepspeed.zero_stage=3")
+    )
     resumed = train(args, killed, "deepspeed.zero_stage=3")
     whole_train = [m["train/loss"] for m in whole if "train/loss" in m]
     whole_eval = {k.removeprefix("eval/"): v for k, v in whole[-1].items()}
     resumed_losses = [m["loss"] for m in resumed["history"]]
-    return {
-        "zero3_killed_and_resumed_losses_equal_uninterrupted_bitwise": (
-            len(calls) == 3 and resumed_losses == whole_train[2:],
-            f"uninterrupted {whole_train}, resumed {resumed_losses}",
-        ),
-        "zero3_killed_and_resumed_final_evaluation_equal": (
-            resumed["eval"]["loss"] == whole_eval["loss"]
-            and resumed["eval"]["accuracy"] == whole_eval["accuracy"],
-            f"uninterrupted {whole_eval['loss']!r} vs resumed {resumed['eval']['loss']!r}",
-        ),
-    }
+    harness.record(
+        "zero3_killed_and_resumed_losses_equal_uninterrupted_bitwise",
+        begun == 3 and resumed_losses == whole_train[2:],
+        f"uninterrupted {whole_train}, resumed {resumed_losses}",
+    )
+    harness.record(
+        "zero3_killed_and_resumed_final_evaluation_equal",
+        resumed["eval"]["loss"] == whole_eval["loss"]
+        and resumed["eval"]["accuracy"] == whole_eval["accuracy"],
+        f"uninterrupted {whole_eval['loss']!r} vs resumed {resumed['eval']['loss']!r}",
+    )
 
 
-def score_checks(args, work: Path) -> dict:
+@harness.check
+def score_zero3(args) -> None:
     """``score`` reads the ZeRO-3 checkpoint at TP=2 and at TP=1 (DP=2) alike."""
     from megatron_rlhf.reward import score
 
+    work = args.work
     checkpoint = (work / "zero3" / "latest_checkpoint.txt").read_text().strip()
     lines = {}
     for tp in (2, 1):
@@ -124,18 +113,19 @@ def score_checks(args, work: Path) -> dict:
         for a, b in zip(lines[2], lines[1])
         for key in ("chosen_score", "rejected_score")
     )
-    return {
-        "score_zero3_checkpoint_tp2_equals_tp1": (
-            len(lines[2]) == len(lines[1]) > 0 and gap < 1e-5,
-            f"{len(lines[2])} pairs, max gap {gap:.2e}",
-        )
-    }
+    harness.record(
+        "score_zero3_checkpoint_tp2_equals_tp1",
+        len(lines[2]) == len(lines[1]) > 0 and gap < 1e-5,
+        f"{len(lines[2])} pairs, max gap {gap:.2e}",
+    )
 
 
-def ppo_checks(args, work: Path) -> dict:
+@harness.check
+def ppo_with_zero3_am(args) -> None:
     """One train-ppo step, TP=2, with the ZeRO-3 AM as reward model and critic trunk."""
     from megatron_rlhf.ppo import train_cli as ppo_train
 
+    work = args.work
     checkpoint = work / "zero3" / (work / "zero3" / "latest_checkpoint.txt").read_text().strip()
     output_dir = work / "ppo"
     code = ppo_train.main(
@@ -151,46 +141,18 @@ def ppo_checks(args, work: Path) -> dict:
             "parallel.tp=2",
         ]
     )
-    # main() has torn the process group down; rank 0 wrote the metrics and reports
-    records = read_jsonl(output_dir / "metrics.jsonl") if os.environ["RANK"] == "0" else []
-    return {
-        "ppo_step_with_zero3_am_as_reward_and_critic": (
-            code == 0
-            and [r["step"] for r in records] == [1]
-            and torch.isfinite(torch.tensor(records[0]["reward/mean"])).item(),
-            f"exit {code}, metrics {records}",
-        )
-    }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--ppo-config", dest="ppo_config", required=True)
-    parser.add_argument("--work", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    work = Path(args.work)
-    try:
-        checks = stage_checks(args, work)
-        checks.update(resume_checks(args, work))
-        checks.update(score_checks(args, work))
-        checks.update(ppo_checks(args, work))
-        results = {
-            name: {"ok": bool(ok), "detail": detail} for name, (ok, detail) in checks.items()
-        }
-    except Exception:  # report instead of hanging the other ranks
-        results = {"worker": {"ok": False, "detail": traceback.format_exc()}}
-        print(f"rank {os.environ['RANK']}: {traceback.format_exc()}", file=sys.stderr, flush=True)
-    if os.environ["RANK"] == "0":
-        Path(args.out).write_text(json.dumps(results))
-    if dist.is_initialized():  # train-ppo's main tears the groups down itself
-        from megatron_rlhf.distributed import destroy
-
-        destroy()
+    # main() has torn the process group down; rank 0 wrote the metrics and judges
+    if os.environ["RANK"] != "0":
+        return
+    records = read_jsonl(output_dir / "metrics.jsonl")
+    harness.record(
+        "ppo_step_with_zero3_am_as_reward_and_critic",
+        code == 0
+        and [r["step"] for r in records] == [1]
+        and torch.isfinite(torch.tensor(records[0]["reward/mean"])).item(),
+        f"exit {code}, metrics {records}",
+    )
 
 
 if __name__ == "__main__":
-    main()
+    harness.main()

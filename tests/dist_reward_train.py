@@ -9,28 +9,27 @@ One launch runs every check (a launch costs 10-15 s of imports):
 - training killed during step 3 (PP2 × DP2, with evaluation) and resumed from its step-2
   checkpoint gives bit-identical step-3 and step-4 losses and evaluation to an uninterrupted run;
 - ``score`` of the same pairs at TP2xPP2 and TP1 agree.
-Rank 0 writes ``{check: {"ok", "detail"}}`` to --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torchrun_harness import Harness, run_killed_during_step
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
 GLOBAL_BATCH = 8
 SEED = 11
 TOLERANCE = 1e-5
-
-
-class Killed(Exception):
-    """Stands in for the process being killed in the middle of a step."""
+harness = Harness(__doc__)
+harness.parser.add_argument("--data", required=True)
+harness.parser.add_argument("--hf-am", dest="hf_am", required=True)
+harness.parser.add_argument("--hf-rm", dest="hf_rm", required=True)
+harness.parser.add_argument("--work", type=Path, required=True)
 
 
 def config_for(args, loss: str, tp: int, pp: int, output_dir: Path, **train):
@@ -115,20 +114,21 @@ def full_weights(directory: str, num_outputs: int) -> dict:
     return {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
-def parity_checks(args, work: Path) -> dict:
+@harness.check
+def layout_parity(args) -> None:
     from megatron_rlhf.reward.train import train
 
-    checks = {}
     for loss, num_outputs in (("am", 2), ("rm", 1)):
         runs = {}
         for tp, pp in LAYOUTS:
-            result = train(config_for(args, loss, tp, pp, work / f"{loss}_tp{tp}_pp{pp}"))
+            result = train(config_for(args, loss, tp, pp, args.work / f"{loss}_tp{tp}_pp{pp}"))
             runs[(tp, pp)] = result
         base = runs[(1, 1)]
         base_losses = [m["loss"] for m in base["history"]]
         if dist.get_rank() == 0:
             reference = reference_first_loss(args, loss)
-            checks[f"{loss}_first_step_loss_matches_hf_float64"] = (
+            harness.record(
+                f"{loss}_first_step_loss_matches_hf_float64",
                 abs(base_losses[0] - reference) < TOLERANCE,
                 f"megatron {base_losses[0]:.8f} vs float64 reference {reference:.8f}",
             )
@@ -145,18 +145,19 @@ def parity_checks(args, work: Path) -> dict:
             base_norms = [m["grad_norm"] for m in base["history"]]
             pairs = zip(losses + norms, base_losses + base_norms)
             gap = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)  # relative above 1
-            checks[f"{loss}_tp{tp}_pp{pp}_losses_match_tp1"] = (
+            harness.record(
+                f"{loss}_tp{tp}_pp{pp}_losses_match_tp1",
                 len(losses) == 2 and gap < TOLERANCE,
                 f"relative gap {gap:.1e}: losses {losses} grad norms {norms} vs TP1 "
                 f"{base_losses} {base_norms}",
             )
             weights = full_weights(result["checkpoint"], num_outputs)
             weight_gap = max((weights[k] - base_weights[k]).abs().max().item() for k in weights)
-            checks[f"{loss}_tp{tp}_pp{pp}_updated_weights_match_tp1"] = (
+            harness.record(
+                f"{loss}_tp{tp}_pp{pp}_updated_weights_match_tp1",
                 weights.keys() == base_weights.keys() and weight_gap < TOLERANCE and moved > 1e-3,
                 f"max |w - w_tp1| = {weight_gap:.2e} (weights moved {moved:.2e} in training)",
             )
-    return checks
 
 
 def initial_weights(args, loss: str, num_outputs: int) -> dict:
@@ -167,54 +168,45 @@ def initial_weights(args, loss: str, num_outputs: int) -> dict:
     return {name: param.detach() for name, param in model.named_parameters()}
 
 
-def resume_checks(args, work: Path) -> dict:
+@harness.check
+def resume(args) -> None:
     from megatron_rlhf.reward import train as train_module
     from megatron_rlhf.training import TrainEngine
 
     settings = dict(steps=4, save_interval=2, eval_interval=2, eval_fraction=0.25)
-    whole = train_module.train(config_for(args, "am", 1, 2, work / "whole", **settings))
-    killed_dir = work / "killed"
-    original_step, calls = TrainEngine.step, []
-
-    def dying_step(self, microbatches, loss_fn, forward_only=False):
-        if not forward_only:
-            calls.append(1)
-            if len(calls) == 3:
-                raise Killed("killed during step 3")
-        return original_step(self, microbatches, loss_fn, forward_only)
-
-    TrainEngine.step = dying_step
-    try:
-        train_module.train(config_for(args, "am", 1, 2, killed_dir, **settings))
-    except Killed:
-        pass
-    finally:
-        TrainEngine.step = original_step
+    whole = train_module.train(config_for(args, "am", 1, 2, args.work / "whole", **settings))
+    killed_dir = args.work / "killed"
+    begun = run_killed_during_step(
+        TrainEngine,
+        3,
+        lambda: train_module.train(config_for(args, "am", 1, 2, killed_dir, **settings)),
+    )
     resumed = train_module.train(config_for(args, "am", 1, 2, killed_dir, **settings))
     whole_losses = [m["loss"] for m in whole["history"]]
     resumed_losses = [m["loss"] for m in resumed["history"]]
-    return {
-        "killed_and_resumed_next_losses_equal_uninterrupted_bitwise": (
-            len(calls) == 3 and resumed_losses == whole_losses[2:],
-            f"uninterrupted {whole_losses}, resumed {resumed_losses}",
-        ),
-        "killed_and_resumed_final_evaluation_equal": (
-            resumed["eval"]["loss"] == whole["eval"]["loss"]
-            and resumed["eval"]["accuracy"] == whole["eval"]["accuracy"]
-            and resumed["eval"]["pairs"] == 16,
-            f"uninterrupted {whole['eval']['loss']!r} vs resumed {resumed['eval']['loss']!r}",
-        ),
-    }
+    harness.record(
+        "killed_and_resumed_next_losses_equal_uninterrupted_bitwise",
+        begun == 3 and resumed_losses == whole_losses[2:],
+        f"uninterrupted {whole_losses}, resumed {resumed_losses}",
+    )
+    harness.record(
+        "killed_and_resumed_final_evaluation_equal",
+        resumed["eval"]["loss"] == whole["eval"]["loss"]
+        and resumed["eval"]["accuracy"] == whole["eval"]["accuracy"]
+        and resumed["eval"]["pairs"] == 16,
+        f"uninterrupted {whole['eval']['loss']!r} vs resumed {resumed['eval']['loss']!r}",
+    )
 
 
-def score_checks(args, work: Path) -> dict:
+@harness.check
+def score_layouts(args) -> None:
     """``score`` of the same pairs at TP2xPP2 (DP1) and TP1 (DP4) agree."""
     from megatron_rlhf.reward import score
 
-    checkpoint = str(work / "am_tp1_pp1" / "step_0000002")
+    checkpoint = str(args.work / "am_tp1_pp1" / "step_0000002")
     lines = {}
     for tp, pp in ((2, 2), (1, 1)):
-        out = work / f"scores_tp{tp}_pp{pp}.jsonl"
+        out = args.work / f"scores_tp{tp}_pp{pp}.jsonl"
         argv = ["--load", checkpoint, "--input", args.data, "--output", str(out)]
         score.run(score.build_parser().parse_args([*argv, "--tp", str(tp), "--pp", str(pp)]))
         dist.barrier()
@@ -225,39 +217,12 @@ def score_checks(args, work: Path) -> dict:
         for a, b in zip(sharded, single)
         for key in ("chosen_score", "rejected_score")
     )
-    return {
-        "score_tp2_pp2_equals_tp1": (
-            len(sharded) == len(single) == 66 and gap < TOLERANCE,
-            f"{len(sharded)} pairs, max gap {gap:.2e}",
-        )
-    }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--hf-am", dest="hf_am", required=True)
-    parser.add_argument("--hf-rm", dest="hf_rm", required=True)
-    parser.add_argument("--work", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    work = Path(args.work)
-    try:
-        checks = parity_checks(args, work)
-        checks.update(resume_checks(args, work))
-        checks.update(score_checks(args, work))
-        results = {
-            name: {"ok": bool(ok), "detail": detail} for name, (ok, detail) in checks.items()
-        }
-    except Exception:  # report instead of hanging the other ranks
-        results = {"worker": {"ok": False, "detail": traceback.format_exc()}}
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(results))
-    from megatron_rlhf.distributed import destroy
-
-    destroy()
+    harness.record(
+        "score_tp2_pp2_equals_tp1",
+        len(sharded) == len(single) == 66 and gap < TOLERANCE,
+        f"{len(sharded)} pairs, max gap {gap:.2e}",
+    )
 
 
 if __name__ == "__main__":
-    main()
+    harness.main()

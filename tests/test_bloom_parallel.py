@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from dist_bloom_common import ARCH_A, ARCH_B, save_hf_bloom
-from torchrun_util import REPO, run_torchrun
+from torchrun_util import REPO, assert_check, run_checks
 
 LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]
 OTHER_LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2"]
@@ -65,10 +65,10 @@ def results(tmp_path_factory):
     save_hf_bloom(root / "hf_a", ARCH_A, seed=0)
     save_hf_bloom(root / "hf_b", ARCH_B, seed=1)
     (root / "work").mkdir()
-    return run_torchrun(
+    return run_checks(
         REPO / "tests" / "dist_bloom_worker.py",
         4,
-        root / "results.json",
+        root / "results",
         "--hf-a",
         str(root / "hf_a"),
         "--hf-b",
@@ -87,5 +87,4 @@ def test_worker_ran_exactly_the_expected_checks(results):
 @pytest.mark.slow
 @pytest.mark.parametrize("check", CHECKS)
 def test_bloom_parallel(results, check):
-    assert check in results, f"the worker did not run {check}"
-    assert results[check]["ok"], results[check]["detail"]
+    assert_check(results, check)

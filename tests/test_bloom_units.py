@@ -310,7 +310,7 @@ def _top_p_support(logits: torch.Tensor, top_p: float) -> set[int]:
 
 
 def test_sampling_top_p_and_temperature_follow_the_reference():
-    from megatron_rlhf.generation.engine import SamplingConfig, _choose
+    from megatron_rlhf.generation.decode import SamplingConfig, _choose
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 37, generator=generator) * 2.0

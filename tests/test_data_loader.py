@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torchrun_util import run_torchrun
+from torchrun_util import run_checks
 
 from megatron_rlhf.data import (
     Example,
@@ -317,6 +317,6 @@ def test_loader_tail_and_side_fields(written):
 @pytest.mark.slow
 def test_loader_over_two_gloo_ranks(tmp_path, written):
     script = Path(__file__).with_name("dist_data_loader.py")
-    results = run_torchrun(script, 2, tmp_path / "out.json", "--data", str(written["dir"]))
+    results = run_checks(script, 2, tmp_path / "out", "--data", str(written["dir"]))
     failed = {name: r["detail"] for name, r in results.items() if not r["ok"]}
     assert len(results) >= 3 and not failed, json.dumps(failed, indent=1)

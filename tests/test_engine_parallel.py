@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from torchrun_util import run_torchrun
+from torchrun_util import assert_check, run_checks
 
 WORKER = Path(__file__).resolve().parent / "dist_engine_worker.py"
 CHECKS = [
@@ -45,8 +45,8 @@ def results(tmp_path_factory):
     save_random_hf_bloom(root / "hf", tiny_architecture(vocab_size=250, num_layers=2), seed=3)
     write_sft_data(root / "sft" / "train", 40, seed=0)
     write_sft_data(root / "sft" / "eval", 9, seed=1)
-    return run_torchrun(
-        WORKER, 2, root / "out.json", "--hf", str(root / "hf"),
+    return run_checks(
+        WORKER, 2, root / "results", "--hf", str(root / "hf"),
         "--sft-data", str(root / "sft"), "--work", str(root / "work"),
     )  # fmt: skip
 
@@ -54,5 +54,4 @@ def results(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("check", CHECKS)
 def test_lm_training_matches_tp1(results, check):
-    assert check in results, sorted(results)
-    assert results[check]["ok"], results[check]["detail"]
+    assert_check(results, check)

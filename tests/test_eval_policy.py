@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torchrun_util import launch_env, torchrun_command
 
 from megatron_rlhf.data import load_tokenizer, train_tiny_tokenizer
 from megatron_rlhf.models.bloom.tiny import random_hf_bloom, tiny_architecture
@@ -283,11 +282,9 @@ def test_two_ranks_equal_one(data, am_run, tmp_path, layout):
     """Two ranks, as two data-parallel replicas of both roles, or with the policy at TP2 (one
     replica) and the judge at TP1 (two replicas scoring alternate batches), give the
     single-process report."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), "-m", "megatron_rlhf", "eval-policy",
-           *am_argv(data["root"]), "--output-dir", str(tmp_path), *layout]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    argv = [*am_argv(data["root"]), "--output-dir", str(tmp_path), *layout]
+    cmd = torchrun_command(2, "-m", "megatron_rlhf", "eval-policy", *argv)
+    proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("[eval-policy] done:") == 1  # rank 0 only
     two, one = read_samples(tmp_path), am_run["samples"]
@@ -297,14 +294,6 @@ def test_two_ranks_equal_one(data, am_run, tmp_path, layout):
         for who in ("policy", "sft"):
             assert a[f"{who}_response_token_ids"] == b[f"{who}_response_token_ids"]
             assert a[f"{who}_score"] == pytest.approx(b[f"{who}_score"], abs=1e-5)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 BAD = {

@@ -8,8 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from tests.torchrun_util import run_torchrun
+from torchrun_util import assert_check, run_checks
 
 WORKER = Path(__file__).with_name("dist_kernels_worker.py")
 CHECKS = [
@@ -23,11 +22,10 @@ CHECKS = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_torchrun(WORKER, 2, tmp_path_factory.mktemp("dist_kernels") / "results.json")
+    return run_checks(WORKER, 2, tmp_path_factory.mktemp("dist_kernels") / "results")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("check", CHECKS)
 def test_dist_kernels(check, results):
-    assert check in results, f"worker did not report {check}"
-    assert results[check]["ok"], results[check]["detail"]
+    assert_check(results, check)

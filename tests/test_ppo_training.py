@@ -16,27 +16,13 @@ from pathlib import Path
 
 import pytest
 from ppo_fixtures import make_ppo_setup
-from torchrun_util import REPO, _free_port
+from torchrun_util import launch_env, torchrun_command
 
-TESTS = Path(__file__).resolve().parent
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env.update(
-        CUDA_VISIBLE_DEVICES="",
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")]),
-    )
-    return env
+_env = launch_env  # the name test_layouts_parallel imports
 
 
 def _command(setup: dict, output_dir: Path, nproc: int, *overrides: str) -> list[str]:
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-        launcher += ["--master-port", str(_free_port())]
+    launcher = torchrun_command(nproc) if nproc > 1 else [sys.executable]
     return launcher + [
         "-m", "megatron_rlhf", "train-ppo", "--config", str(setup["config"]),
         f"train.output_dir={output_dir}", *overrides,

@@ -27,18 +27,16 @@ import psutil
 import pytest
 import torch
 from test_checkpoint_safety import reward_argv, reward_setup  # noqa: F401  (fixture)
+from torchrun_util import launch_env, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 EXIT_SAVED_ON_SIGNAL = 75
 
 
 def run_env(marker: str, threads: int | None = None) -> dict:
     """The environment of a launched run; ``marker`` lets us find every process it started."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", I24_RUN=marker)
-    env["OMP_NUM_THREADS"] = str(threads or torch.get_num_threads())
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
+    env = launch_env(I24_RUN=marker, OMP_NUM_THREADS=str(threads or torch.get_num_threads()))
     for key in DIST_ENV:
         env.pop(key, None)
     return env
@@ -205,12 +203,7 @@ PPO_LAYOUTS = [
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
-    from torchrun_util import _free_port
-
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-port", str(_free_port()), "-m", "megatron_rlhf", *args,
-    ]  # fmt: skip
+    return torchrun_command(nproc, "-m", "megatron_rlhf", *args)
 
 
 def interrupt_and_resume(

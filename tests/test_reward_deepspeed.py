@@ -17,9 +17,8 @@ import pytest
 import torch
 import yaml
 from ppo_fixtures import make_ppo_setup
-from torchrun_util import run_torchrun
+from torchrun_util import REPO, assert_check, run_checks
 
-REPO = Path(__file__).resolve().parents[1]
 STAGES = (1, 2, 3)
 TOLERANCE = 2e-3
 DIST_CHECKS = [f"zero{s}_trains" for s in STAGES] + [
@@ -88,10 +87,10 @@ def runs(tmp_path_factory):
     megatron_ckpt = megatron_dir / (megatron_dir / "latest_checkpoint.txt").read_text().strip()
     argv = ["--load", str(megatron_ckpt), "--input", str(data)]
     assert score.main([*argv, "--output", str(root / "scores_megatron.jsonl")]) == 0
-    results = run_torchrun(
+    results = run_checks(
         REPO / "tests" / "dist_reward_deepspeed.py",
         2,
-        root / "results.json",
+        root / "results",
         "--config",
         str(root / "am.yaml"),
         "--data",
@@ -107,10 +106,7 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("check", DIST_CHECKS)
 def test_deepspeed_launch(runs, check):
-    results = runs["results"]
-    if "worker" in results:
-        pytest.fail(results["worker"]["detail"])
-    assert results[check]["ok"], results[check]["detail"]
+    assert_check(runs["results"], check)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from torchrun_util import run_torchrun
+from torchrun_util import assert_check, run_checks
 
 from megatron_rlhf.reward.synthetic import SyntheticPreferenceConfig, make_synthetic_preferences
 
@@ -89,10 +89,10 @@ def dist_results(tmp_path_factory):
     data = write_synthetic_pairs(root / "pairs", pairs_per_task=22)
     hf_am = save_hf_bloom(root / "hf_am", num_outputs=2, seed=1)
     hf_rm = save_hf_bloom(root / "hf_rm", num_outputs=1, seed=1)
-    return run_torchrun(
+    return run_checks(
         REPO / "tests" / "dist_reward_train.py",
         4,
-        root / "results.json",
+        root / "results",
         "--data",
         str(data),
         "--hf-am",
@@ -107,10 +107,7 @@ def dist_results(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("check", DIST_CHECKS)
 def test_parallel_layouts_and_resume(dist_results, check):
-    if "worker" in dist_results:
-        pytest.fail(dist_results["worker"]["detail"])
-    result = dist_results[check]
-    assert result["ok"], result["detail"]
+    assert_check(dist_results, check)
 
 
 # ---------------------------------------------------------------- Fig. 4 with the BLOOM trunk

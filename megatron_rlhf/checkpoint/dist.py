@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import pickle
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -26,9 +27,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rlhf.checkpoint import manifest, safe_pickle
 from megatron_rlhf.checkpoint.containment import require_contained
+from megatron_rlhf.distributed.parallel import world_max
 from megatron_rlhf.models.bloom.config import BloomArchitecture
-from megatron_rlhf.training.guards import require_finite_state
-from megatron_rlhf.utils import InputError
+from megatron_rlhf.utils import InputError, NonFiniteError
 
 METADATA_FILE = "megatron_rlhf.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -129,6 +130,23 @@ def _results_queue_without_spawn() -> None:
         manager = SyncManager(ctx=multiprocessing.get_context("fork"))
         manager.start(initializer=die_with_parent)  # no orphan if the trainer is killed
         filesystem_async._results_queue = manager.Queue()
+
+
+def require_finite_state(named_tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """Raise :class:`NonFiniteError` naming the first non-finite floating tensor (collective).
+
+    Cost at scale: one ``isfinite().all()`` pass over each rank's state (~35 GB per GPU for a
+    176B actor on 80 GPUs: a few tens of ms at HBM bandwidth) per save."""
+    first_bad = None
+    for name, tensor in named_tensors:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            first_bad = name
+            break
+    if world_max(int(first_bad is not None)):
+        raise NonFiniteError(
+            f"{where}: refusing to save a checkpoint with non-finite values "
+            f"({first_bad or 'on another rank'}); the previous checkpoint is unchanged"
+        )
 
 
 def _named_tensors(tree, name: str = ""):

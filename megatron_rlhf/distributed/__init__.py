@@ -9,6 +9,9 @@ from megatron_rlhf.distributed.parallel import (
     initialize_layouts,
     validate,
 )
+from megatron_rlhf.utils import at_command_end
+
+at_command_end(destroy, distributed=True)  # a command run distributed tears its groups down
 
 __all__ = [
     "ParallelConfig",

@@ -3,6 +3,6 @@
 from megatron_rlhf.utils import lazy_exports
 
 # Imported on first use, so the ``generate`` command parses its flags before torch loads.
-_EXPORTS = {"GenerationOutput": "engine", "SamplingConfig": "engine", "generate": "engine"}
+_EXPORTS = {"GenerationOutput": "decode", "SamplingConfig": "decode", "generate": "engine"}
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

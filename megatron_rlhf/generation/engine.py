@@ -22,209 +22,20 @@ of the whole batch; a micro-batch addresses its rows through the context's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megatron_rlhf.distributed.parallel import compute_device, model_groups
-
-
-@dataclass(kw_only=True)
-class SamplingConfig:
-    """How tokens are generated and chosen."""
-
-    max_new_tokens: int = 64
-    """Most tokens generated per prompt (EOS included)."""
-    greedy: bool = False
-    """Take the argmax token (temperature and top_p are then ignored)."""
-    temperature: float = 1.0
-    """Divide logits by this before sampling."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
-    seed: int = 0
-    """Seed of the sampling generator (offset by the data-parallel rank)."""
-    row_seeds: tuple[int, ...] | None = None
-    """One seed per prompt row instead of ``seed``: each row samples from its own generator,
-    so a row draws the same tokens whatever batch, rank or layout it is generated in."""
-    eos_id: int = 2
-    """End-of-sequence token (BLOOM: 2)."""
-    pad_id: int = 3
-    """Padding token written after EOS (BLOOM: 3)."""
-    use_kv_cache: bool = True
-    """Reuse the keys/values of earlier positions (False recomputes the prefix each step)."""
-    drop_ended_rows: bool = True
-    """Take rows that emitted EOS out of the decode batch (their KV cache compacted away), so
-    later steps compute only the rows still going; False keeps the batch shape fixed (every
-    step computes every row, as static-shape decoding, e.g. a CUDA graph, needs). Tokens do
-    not depend on it."""
-    pipeline_micro_batches: int = 0
-    """At PP > 1, split the batch into this many micro-batches that flow through the stages
-    together, so every stage works at every decode step (0: one per stage; 1: the whole batch
-    goes stage after stage while the others wait). Ignored at PP = 1. Tokens do not depend
-    on it."""
-
-
-@dataclass
-class GenerationOutput:
-    response_ids: torch.Tensor  # (B, N) generated tokens, pad_id after EOS
-    response_mask: torch.Tensor  # (B, N) 1 on generated tokens (EOS included), 0 after
-    response_logprobs: torch.Tensor  # (B, N) log pi(token) at temperature 1, 0 on padding
-
-
-def _choose(logits: torch.Tensor, sampling: SamplingConfig, uniforms) -> torch.Tensor:
-    """Next token per row from full-vocab logits (B, V) and one uniform in [0, 1) per row (B,):
-    the token where the row's cumulative (top-p filtered) probability passes it."""
-    if sampling.greedy:
-        return logits.argmax(dim=-1)
-    probs = (logits / sampling.temperature).softmax(dim=-1)
-    order = None
-    if sampling.top_p < 1.0:
-        probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= sampling.top_p, 0.0)  # keeps the first
-    cdf = probs.cumsum(dim=-1)  # (B, V)
-    targets = uniforms.to(cdf)[:, None] * cdf[:, -1:]
-    picked = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[-1] - 1)
-    return picked.squeeze(-1) if order is None else order.gather(-1, picked).squeeze(-1)
-
-
-class MicroBatch:
-    """Rows ``rows`` of the batch: prompt plus generated ids and mask in preallocated
-    (b, P + max_new) buffers, per-token log-probs and which rows have ended.
-
-    ``live`` (k,) lists the rows still in the decode batch, in the order of their KV-cache slots
-    (``rows.start + i`` holds ``live[i]``): a step's inputs, logits and chosen tokens are those
-    k rows; ended rows keep pad ids, a 0 mask and 0 log-probs, as the buffers start."""
-
-    def __init__(self, rows: slice, prompt_ids, prompt_mask, sampling: SamplingConfig, device):
-        batch, self.prompt_length = prompt_ids.shape
-        width = self.prompt_length + sampling.max_new_tokens
-        self.rows, self.sampling, self.step = rows, sampling, 0
-        self.ids = torch.full((batch, width), sampling.pad_id, dtype=torch.long, device=device)
-        self.mask = torch.zeros((batch, width), dtype=torch.long, device=device)
-        self.ids[:, : self.prompt_length] = prompt_ids
-        self.mask[:, : self.prompt_length] = prompt_mask
-        self.logprobs = torch.zeros((batch, sampling.max_new_tokens), device=device)
-        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.live = torch.arange(batch, device=device)
-
-    @property
-    def size(self) -> int:
-        """Rows in the decode batch now."""
-        return self.live.shape[0]
-
-    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's input ids of the live rows (the new token with a cache, else all) and
-        their key mask (k, Sk)."""
-        end = self.prompt_length + self.step
-        first = end - 1 if (self.sampling.use_kv_cache and self.step > 0) else 0
-        return self.ids[self.live, first:end], self.mask[self.live, :end]
-
-    def point_cache(self, context: StaticInferenceContext | None) -> None:
-        """Aim the shared KV cache at these rows and this step's positions."""
-        if context is None:
-            return
-        context.batch_size_offset = self.rows.start
-        context.sequence_len_offset = 0 if self.step == 0 else self.prompt_length + self.step - 1
-        if self.step == 0:
-            context.enable_prefill_mode()
-        else:
-            context.enable_decode_mode()
-
-    def append(self, chosen=None, logprob=None, alive=None, finished=None) -> torch.Tensor:
-        """Record this step's tokens of the live rows (k,) and return the alive column (b,);
-        stages that never see tokens pass the ``alive`` and ``finished`` columns (b,) they
-        were sent."""
-        column = self.prompt_length + self.step
-        if alive is None:
-            alive = ~self.finished
-            live_alive = alive[self.live]  # all True unless a step ran without compact()
-            self.ids[self.live, column] = torch.where(live_alive, chosen, self.sampling.pad_id)
-            self.finished[self.live] |= live_alive & (chosen == self.sampling.eos_id)
-        else:
-            self.finished = finished.clone()
-        if logprob is not None:
-            self.logprobs[self.live, self.step] = torch.where(alive[self.live], logprob, 0.0)
-        self.mask[:, column] = alive.long()
-        self.step += 1
-        return alive
-
-    def compact(self, context: StaticInferenceContext | None) -> None:
-        """Drop the rows that have ended from the decode batch: the KV cache of the rows that
-        stay moves to the front of this micro-batch's slots (the live rows' cache copied once,
-        up to the filled length). Every stage of a pipeline calls it after the same step."""
-        if not self.sampling.drop_ended_rows:
-            return
-        stay = (~self.finished[self.live]).nonzero().squeeze(-1)  # positions in slot order
-        if stay.shape[0] == self.live.shape[0] or stay.shape[0] == 0:
-            return
-        if context is not None:
-            start, filled = self.rows.start, self.prompt_length + self.step
-            for key, value in context.key_value_memory_dict.values():
-                for memory in (key, value):
-                    kept = memory[:filled, start + stay]  # a copy: safe to write back over
-                    memory[:filled, start : start + stay.shape[0]] = kept
-        self.live = self.live[stay]
-
-    @property
-    def done(self) -> bool:
-        return self.step == self.sampling.max_new_tokens or bool(self.finished.all())
-
-
-def split_rows(batch: int, parts: int) -> list[slice]:
-    """``parts`` contiguous row ranges of near-equal size (fewer if the batch is smaller)."""
-    bounds = torch.arange(batch).tensor_split(min(max(parts, 1), batch))
-    return [slice(int(b[0]), int(b[-1]) + 1) for b in bounds]
-
-
-def choose_for(micro_batch: MicroBatch, logits, uniforms) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token and its temperature-1 log-prob per live row from the last stage's (k, S, V)
-    logits."""
-    last = logits[:, -1, :].float()  # (k, V)
-    rows = None
-    if uniforms is not None:
-        rows = uniforms[micro_batch.step, micro_batch.rows][micro_batch.live]
-    chosen = _choose(last, micro_batch.sampling, rows)
-    return chosen, last.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
-
-
-def stage_forward(model, micro_batch: MicroBatch, context, hidden=None):
-    """This stage's forward of one micro-batch step (``hidden`` from the previous stage)."""
-    micro_batch.point_cache(context)
-    if hidden is not None:
-        model.set_input_tensor(hidden)
-    input_ids, mask = micro_batch.inputs()
-    return model(input_ids, mask, inference_context=context, runtime_gather_output=True)
-
-
-def sampling_uniforms(sampling: SamplingConfig, batch: int, device, dp_rank: int):
-    """One uniform per (step, row), (max_new_tokens, B), or None for greedy decoding: from one
-    generator seeded ``seed + dp_rank`` (the model's data-parallel rank), or row by row from
-    ``row_seeds``."""
-    if sampling.greedy:
-        return None
-    steps = sampling.max_new_tokens
-    if sampling.row_seeds is None:
-        seed = sampling.seed + dp_rank
-        uniforms = torch.rand((steps, batch), generator=torch.Generator().manual_seed(seed))
-        return uniforms.to(device)
-    if len(sampling.row_seeds) != batch:
-        raise ValueError(f"{len(sampling.row_seeds)} row_seeds for a batch of {batch} prompts")
-    columns = [
-        torch.rand(steps, generator=torch.Generator().manual_seed(seed))
-        for seed in sampling.row_seeds
-    ]
-    return torch.stack(columns, dim=1).to(device)
-
-
-def collect(micro_batches: list[MicroBatch]) -> GenerationOutput:
-    """Concatenate the micro-batches' responses, cut after the last step any row took."""
-    steps = max(mb.step for mb in micro_batches)
-    ids = torch.cat([mb.ids[:, mb.prompt_length :] for mb in micro_batches])[:, :steps]
-    mask = torch.cat([mb.mask[:, mb.prompt_length :] for mb in micro_batches])[:, :steps]
-    logprobs = torch.cat([mb.logprobs for mb in micro_batches])[:, :steps]
-    return GenerationOutput(response_ids=ids, response_mask=mask, response_logprobs=logprobs)
+from megatron_rlhf.generation.decode import (
+    GenerationOutput,
+    MicroBatch,
+    SamplingConfig,
+    choose_for,
+    collect,
+    sampling_uniforms,
+    stage_forward,
+)
+from megatron_rlhf.generation.pipelined import generate_pipelined
 
 
 @torch.no_grad()
@@ -244,8 +55,6 @@ def generate(
     try:
         groups = model_groups(model)
         if groups.pp.size() > 1:
-            from megatron_rlhf.generation.pipelined import generate_pipelined
-
             return generate_pipelined(model, prompt_ids, prompt_mask, sampling, context)
         micro_batch = MicroBatch(slice(0, batch), prompt_ids, prompt_mask, sampling, device)
         uniforms = sampling_uniforms(sampling, batch, device, groups.dp.rank())

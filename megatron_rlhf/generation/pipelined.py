@@ -35,7 +35,7 @@ from megatron_rlhf.distributed.parallel import (
     model_groups,
     stage_rank,
 )
-from megatron_rlhf.generation.engine import (
+from megatron_rlhf.generation.decode import (
     GenerationOutput,
     MicroBatch,
     choose_for,

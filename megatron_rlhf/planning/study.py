@@ -1,10 +1,10 @@
 """The scaling study's measurements: one stage of one model in one layout, on this launch.
 
 Stages (each runs our real code path):
-  actor_train   ``TrainEngine.step`` of an LM-head model; loss from ``response_logprobs`` (the
-                fused log-prob kernel PPO's policy loss is built on)
+  actor_train   ``TrainEngine.step`` of an LM-head model; loss from the response tokens' log-probs
+                (``token_logprobs``: the fused kernel PPO's policy loss is built on)
   critic_train  ``TrainEngine.step`` of a scalar-head model; squared error of the values
-  score         ``pipeline_forward`` + ``response_logprobs`` without autograd (reference pass)
+  score         ``pipeline_forward`` + the response log-probs without autograd (reference pass)
   generate      ``generation.generate`` with the KV cache (greedy, no early stop)
 
 Peak memory on the CPU comes from the torch profiler's allocator tracking
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rlhf.distributed.layouts import Layout
+from megatron_rlhf.distributed.parallel import is_last_stage, model_groups, vocab_group
 from megatron_rlhf.planning import hardware, memory
 from megatron_rlhf.planning.shapes import ModelShape, model_params
 
@@ -56,8 +57,11 @@ class StudyWork:
         return self.prompt_len + self.response_len
 
 
-def planned_bytes(shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work: StudyWork):
-    """The planner's peak bytes per rank for a study row (fp32 on the CPU, bf16 on GPUs)."""
+def planned_bytes(
+    shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work: StudyWork, fused_attention: bool
+):
+    """The planner's peak bytes per rank for a study row (fp32 on the CPU, bf16 on GPUs);
+    ``fused_attention``: the model runs TransformerEngine's attention."""
     e = 4 if not torch.cuda.is_available() else 2
     layout = Layout(tp=tp, pp=pp, dp=dp)
     load = memory.Workload(
@@ -67,7 +71,7 @@ def planned_bytes(shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work
         num_microbatches=work.microbatches,
         element_bytes=e,
         distributed_optimizer=torch.cuda.is_available(),
-        fused_attention=_uses_te_attention(),
+        fused_attention=fused_attention,
     )
     if stage == "actor_train":
         return memory.train_memory(shape, layout, "lm", load).total
@@ -80,30 +84,21 @@ def planned_bytes(shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work
     ).total
 
 
-def _uses_te_attention() -> bool:
-    """Whether BloomModel picks TransformerEngine's fused attention here (spec.py's rule)."""
-    from megatron_rlhf.models.bloom.attention import te_attention_class
-
-    return torch.cuda.is_available() and te_attention_class() is not None
-
-
 def run_row(shape: ModelShape, stage: str, work: StudyWork, seed: int = 0) -> dict:
     """Build the model, warm up, measure peak memory of one step, then time one step."""
-    from megatron.core import parallel_state
-
     torch.manual_seed(seed)
     cuda = torch.cuda.is_available()
     gc.collect()  # the previous row's model must not be freed inside this row's profile
     with _memory_tracker() as tracker:
-        runner = _build(shape, stage, work)
+        model, runner = _build(shape, stage, work)
         runner()  # warm-up: allocates Adam state, the KV cache's first use, kernel workspaces
         with tracker.window():
             runner()
     seconds = _timed(runner, cuda)
-    dp = parallel_state.get_data_parallel_world_size()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    groups = model_groups(model)
+    tp, pp, dp = groups.tp.size(), groups.pp.size(), groups.dp.size()
     tokens = dp * work.micro_batch * _tokens_per_row(stage, work)
+    planned = planned_bytes(shape, tp, pp, dp, stage, work, model.uses_te_attention)
     row = {
         "model": shape.name,
         "params": model_params(shape),
@@ -114,7 +109,7 @@ def run_row(shape: ModelShape, stage: str, work: StudyWork, seed: int = 0) -> di
         "tokens_per_s": tokens / seconds,
         "step_s": seconds,
         "peak_mem_measured_mb": tracker.peak_bytes / 2**20,
-        "peak_mem_planned_mb": planned_bytes(shape, tp, pp, dp, stage, work) / 2**20,
+        "peak_mem_planned_mb": planned / 2**20,
         "mfu": "",
     }
     gpu = hardware.cuda_gpu()
@@ -151,7 +146,7 @@ def _timed(runner, cuda: bool) -> float:
 
 
 def _build(shape: ModelShape, stage: str, work: StudyWork):
-    """A no-argument callable running one step of ``stage`` on a fresh model."""
+    """A fresh model and a no-argument callable running one step of ``stage`` on it."""
     from megatron_rlhf.models.bloom.config import BloomArchitecture
     from megatron_rlhf.models.bloom.model import BloomModel
 
@@ -170,14 +165,24 @@ def _build(shape: ModelShape, stage: str, work: StudyWork):
     ids = ids.to(model.device)
     mask = torch.ones_like(ids)
     if stage == "generate":
-        return _generate_step(model, ids[:, : work.prompt_len], mask[:, : work.prompt_len], work)
+        prompt_ids, prompt_mask = ids[:, : work.prompt_len], mask[:, : work.prompt_len]
+        return model, _generate_step(model, prompt_ids, prompt_mask, work)
     if stage == "score":
-        return _score_step(model, ids, mask, work)
-    return _train_step(model, stage, ids, mask, work)
+        return model, _score_step(model, ids, mask, work)
+    return model, _train_step(model, stage, ids, mask, work)
+
+
+def _response_logprobs(model, logits_shard, ids, work: StudyWork) -> torch.Tensor:
+    """log pi of the response tokens (B, N) from this rank's vocabulary shard of the logits,
+    through the fused kernel PPO's scoring and policy loss are built on."""
+    from megatron_rlhf.kernels import token_logprobs
+
+    predicting = logits_shard[:, work.prompt_len - 1 : work.seq_len - 1]  # (B, N, V/tp)
+    targets = ids[:, work.prompt_len : work.seq_len]  # (B, N)
+    return token_logprobs(predicting, targets, 1.0, vocab_group(model_groups(model)))
 
 
 def _train_step(model, stage, ids, mask, work: StudyWork):
-    from megatron_rlhf.ppo.scoring import response_logprobs
     from megatron_rlhf.training import TrainEngine
     from megatron_rlhf.training.engine import OptimConfig
 
@@ -186,7 +191,7 @@ def _train_step(model, stage, ids, mask, work: StudyWork):
 
     def loss_fn(output, microbatch):
         if stage == "actor_train":
-            logprobs = response_logprobs(output, microbatch["input_ids"], p, n)
+            logprobs = _response_logprobs(model, output, microbatch["input_ids"], work)
             return -logprobs.mean(), {}
         values = output[:, p - 1 : p - 1 + n, 0]
         return (values - 1.0).pow(2).mean(), {}
@@ -196,18 +201,16 @@ def _train_step(model, stage, ids, mask, work: StudyWork):
 
 
 def _score_step(model, ids, mask, work: StudyWork):
-    from megatron.core import parallel_state
-
     from megatron_rlhf.distributed.pipeline import pipeline_forward
-    from megatron_rlhf.ppo.scoring import response_logprobs
 
     model.eval()
+    last_stage = is_last_stage(model_groups(model))
 
     @torch.no_grad()
     def step():
         output = pipeline_forward(model, ids, mask)
-        if parallel_state.is_pipeline_last_stage():
-            response_logprobs(output, ids, work.prompt_len, work.response_len)
+        if last_stage:
+            _response_logprobs(model, output, ids, work)
 
     return step
 

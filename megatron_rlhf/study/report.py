@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_rlhf.study.stages import load_records
 from megatron_rlhf.study.stats import t_interval
 from megatron_rlhf.utils import atomic_output
 
@@ -289,7 +290,6 @@ def write_report(out: Path, results: dict) -> None:
 def write_plots(out: Path, results: dict) -> None:
     from megatron_rlhf.reward.calibration import per_task_stats, reliability_curve
     from megatron_rlhf.reward.plots import plot_calibration, plot_task_stats
-    from megatron_rlhf.study.run import load_records
 
     pairs, _ = load_records(out)
     curves, tasks = {}, {}

@@ -417,18 +417,7 @@ def run_arm(out, preset, data, sft, reward, reward_name, rehearsal, arm, options
 # ---------------------------------------------------------------- results
 
 
-def load_records(out: Path) -> tuple[dict, dict]:
-    """``pairs[model][seed]`` and ``judgments[arm][seed]`` from the raw records under ``out``."""
-    pairs, judgments = {}, {}
-    for kind, table, name in (("reward", pairs, "pairs.jsonl"),
-                              ("ppo", judgments, "judgments.jsonl")):  # fmt: skip
-        for path in sorted((out / kind).glob(f"*/seed*/{name}")):
-            seed = int(path.parent.name.removeprefix("seed"))
-            table.setdefault(path.parent.parent.name, {})[seed] = stages.read_records(path)
-    return pairs, judgments
-
-
 def compute_results(out: Path) -> dict:
     from megatron_rlhf.study.stats import results_from_records
 
-    return results_from_records(*load_records(out))
+    return results_from_records(*stages.load_records(out))

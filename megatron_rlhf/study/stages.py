@@ -25,6 +25,17 @@ def read_records(path: Path) -> list[dict]:
     return [record for _, record in read_jsonl(path)]
 
 
+def load_records(out: Path) -> tuple[dict, dict]:
+    """``pairs[model][seed]`` and ``judgments[arm][seed]`` from the raw records under ``out``."""
+    pairs, judgments = {}, {}
+    for kind, table, name in (("reward", pairs, "pairs.jsonl"),
+                              ("ppo", judgments, "judgments.jsonl")):  # fmt: skip
+        for path in sorted((out / kind).glob(f"*/seed*/{name}")):
+            seed = int(path.parent.name.removeprefix("seed"))
+            table.setdefault(path.parent.parent.name, {})[seed] = read_records(path)
+    return pairs, judgments
+
+
 # ---------------------------------------------------------------- data and SFT
 
 

@@ -13,27 +13,23 @@ Two lines of defence:
   :class:`NonFiniteError` (an InputError: exit code 2) naming the step, before any checkpoint
   of that step is written.
 
-``require_finite_state(named_tensors, where)`` is the checkpoint writer's own check: it refuses to
-save any non-finite tensor. Cost at scale: one ``isfinite().all()`` pass over each rank's state
-(~35 GB per GPU for a 176B actor on 80 GPUs: a few tens of ms at HBM bandwidth) per save.
+The checkpoint writer has its own check, ``checkpoint.dist.require_finite_state``: it refuses to
+save any non-finite tensor.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 
+# the checkpoint writer's own check lived here: its name stays importable from here
+from megatron_rlhf.checkpoint.dist import require_finite_state  # noqa: F401
 from megatron_rlhf.distributed.parallel import world_max
-from megatron_rlhf.utils import InputError
+from megatron_rlhf.utils import InputError, NonFiniteError
 
 UPDATE_SKIPPED = "update_skipped"
 """Metric an engine sets to 1.0 when it skipped the optimizer update of a non-finite step."""
-
-
-class NonFiniteError(InputError):
-    """A non-finite loss, gradient norm or tensor: the run stops (exit code 2)."""
 
 
 def _any_rank(flag: bool) -> bool:
@@ -119,17 +115,3 @@ def _most_telling(item: tuple[str, float]) -> tuple[int, str]:
     """Sort key: the loss and gradient norm first, then the other losses, then the rest."""
     name = item[0].rsplit("/", 1)[-1]
     return (0 if name in ("loss", "grad_norm") else 1 if name.endswith("loss") else 2, item[0])
-
-
-def require_finite_state(named_tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
-    """Raise :class:`NonFiniteError` naming the first non-finite floating tensor (collective)."""
-    first_bad = None
-    for name, tensor in named_tensors:
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            first_bad = name
-            break
-    if _any_rank(first_bad is not None):
-        raise NonFiniteError(
-            f"{where}: refusing to save a checkpoint with non-finite values "
-            f"({first_bad or 'on another rank'}); the previous checkpoint is unchanged"
-        )

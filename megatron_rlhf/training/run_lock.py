@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_rlhf.utils import InputError
+from megatron_rlhf.utils import InputError, at_command_end
 
 LOCK_FILE = ".run.lock"
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)  # e.g. Lustre w/o flock
@@ -219,4 +219,5 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+at_command_end(release)  # the end of the command that took the lock
 atexit.register(release)
