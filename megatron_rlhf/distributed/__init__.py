@@ -1,17 +1,13 @@
-"""Distributed setup (torch.distributed + Megatron-Core parallel state) and the CPU layer."""
+"""Distributed setup (torch.distributed + Megatron-Core parallel state) and the CPU layer.
 
-from megatron_rlhf.distributed.parallel import (
-    ParallelConfig,
-    compute_device,
-    destroy,
-    init_process_group,
-    initialize,
-    initialize_layouts,
-    validate,
-)
+The names below load ``parallel.py`` (and torch) on first use, so the pure modules of this
+package (``layouts.py``: the layout config and the ``--parallel`` flags) import without torch
+and every command's ``--help`` stays fast.
+"""
+
+import importlib
+
 from megatron_rlhf.utils import at_command_end
-
-at_command_end(destroy, distributed=True)  # a command run distributed tears its groups down
 
 __all__ = [
     "ParallelConfig",
@@ -22,3 +18,18 @@ __all__ = [
     "initialize_layouts",
     "validate",
 ]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        return getattr(importlib.import_module(f"{__name__}.parallel"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _destroy() -> None:
+    from megatron_rlhf.distributed.parallel import destroy
+
+    destroy()
+
+
+at_command_end(_destroy, distributed=True)  # a command run distributed tears its groups down
