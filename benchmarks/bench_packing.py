@@ -12,7 +12,10 @@ the LM head is most of the work.
 rollout: B=16 left-padded prompts of 32 down to 2 tokens, temperature-1 sampling with per-row
 seeds, ``--new-tokens`` at most. ``drop_ended_rows=True`` (the default: a row that emits EOS
 leaves the batch, its KV cache compacted away) against ``False`` (every step computes every
-row until the last one ends, the engine before). Tokens, masks and log-probs are compared.
+row until the last one ends, the engine before). Tokens are compared row by row (log-probs on
+the identical rows): a smaller decode batch changes the matmuls' rounding, and at BLOOM's
+vocabulary with near-uniform sampling a 1e-7 change in a logit can move the sampled token (as
+pipelined micro-batches can); each side's tokens/s counts its own tokens.
 Lengths follow a known distribution instead of a trained model's: the random BLOOM's final
 LayerNorm is scaled down (logits near 0, tokens near uniform) and its bias points along the EOS
 token's embedding, which gets a logit ``alpha`` above the rest, so each step ends a row with
@@ -91,7 +94,7 @@ def rollout_part(size: str, args) -> dict:
     from megatron_rlhf.generation import SamplingConfig, generate
 
     rates = {True: [], False: []}
-    lengths, per_seed = [], {}
+    lengths, per_seed, identical = [], {}, 0
     p = stop_probability(args.early_fraction, args.new_tokens)
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
@@ -111,19 +114,25 @@ def rollout_part(size: str, args) -> dict:
                 outputs[drop] = generate(model, ids, mask, sampling)
                 seconds[drop].append(time.perf_counter() - start)
         a, b = outputs[True], outputs[False]
-        assert torch.equal(a.response_ids, b.response_ids), "tokens differ"
-        assert torch.equal(a.response_mask, b.response_mask), "masks differ"
+        same = [torch.equal(x, y) for x, y in zip(a.response_ids, b.response_ids)]
+        identical += sum(same)
         row_lengths = a.response_mask.sum(dim=1).tolist()
         lengths += row_lengths
-        for drop in (True, False):
-            rates[drop] += [sum(row_lengths) / t for t in seconds[drop]]
+        for drop, out in outputs.items():  # each side's own generated tokens
+            rates[drop] += [int(out.response_mask.sum()) / t for t in seconds[drop]]
+        rows = torch.tensor(same)
         per_seed[seed] = {
             "ratio": statistics.median(seconds[False]) / statistics.median(seconds[True]),
-            "diff": float((a.response_logprobs - b.response_logprobs).abs().max()),
+            "diff": float((a.response_logprobs - b.response_logprobs)[rows].abs().max())
+            if rows.any()
+            else float("nan"),
         }
         del model
     early = sum(n < args.new_tokens for n in lengths) / len(lengths)
-    shape = f"{100 * early:.0f} % end early, mean length {statistics.mean(lengths):.1f}"
+    shape = (
+        f"{100 * early:.0f} % end early, mean length {statistics.mean(lengths):.1f}, "
+        f"{identical}/{len(lengths)} rows token-identical"
+    )
     return {"rates": rates, "per_seed": per_seed, "shape": shape}
 
 

@@ -57,8 +57,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_rlhf.rehearsal.build import RehearsalConfig, curate_one, write_outputs
+from megatron_rlhf.rehearsal.build import curate_one
 from megatron_rlhf.rehearsal.cluster import distances_to_assigned, kmeans_plus_plus
+from megatron_rlhf.rehearsal.config import RehearsalConfig
+from megatron_rlhf.rehearsal.outputs import write_outputs
 from megatron_rlhf.rehearsal.records import load_scored_records
 from megatron_rlhf.rehearsal.report import pca_2d
 from megatron_rlhf.rehearsal.staging import staged_outputs

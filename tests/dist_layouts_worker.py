@@ -1,5 +1,5 @@
-"""torchrun worker (4 ranks) for per-role layouts: several checks in one launch; rank 0 writes
-``{check: {"ok": bool, "detail": str}}`` as JSON for ``test_layouts_parallel.py``.
+"""torchrun worker (4 ranks, ``torchrun_harness``) for per-role layouts: the checks below, then
+(``--train-ppo ARGS...``, last on the command line) one train-ppo run, in one launch.
 
 Layouts: actor TP2xPP2 (DP1), rollout TP2 (DP2), single TP1 (DP4): the reference for
 "parallel equals serial" is each replica of the TP1 layout, which holds the whole model.
@@ -8,13 +8,17 @@ Layouts: actor TP2xPP2 (DP1), rollout TP2 (DP2), single TP1 (DP4): the reference
 from __future__ import annotations
 
 import argparse
-import json
-import traceback
 
 import torch
-import torch.distributed as dist
+from torchrun_harness import Harness
 
 from megatron_rlhf.distributed.layouts import Layout
+
+harness = Harness(__doc__)
+harness.parser.add_argument("--hf", required=True)
+harness.parser.add_argument(
+    "--train-ppo", nargs=argparse.REMAINDER, help="then run train-ppo with these arguments"
+)
 
 LAYOUTS = {
     "actor": Layout(tp=2, pp=2, dp=1),
@@ -159,52 +163,58 @@ def check_rollouts(groups, hf_dir, greedy: bool) -> str:
     return f"{kind} tokens of TP2xPP2, resharded to TP2/DP2 and to TP1/DP4, TP1 equal: {shape}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--hf", required=True)
-    parser.add_argument(
-        "--train-ppo", action="store_true", help="then run train-ppo with the other arguments"
-    )
-    args, train_ppo_args = parser.parse_known_args()
-    from megatron_rlhf.distributed import initialize_layouts
-    from megatron_rlhf.distributed.groups import seed_layout
+@harness.check
+def global_state_sealed(args) -> str:
+    return check_global_state_sealed(layout_groups(), args.hf)
 
-    groups = initialize_layouts(LAYOUTS)
-    seed_layout(groups["actor"], 1234)
-    checks = {
-        "global_state_sealed": lambda: check_global_state_sealed(groups, args.hf),
-        "handoff_gather_rows": lambda: check_handoff(groups),
-        "packed_rows_layouts": lambda: check_packed_rows(groups, args.hf),
-        "rollout_greedy_layouts": lambda: check_rollouts(groups, args.hf, greedy=True),
-        "rollout_sampled_layouts": lambda: check_rollouts(groups, args.hf, greedy=False),
-    }
-    results = {}
-    for name, check in checks.items():
-        try:
-            results[name] = {"ok": True, "detail": check()}
-        except Exception:  # every rank runs every check; report, then keep the ranks in step
-            results[name] = {"ok": False, "detail": traceback.format_exc()[-3000:]}
-    everything = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, results)
-    merged = {
-        name: {
-            "ok": all(r[name]["ok"] for r in everything),
-            "detail": next((r[name]["detail"] for r in everything if not r[name]["ok"]),
-                           results[name]["detail"]),
-        }
-        for name in results
-    }  # fmt: skip
-    if dist.get_rank() == 0:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            json.dump(merged, handle, indent=2)
-    if not args.train_ppo:
-        dist.destroy_process_group()
-        return
-    from megatron_rlhf.ppo.train_cli import main as train_ppo
 
-    train_ppo(train_ppo_args)  # same launch: saves the 15 s of another torchrun start
+@harness.check
+def handoff_gather_rows(args) -> str:
+    return check_handoff(layout_groups())
+
+
+@harness.check
+def packed_rows_layouts(args) -> str:
+    return check_packed_rows(layout_groups(), args.hf)
+
+
+@harness.check
+def rollout_greedy_layouts(args) -> str:
+    return check_rollouts(layout_groups(), args.hf, greedy=True)
+
+
+@harness.check
+def rollout_sampled_layouts(args) -> str:
+    return check_rollouts(layout_groups(), args.hf, greedy=False)
+
+
+@harness.check
+def train_ppo(args) -> str | None:
+    """Last: one train-ppo run in this launch (its own layouts; it tears the groups down);
+    ``test_layouts_parallel`` compares its metrics with the single process's."""
+    if args.train_ppo is None:
+        return None
+    from megatron_rlhf.ppo.train_cli import main as train_ppo_main
+
+    code = train_ppo_main(args.train_ppo)
+    assert code == 0, f"train-ppo exited with {code}"
+    return "train-ppo ran (metrics compared by the test)"
+
+
+_GROUPS: dict = {}
+
+
+def layout_groups() -> dict:
+    """The three layouts' groups, built on first use (collective; every rank runs every check
+    in the same order)."""
+    if not _GROUPS:
+        from megatron_rlhf.distributed import initialize_layouts
+        from megatron_rlhf.distributed.groups import seed_layout
+
+        _GROUPS.update(initialize_layouts(LAYOUTS))
+        seed_layout(_GROUPS["actor"], 1234)
+    return _GROUPS
 
 
 if __name__ == "__main__":
-    main()
+    harness.main()

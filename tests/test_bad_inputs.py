@@ -40,7 +40,7 @@ MODULES = {
     "train-reward": "megatron_rlhf.reward.train",
     "train-ppo": "megatron_rlhf.ppo.train_cli",
     "preprocess_data": "megatron_rlhf.data.preprocess",
-    "build_rehearsal_clusters": "megatron_rlhf.rehearsal.build",
+    "build_rehearsal_clusters": "megatron_rlhf.rehearsal.cli",
     "convert_checkpoint": "megatron_rlhf.checkpoint.convert",
 }
 

@@ -20,7 +20,7 @@ from megatron_rlhf.config import describe_config
 
 TOOLS = {
     "tools/preprocess_data.py": "megatron_rlhf.data.preprocess",
-    "tools/build_rehearsal_clusters.py": "megatron_rlhf.rehearsal.build",
+    "tools/build_rehearsal_clusters.py": "megatron_rlhf.rehearsal.cli",
     "tools/convert_checkpoint.py": "megatron_rlhf.checkpoint.convert",
 }
 HEAVY = ("torch", "megatron.core", "transformers", "sentence_transformers", "faiss")

@@ -22,7 +22,7 @@ import pytest
 from dist_bloom_common import ARCH_A, save_hf_bloom
 from ppo_fixtures import make_advantage_model, make_ppo_setup
 from test_ppo_training import _env
-from torchrun_util import run_torchrun
+from torchrun_util import assert_check, run_checks
 
 from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
 
@@ -79,8 +79,8 @@ def runs(tmp_path_factory):
     make_advantage_model(root, root / "actor")
     save_random_hf_bloom(root / "reference", setup["arch"], seed=1)  # KL(actor || ref) > 0
     _single(*_overrides(root, root / "single", steps=2))
-    checks = run_torchrun(
-        WORKER, 4, root / "out.json", "--hf", str(root / "hf"),
+    checks = run_checks(
+        WORKER, 4, root / "checks", "--hf", str(root / "hf"),
         "--train-ppo", *_overrides(root, root / "layouts", steps=1), *LAYOUTS,
     )  # fmt: skip
     shutil.copytree(root / "layouts", root / "resumed")
@@ -93,9 +93,9 @@ def runs(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("check", CHECKS + ["train_ppo"])
 def test_layouts(runs, check):
-    assert runs["checks"][check]["ok"], runs["checks"][check]["detail"]
+    assert_check(runs["checks"], check)
 
 
 @pytest.mark.parametrize("metric", METRICS)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from megatron_rlhf.rehearsal import load_cluster_assignment, per_cluster_stats
-from megatron_rlhf.rehearsal.build import main
+from megatron_rlhf.rehearsal.cli import main
 from megatron_rlhf.rehearsal.synthetic import synthetic_scored_records
 
 NUM_RECORDS, CLUSTERS, TOP_K = 160, 5, 7

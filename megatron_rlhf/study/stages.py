@@ -156,7 +156,7 @@ def embedding_model() -> str:
 def build_rehearsal(scored: Path, tokenizer: Path, prefix: Path, *, clusters: int | list[int],
                     top_k: int, seed: int) -> Path:  # fmt: skip
     """tools/build_rehearsal_clusters.py: c clusters (or a sweep of counts), top-k each."""
-    from megatron_rlhf.rehearsal.build import main as build
+    from megatron_rlhf.rehearsal.cli import main as build
 
     counts = (["--sweep-clusters", ",".join(map(str, clusters))] if isinstance(clusters, list)
               else ["--clusters", clusters])  # fmt: skip
