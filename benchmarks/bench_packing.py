@@ -9,7 +9,7 @@ seed is a fresh random model and batch. Sizes: ``tiny`` 4 layers x 128, vocab 1,
 BLOOM-560m's width and vocabulary (hidden 1,024, 16 heads, vocab 250,880) with 4 layers, where
 the LM head is most of the work.
 
-rollout: B=16 left-padded prompts of 32 down to 2 tokens, temperature-1 sampling with per-row
+rollout: B=16 (``--rollout-batch``) left-padded prompts of 32 down to 2 tokens, temperature-1 sampling with per-row
 seeds, ``--new-tokens`` at most. ``drop_ended_rows=True`` (the default: a row that emits EOS
 leaves the batch, its KV cache compacted away) against ``False`` (every step computes every
 row until the last one ends, the engine before). Tokens are compared row by row (log-probs on
@@ -58,16 +58,16 @@ SIZES = {
     "tiny": dict(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4),
     "real": dict(vocab_size=250_880, hidden_size=1024, num_layers=4, num_heads=16),
 }
-PAD, EOS, BATCH = 3, 2, 16
+PAD, EOS = 3, 2
 
 
-def prompts(seed: int, vocab: int):
-    """16 left-padded prompts of 32 down to 2 tokens."""
+def prompts(seed: int, vocab: int, batch: int):
+    """``batch`` left-padded prompts of 32 down to 2 tokens (lengths cycle)."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.full((BATCH, 32), PAD, dtype=torch.long)
-    mask = torch.zeros((BATCH, 32), dtype=torch.long)
-    for row in range(BATCH):
-        real = 32 - 2 * row
+    ids = torch.full((batch, 32), PAD, dtype=torch.long)
+    mask = torch.zeros((batch, 32), dtype=torch.long)
+    for row in range(batch):
+        real = 32 - 2 * (row % 16)
         ids[row, 32 - real :] = torch.randint(4, vocab, (real,), generator=generator)
         mask[row, 32 - real :] = 1
     return ids, mask
@@ -109,8 +109,8 @@ def rollout_part(size: str, args) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             eos_model(Path(tmp), size, seed, p)
             model = load_bloom(tmp, init_weights=False).eval()
-        ids, mask = prompts(seed, SIZES[size]["vocab_size"])
-        row_seeds = tuple(seed * 1000 + row for row in range(BATCH))
+        ids, mask = prompts(seed, SIZES[size]["vocab_size"], args.rollout_batch)
+        row_seeds = tuple(seed * 1000 + row for row in range(args.rollout_batch))
         seconds = {True: [], False: []}
         outputs = {}
         for _ in range(args.reps):
@@ -139,7 +139,7 @@ def rollout_part(size: str, args) -> dict:
         del model
     early = sum(n < args.new_tokens for n in lengths) / len(lengths)
     shape = (
-        f"{100 * early:.0f} % end early, mean length {statistics.mean(lengths):.1f}, "
+        f"B={args.rollout_batch}, {100 * early:.0f} % end early, mean length {statistics.mean(lengths):.1f}, "
         f"{identical}/{len(lengths)} rows token-identical"
     )
     return {"rates": rates, "per_seed": per_seed, "shape": shape}
@@ -229,6 +229,7 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["tiny", "real"])
     parser.add_argument("--parts", nargs="+", choices=sorted(PARTS), default=sorted(PARTS))
     parser.add_argument("--new-tokens", type=int, default=64, help="rollout length budget")
+    parser.add_argument("--rollout-batch", type=int, default=16, help="rollout prompts")
     parser.add_argument("--early-fraction", type=float, default=0.4)
     args = parser.parse_args()
     if args.reps < 3 or len(args.seeds) < 2:
