@@ -33,10 +33,10 @@ def check_handoff(groups) -> str:
 
     batch = torch.arange(8 * 5).reshape(8, 5)
     for role in ("rollout", "single"):
-        g = groups[role]
-        rows = dp_rows(8, g.layout.dp, g.dp_rank)
-        width = 2 + g.dp_rank  # every replica a different width
-        got = gather_rows(batch[rows, :width], g.dp_group, pad_value=-1)
+        g, dp = groups[role], groups[role].pg_collection.dp
+        rows = dp_rows(8, g.layout.dp, dp.rank())
+        width = 2 + dp.rank()  # every replica a different width
+        got = gather_rows(batch[rows, :width], dp, pad_value=-1)
         expected = torch.full((8, 1 + g.layout.dp), -1)
         for d in range(g.layout.dp):
             part = dp_rows(8, g.layout.dp, d)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint_integrity import reward_argv as integrity_reward_argv
+from test_checkpoint_integrity import reward_setup  # noqa: F401  (fixture)
 
 ARCH = dict(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, max_sequence_length=32)
 
@@ -156,32 +158,16 @@ def test_generate_command_refuses_a_tampered_metadata_with_one_line(
 # ---------------------------------------------------------------- paths stay inside the run
 
 
-@pytest.fixture(scope="module")
-def reward_setup(tmp_path_factory):
-    from test_reward_train import save_hf_bloom, write_synthetic_pairs
-
-    root = tmp_path_factory.mktemp("safety_reward")
-    return {
-        "data": write_synthetic_pairs(root / "pairs", pairs_per_task=10),
-        "trunk": save_hf_bloom(root / "hf", num_outputs=None, seed=2),
-    }
-
-
 def reward_argv(setup, output: Path, steps: int) -> list[str]:
-    return [
-        f"model.load={setup['trunk']}",
-        f"data.train={setup['data']}",
-        f"train.output_dir={output}",
-        "optim.warmup_fraction=0",
-        "train.global_batch_size=4",
-        "train.micro_batch_size=4",
-        "train.eval_interval=0",
-        f"train.steps={steps}",
-        "train.save_interval=1",
-    ]
+    """train-reward for ``steps`` steps, a checkpoint every step."""
+    return integrity_reward_argv(setup, output, f"train.steps={steps}", "train.save_interval=1")
 
 
-def test_a_step_that_is_a_symlink_to_another_run_is_not_resumed(reward_setup, tmp_path, capsys):
+def test_a_step_that_is_a_symlink_to_another_run_is_not_resumed(
+    reward_setup,  # noqa: F811
+    tmp_path,
+    capsys,
+):
     from megatron_rlhf.reward.train import main
 
     other, run = tmp_path / "other", tmp_path / "run"
@@ -227,7 +213,10 @@ def test_a_shard_that_is_a_symlink_out_of_the_checkpoint_is_refused(lm_checkpoin
 
 
 @pytest.mark.slow
-def test_deepspeed_states_with_a_payload_are_refused_on_resume(reward_setup, tmp_path):
+def test_deepspeed_states_with_a_payload_are_refused_on_resume(
+    reward_setup,  # noqa: F811
+    tmp_path,
+):
     """DeepSpeed's own loader unpickles ``*_states.pt`` with ``weights_only=False``; resuming
     a backend=deepspeed run goes through a weights-only loader instead."""
     import subprocess

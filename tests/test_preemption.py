@@ -122,35 +122,44 @@ def test_the_slurm_template_asks_for_the_signal_ahead_of_the_time_limit():
     assert """srun bash -c 'trap "" USR1; exec "$@"'""" in text
 
 
+def run_to_end(
+    command: list[str], marker: str, threads: int | None = None
+) -> subprocess.CompletedProcess:
+    """Run a training command to its end (it must succeed); its processes carry ``marker``."""
+    done = subprocess.run(command, env=run_env(marker, threads), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def launch_until_step(command, run: Path, target: int, env: dict, timeout: float = 300):
+    """Start ``command`` (its output piped) and return the process once ``run`` has logged step
+    ``target``."""
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + timeout
+    while logged_steps(run) < target:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the signal"
+        time.sleep(0.01)
+    return proc
+
+
 @pytest.mark.slow
 def test_sigterm_at_a_random_step_saves_and_the_resumed_run_is_bit_identical(
     reward_setup,  # noqa: F811
     tmp_path,
 ):
     steps = 8
-    argv = [*reward_argv(reward_setup, tmp_path / "x", steps), "train.log_interval=1"]
+    argv = reward_argv(reward_setup, tmp_path / "x", steps)  # logs every step
     argv = [a for a in argv if not a.startswith(("train.output_dir", "train.save_interval"))]
     argv.append("train.save_interval=100")  # only the signal (and the end) save
     command = [sys.executable, "-m", "megatron_rlhf", "train-reward", *argv]
     reference, run = tmp_path / "reference", tmp_path / "run"
     marker = uuid.uuid4().hex
-    done = subprocess.run(
-        [*command, f"train.output_dir={reference}"],
-        env=run_env(marker),
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_to_end([*command, f"train.output_dir={reference}"], marker)
 
     target = random.Random(os.getpid()).randint(1, steps - 3)
-    proc = subprocess.Popen(
-        [*command, f"train.output_dir={run}"], env=run_env(marker), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.time() + 300
-    while logged_steps(run) < target:
-        assert proc.poll() is None and time.time() < deadline, "the run ended before the signal"
-        time.sleep(0.01)
+    proc = launch_until_step([*command, f"train.output_dir={run}"], run, target, run_env(marker))
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # a second signal, during the step or the save
@@ -164,10 +173,7 @@ def test_sigterm_at_a_random_step_saves_and_the_resumed_run_is_bit_identical(
     assert "stopped_by=SIGTERM" in out + err
     assert wait_gone(marker) == [], "a process of the run outlived it"
 
-    resumed = subprocess.run(
-        [*command, f"train.output_dir={run}"], env=run_env(marker), capture_output=True, text=True
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = run_to_end([*command, f"train.output_dir={run}"], marker)
     assert f"resumed from {run / f'step_{stopped:07d}'}" in resumed.stderr
     assert metrics(run) == metrics(reference)
     final = f"step_{steps:07d}"
@@ -213,14 +219,7 @@ def interrupt_and_resume(
     a few ms apart); check the save and that nothing is left; relaunch to the end. Returns the
     step the run was stopped at."""
     target = random.Random(seed).randint(1, steps - 2)
-    proc = subprocess.Popen(
-        command, env=run_env(marker, threads=1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    deadline = time.time() + 500
-    while logged_steps(run) < target:
-        assert proc.poll() is None and time.time() < deadline, "the run ended before the signal"
-        time.sleep(0.02)
+    proc = launch_until_step(command, run, target, run_env(marker, threads=1), timeout=500)
     workers = psutil.Process(proc.pid).children()
     assert len(workers) == nproc
     for worker in workers:
@@ -269,6 +268,27 @@ def kill_and_resume(command, run: Path, steps: int, marker: str, seed: int, npro
     return latest
 
 
+def stopped_and_killed_runs_resume_exactly(args: list[str], nproc: int, steps: int, tmp_path):
+    """An uninterrupted ``nproc``-rank run of ``args``; the same run SIGTERMed at a random step
+    and resumed; and one SIGKILLed and resumed: both end with the reference's metrics and
+    checkpoint shards."""
+    reference, run, killed = tmp_path / "reference", tmp_path / "run", tmp_path / "killed"
+    marker = uuid.uuid4().hex
+    run_to_end(torchrun(nproc, *args, f"train.output_dir={reference}"), marker, threads=1)
+    interrupt_and_resume(
+        torchrun(nproc, *args, f"train.output_dir={run}"), run, steps, marker, os.getpid(),
+        nproc=nproc,
+    )  # fmt: skip
+    kill_and_resume(
+        torchrun(nproc, *args, "train.save_interval=1", f"train.output_dir={killed}"),
+        killed, steps, marker, os.getpid() + 1, nproc=nproc,
+    )  # fmt: skip
+    final = f"step_{steps:07d}"
+    for resumed in (run, killed):
+        assert metrics(resumed) == metrics(reference)
+        assert shards(resumed / final) and shards(resumed / final) == shards(reference / final)
+
+
 @pytest.mark.slow
 def test_train_ppo_per_role_layouts_on_4_ranks_sigterm_then_resume_is_bit_identical(tmp_path):
     from ppo_fixtures import make_ppo_setup
@@ -279,24 +299,7 @@ def test_train_ppo_per_role_layouts_on_4_ranks_sigterm_then_resume_is_bit_identi
         "train.save_interval=100", "rollout.prompts_per_step=8", "ppo.micro_batch_size=2",
         "ppo.num_minibatches=2", "ppo.epochs=1", "train.sample_interval=100", *PPO_LAYOUTS,
     ]  # fmt: skip
-    reference, run, marker = tmp_path / "reference", tmp_path / "run", uuid.uuid4().hex
-    done = subprocess.run(
-        torchrun(4, *args, f"train.output_dir={reference}"), env=run_env(marker, threads=1),
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    interrupt_and_resume(
-        torchrun(4, *args, f"train.output_dir={run}"), run, steps, marker, os.getpid()
-    )
-    killed = tmp_path / "killed"
-    kill_and_resume(
-        torchrun(4, *args, "train.save_interval=1", f"train.output_dir={killed}"),
-        killed, steps, marker, os.getpid() + 1, nproc=4,
-    )  # fmt: skip
-    final = f"step_{steps:07d}"
-    for resumed in (run, killed):
-        assert metrics(resumed) == metrics(reference)
-        assert shards(resumed / final) and shards(resumed / final) == shards(reference / final)
+    stopped_and_killed_runs_resume_exactly(args, 4, steps, tmp_path)
 
 
 @pytest.mark.slow
@@ -311,24 +314,7 @@ def test_train_reward_deepspeed_on_2_ranks_sigterm_then_resume_is_bit_identical(
         "train.log_interval=1",
     ]  # fmt: skip
     args = [a for a in args if not a.startswith("train.output_dir")]
-    reference, run, marker = tmp_path / "reference", tmp_path / "run", uuid.uuid4().hex
-    done = subprocess.run(
-        torchrun(2, *args, f"train.output_dir={reference}"), env=run_env(marker, threads=1),
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    interrupt_and_resume(
-        torchrun(2, *args, f"train.output_dir={run}"), run, steps, marker, os.getpid(), nproc=2
-    )
-    killed = tmp_path / "killed"
-    kill_and_resume(
-        torchrun(2, *args, "train.save_interval=1", f"train.output_dir={killed}"),
-        killed, steps, marker, os.getpid() + 1, nproc=2,
-    )  # fmt: skip
-    final = f"step_{steps:07d}"
-    for resumed in (run, killed):
-        assert metrics(resumed) == metrics(reference)
-        assert shards(resumed / final) and shards(resumed / final) == shards(reference / final)
+    stopped_and_killed_runs_resume_exactly(args, 2, steps, tmp_path)
 
 
 @pytest.mark.slow
@@ -349,30 +335,16 @@ def test_train_sft_sigusr1_at_a_random_step_then_resume_is_bit_identical(tmp_pat
     ]  # fmt: skip
     command = [sys.executable, "-m", "megatron_rlhf", *args]
     reference, run, marker = tmp_path / "reference", tmp_path / "run", uuid.uuid4().hex
-    done = subprocess.run(
-        [*command, f"train.output_dir={reference}"], env=run_env(marker), capture_output=True,
-        text=True,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_to_end([*command, f"train.output_dir={reference}"], marker)
     target = random.Random(os.getpid()).randint(1, steps - 3)
-    proc = subprocess.Popen(
-        [*command, f"train.output_dir={run}"], env=run_env(marker), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.time() + 300
-    while logged_steps(run) < target:
-        assert proc.poll() is None and time.time() < deadline, "the run ended before the signal"
-        time.sleep(0.01)
+    proc = launch_until_step([*command, f"train.output_dir={run}"], run, target, run_env(marker))
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_SAVED_ON_SIGNAL, err[-3000:]
     stopped = logged_steps(run)
     assert f"stopped by SIGUSR1 after step {stopped}" in err
     assert (run / "latest_checkpoint.txt").read_text().strip() == f"step_{stopped:07d}"
-    resumed = subprocess.run(
-        [*command, f"train.output_dir={run}"], env=run_env(marker), capture_output=True, text=True
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_to_end([*command, f"train.output_dir={run}"], marker)
     assert metrics(run) == metrics(reference)
     final = f"step_{steps:07d}"
     assert shards(run / final) and shards(run / final) == shards(reference / final)

@@ -64,14 +64,6 @@ class LayoutGroups:
     pg_collection: object  # megatron.core.process_groups_config.ProcessGroupCollection
 
     @property
-    def dp_rank(self) -> int:
-        return dist.get_rank(self.pg_collection.dp)
-
-    @property
-    def dp_group(self):
-        return self.pg_collection.dp
-
-    @property
     def tp_rank(self) -> int:
         return dist.get_rank(self.pg_collection.tp)
 
