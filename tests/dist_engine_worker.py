@@ -109,13 +109,14 @@ SFT_STEPS, SFT_BATCH, SFT_MAX_LENGTH, SFT_SEED = 3, 8, 12, 5
 
 @harness.check
 def sft_command(args) -> None:
-    """``train-sft`` at TP2 and PP2 equals TP1 x DP2; its first loss equals transformers'."""
+    """``train-sft`` (packed, the default) at TP2 and PP2 equals TP1 x DP2 and TP1 x DP2 padded
+    (losses and gradient norms, rel 1e-5); its first loss equals transformers'."""
     from megatron_rlhf.training.command import LayoutConfig, ModelConfig
     from megatron_rlhf.training.engine import OptimConfig
     from megatron_rlhf.training.sft import DataConfig, SFTConfig, TrainConfig, run
 
     runs = {}
-    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+    for tp, pp, packing in ((1, 1, True), (1, 1, False), (2, 1, True), (1, 2, True)):
         config = SFTConfig(
             model=ModelConfig(load=args.hf),
             parallel=LayoutConfig(tp=tp, pp=pp),
@@ -126,25 +127,33 @@ def sft_command(args) -> None:
             ),
             optim=OptimConfig(lr=1e-2, warmup_fraction=0.0),
             train=TrainConfig(
-                output_dir=f"{args.work}/sft_tp{tp}_pp{pp}",
+                output_dir=f"{args.work}/sft_tp{tp}_pp{pp}_packing{packing}",
                 global_batch_size=SFT_BATCH,
                 micro_batch_size=2,
                 steps=SFT_STEPS,
                 eval_interval=0,
                 save_interval=0,
                 seed=SFT_SEED,
+                packing=packing,
             ),
         )
         result = run(config)
-        runs[(tp, pp)] = ([m["loss"] for m in result["history"]], result["eval"]["loss"])
-    reference_losses, reference_eval = runs[(1, 1)]
-    for tp, pp in ((2, 1), (1, 2)):
-        losses, eval_loss = runs[(tp, pp)]
-        worst = max(abs(a - b) for a, b in zip(losses, reference_losses))
+        runs[(tp, pp, packing)] = (
+            [m["loss"] for m in result["history"]] + [m["grad_norm"] for m in result["history"]],
+            result["eval"]["loss"],
+        )
+    reference, reference_eval = runs[(1, 1, True)]
+    reference_losses = reference[:SFT_STEPS]
+    for tp, pp, packing in ((1, 1, False), (2, 1, True), (1, 2, True)):
+        values, eval_loss = runs[(tp, pp, packing)]
+        worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(values, reference))
+        name = "padded_equal_packed" if not packing else f"tp{tp}_pp{pp}_losses_equal_tp1_dp2"
         harness.record(
-            f"sft_tp{tp}_pp{pp}_losses_equal_tp1_dp2",
-            len(losses) == SFT_STEPS and worst < 1e-5 and abs(eval_loss - reference_eval) < 1e-5,
-            f"losses {losses} vs {reference_losses}; eval {eval_loss} vs {reference_eval}",
+            f"sft_{name}",
+            len(values) == 2 * SFT_STEPS
+            and worst < 1e-5
+            and abs(eval_loss - reference_eval) < 1e-5,
+            f"losses, grad norms {values} vs {reference}; eval {eval_loss} vs {reference_eval}",
         )
     expected = float64_first_batch_nll(args)
     harness.record(

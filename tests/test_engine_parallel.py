@@ -14,6 +14,7 @@ WORKER = Path(__file__).resolve().parent / "dist_engine_worker.py"
 CHECKS = [
     "tp2_pp1_step_equals_tp1",
     "tp1_pp2_step_equals_tp1",
+    "sft_padded_equal_packed",
     "sft_tp2_pp1_losses_equal_tp1_dp2",
     "sft_tp1_pp2_losses_equal_tp1_dp2",
     "sft_first_loss_equals_hf_float64",

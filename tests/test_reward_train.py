@@ -33,8 +33,8 @@ DIST_CHECKS = [
     for name in (
         "first_step_loss_matches_hf_float64",
         *(
-            f"tp{tp}_pp{pp}_{what}"
-            for tp, pp in ((2, 1), (1, 2), (2, 2))
+            f"{layout}_{what}"
+            for layout in ("tp1_pp1_padded", "tp2_pp1", "tp1_pp2", "tp2_pp2")
             for what in ("losses_match_tp1", "updated_weights_match_tp1")
         ),
     )

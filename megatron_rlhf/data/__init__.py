@@ -24,6 +24,7 @@ _EXPORTS = {
     "PreferenceDataset": "datasets",
     "PromptDataset": "datasets",
     "SFTDataset": "datasets",
+    "stream_lengths": "datasets",
     "read_sidecar": "indexed",
     "token_dtype": "indexed",
     "write_preference_dataset": "indexed",

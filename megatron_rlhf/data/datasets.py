@@ -111,6 +111,16 @@ class PreferenceDataset(_IndexedData):
         return item
 
 
+def stream_lengths(examples, stream: str, indices=None) -> np.ndarray:
+    """Tokens of ``stream`` in each example of ``examples`` (one of these datasets or a
+    ``Subset`` of one) at ``indices`` (None: all), read from the index, not the data."""
+    dataset = getattr(examples, "dataset", examples)
+    picked = np.asarray(getattr(examples, "indices", range(len(dataset))), dtype=np.int64)
+    if indices is not None:
+        picked = picked[np.asarray(indices, dtype=np.int64)]
+    return dataset.streams[stream].sequence_lengths.astype(np.int64)[picked]
+
+
 _CLASS_OF_KIND = {"prompt": "PromptDataset", "sft": "SFTDataset", "preference": "PreferenceDataset"}
 
 

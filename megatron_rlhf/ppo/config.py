@@ -92,12 +92,15 @@ class PPOConfig:
     micro_batch_size: int = 4
     """Sequences per forward/backward pass of every role (per data-parallel rank)."""
     packing: bool = True
-    """Score (reference/old log-probs, values, rewards) packed micro-batches: the rows' real
-    tokens back to back, no padding computed; exact (equal to the padded pass on every response
-    token). The update still runs padded micro-batches of ``micro_batch_size`` rows."""
+    """Score (reference/old log-probs, values, rewards) and update (actor, critic, rehearsal
+    rows) packed micro-batches: the rows' real tokens back to back, no padding computed, each
+    minibatch balanced by tokens over the data-parallel ranks; exact (scores equal to the
+    padded pass on every response token; losses the same token means, so steps equal up to
+    rounding)."""
     max_tokens_per_micro_batch: int | None = None
-    """Token budget of a packed scoring micro-batch (None: ``micro_batch_size`` x the step's
-    padded row width, the tokens a padded micro-batch holds)."""
+    """Token budget of a packed micro-batch (None: ``micro_batch_size`` x the step's padded
+    row width, the tokens a padded micro-batch holds). Rehearsal rows ride on the update's
+    packs beyond it, spread by tokens, as they ride on padded micro-batches."""
     clip_ratio: float = 0.2
     """epsilon of the clipped policy objective: ratios outside [1 - eps, 1 + eps] get no
     gradient."""

@@ -65,11 +65,10 @@ def value_loss(
     clipped_error = (clipped_values - returns).square()
     loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask, count)
     with torch.no_grad():
-        metrics = {
-            "value_clip_fraction": masked_mean(
-                (clipped_error > unclipped_error).float(), mask, count
-            )
-        }
+        # clipped: outside the band and worse for it; inside it, old + (V - old) is V up to
+        # rounding, which must not count (a tie broken by the last bit)
+        clipped = ((values - old_values).abs() > clip_range) & (clipped_error > unclipped_error)
+        metrics = {"value_clip_fraction": masked_mean(clipped.float(), mask, count)}
     return loss, metrics
 
 

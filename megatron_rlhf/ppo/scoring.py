@@ -19,7 +19,12 @@ from megatron_rlhf.distributed.parallel import is_last_stage, model_groups, voca
 from megatron_rlhf.distributed.pipeline import broadcast_from_last_stage, pipeline_forward
 from megatron_rlhf.kernels import token_logprobs
 from megatron_rlhf.ppo.experience import Experience
-from megatron_rlhf.reward.model import NUM_OUTPUTS, advantage_scores, read_scalars
+from megatron_rlhf.reward.model import (
+    NUM_OUTPUTS,
+    advantage_scores,
+    read_packed_scalars,
+    read_scalars,
+)
 
 
 def response_logprobs(
@@ -167,9 +172,8 @@ def _from_packed_output(
         return "values", output[0, :, 0].float()[predicting] * real, (rows, n)
     if output.shape[-1] != NUM_OUTPUTS[reward_kind]:
         raise ValueError(f"a {reward_kind} scores with {NUM_OUTPUTS[reward_kind]} outputs")
-    scalars = output[0].float()  # (T, outputs)
-    expected = scalars[prompt_ends, 1] if output.shape[-1] == 2 else None
-    return "scores", advantage_scores(scalars[last, 0], expected), (rows,)
+    rewards, expected = read_packed_scalars(output.float(), last, prompt_ends)
+    return "scores", advantage_scores(rewards, expected), (rows,)
 
 
 FIELD_OF_ROLE = {

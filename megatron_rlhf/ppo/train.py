@@ -130,7 +130,7 @@ class PPOTrainer:
                 config.rollout.temperature,
                 config.ppo.micro_batch_size,
                 self.reward_fn,
-                max_tokens=self.scoring_budget(experience),
+                max_tokens=self.token_budget(experience),
             )
             timings["score"], t0 = time.time() - t0, time.time()
             if config.ppo.algorithm == "rejection_sampling":
@@ -153,6 +153,7 @@ class PPOTrainer:
                     config.rehearsal.gamma,
                     self.data.pad_id,
                     config.rehearsal.nll_reduction,
+                    max_tokens=self.token_budget(experience),
                 )
                 timings["update"] = time.time() - t0
                 self.kl.update(*observed_kl(experience))
@@ -208,8 +209,8 @@ class PPOTrainer:
         ppo, batch = self.config.ppo, self.config.rollout.prompts_per_step
         return self.data.rehearsal_minibatches(batch // ppo.num_minibatches // ppo.micro_batch_size)
 
-    def scoring_budget(self, experience) -> int | None:
-        """Tokens per packed scoring micro-batch (None: padded micro-batches)."""
+    def token_budget(self, experience) -> int | None:
+        """Tokens per packed scoring and update micro-batch (None: padded micro-batches)."""
         ppo = self.config.ppo
         if not ppo.packing:
             return None

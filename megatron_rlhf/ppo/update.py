@@ -68,16 +68,19 @@ def actor_loss(
     means. The returned loss is multiplied by ``mb["loss_scale"]`` (microbatches x DP ranks) to
     undo the schedule's and DDP's averaging; the metrics are each microbatch's share.
     """
-    ppo_rows = mb["num_ppo_rows"]
-    logprobs, entropy = response_logprobs(
-        logits[:ppo_rows],
-        mb["input_ids"][:ppo_rows],
-        mb["prompt_length"],
-        mb["response_mask"].shape[1],
-        temperature,
-        return_entropy=True,
-        tp_group=tp_group,
-    )
+    if "predicting" in mb:  # packed (_packed_microbatches)
+        logprobs, entropy = packed_response_logprobs(logits, mb, temperature, tp_group)
+    else:
+        ppo_rows = mb["num_ppo_rows"]
+        logprobs, entropy = response_logprobs(
+            logits[:ppo_rows],
+            mb["input_ids"][:ppo_rows],
+            mb["prompt_length"],
+            mb["response_mask"].shape[1],
+            temperature,
+            return_entropy=True,
+            tp_group=tp_group,
+        )
     loss_ppo, metrics = policy_loss(
         logprobs,
         mb["old_logprobs"],
@@ -89,13 +92,20 @@ def actor_loss(
     metrics["policy_loss"] = loss_ppo.detach()
     metrics["entropy"] = masked_mean(entropy, mb["response_mask"], mb["tokens"]).detach()
     nll = None
-    if "rehearsal_loss_mask" in mb:
-        rehearsal_logits = logits[ppo_rows:, :-1]  # (R, S - 1, V/tp)
-        targets = mb["input_ids"][ppo_rows:, 1:]  # (R, S - 1)
+    if "rehearsal_loss_mask" in mb or "rehearsal_positions" in mb:
+        if "rehearsal_positions" in mb:  # packed: the positions predicting a target token
+            positions = mb["rehearsal_positions"]
+            rehearsal_logits = logits[:, positions]  # (1, M, V/tp)
+            targets = mb["input_ids"][:, positions + 1]  # (1, M)
+            target_mask = torch.ones_like(targets)
+        else:
+            rehearsal_logits = logits[ppo_rows:, :-1]  # (R, S - 1, V/tp)
+            targets = mb["input_ids"][ppo_rows:, 1:]  # (R, S - 1)
+            target_mask = mb["rehearsal_loss_mask"][:, 1:]
         rehearsal_logprobs = token_logprobs(rehearsal_logits, targets, 1.0, tp_group)
         nll = sft_nll(
             rehearsal_logprobs,
-            mb["rehearsal_loss_mask"][:, 1:],
+            target_mask,
             rehearsal_nll_reduction,
             count=mb["rehearsal_rows" if rehearsal_nll_reduction == "sum" else "rehearsal_tokens"],
         )
@@ -106,8 +116,11 @@ def actor_loss(
 def critic_loss(value_clip: float, values: torch.Tensor, mb: dict):
     """The critic's clipped value loss from its (B, S, 1) outputs (token sums over the global
     minibatch's token count, scaled like :func:`actor_loss`)."""
-    p, n = mb["prompt_length"], mb["response_mask"].shape[1]
-    predicted = values[:, p - 1 : p - 1 + n, 0]  # (B, N) V(s_t)
+    if "predicting" in mb:  # packed
+        predicted = values[0, mb["predicting"], 0] * mb["response_mask"]  # (k, N)
+    else:
+        p, n = mb["prompt_length"], mb["response_mask"].shape[1]
+        predicted = values[:, p - 1 : p - 1 + n, 0]  # (B, N) V(s_t)
     loss, metrics = value_loss(
         predicted,
         mb["old_values"],
@@ -118,6 +131,23 @@ def critic_loss(value_clip: float, values: torch.Tensor, mb: dict):
     )
     metrics["value_loss"] = loss.detach()
     return loss * mb["loss_scale"], metrics
+
+
+def packed_response_logprobs(logits: torch.Tensor, mb: dict, temperature: float, tp_group):
+    """:func:`response_logprobs` of a packed row: log pi and entropy (k, N) of each packed PPO
+    row's response tokens, computed only at the positions that predict one (0 elsewhere)."""
+    real = mb["response_mask"].bool()  # (k, N)
+    positions = mb["predicting"][real]  # (M,)
+    logprobs, entropy = token_logprobs(
+        logits[:, positions], mb["input_ids"][:, positions + 1], temperature, tp_group,
+        return_entropy=True,
+    )  # fmt: skip
+    spread = []
+    for flat in (logprobs, entropy):
+        full = flat.new_zeros(real.shape)
+        full[real] = flat[0]
+        spread.append(full)
+    return spread[0], spread[1]
 
 
 ACTOR_METRICS = ("policy_loss", "clip_fraction", "approx_kl", "entropy")
@@ -135,6 +165,7 @@ def ppo_update(
     rehearsal_gamma: float = 0.0,
     pad_id: int = 3,
     rehearsal_nll_reduction: str = "sum",
+    max_tokens: int | None = None,
 ) -> dict:
     """``ppo.epochs`` epochs of ``ppo.num_minibatches`` optimizer steps over the global batch.
 
@@ -143,7 +174,9 @@ def ppo_update(
     role's data-parallel ranks (``role.groups.dp``); losses are token means over
     the global minibatch, so any mix of layouts takes the single-process step. With
     rehearsal, ``rehearsal_minibatches`` yields the global minibatch's rehearsal microbatches
-    (one per global actor microbatch). Returns metrics averaged over minibatches, summed over
+    (one per global actor microbatch). ``max_tokens``: packed microbatches of at most that
+    many tokens (:func:`_packed_microbatches`) instead of ``ppo.micro_batch_size`` padded rows;
+    the losses are the same token means. Returns metrics averaged over minibatches, summed over
     the DP ranks (every rank gets them).
     """
     batch = experience.sequences.shape[0]
@@ -155,9 +188,14 @@ def ppo_update(
             rows = order[start : start + minibatch_size]
             tokens = float(experience.response_mask[rows].sum())
             rehearsal = next(rehearsal_minibatches) if rehearsal_minibatches else None
-            actor_mbs = _actor_microbatches(
-                experience, rows, actor.groups, ppo.micro_batch_size, tokens, rehearsal, pad_id
-            )
+            if max_tokens:
+                actor_mbs = _packed_microbatches(
+                    experience, rows, actor.groups, max_tokens, tokens, rehearsal, pad_id
+                )
+            else:
+                actor_mbs = _actor_microbatches(
+                    experience, rows, actor.groups, ppo.micro_batch_size, tokens, rehearsal, pad_id
+                )
             loss_fn = partial(
                 actor_loss,
                 ppo.clip_ratio,
@@ -179,6 +217,10 @@ def ppo_update(
                 }
                 for m in _my_microbatches(experience, rows, critic.groups, ppo.micro_batch_size)
             ]
+            if max_tokens:
+                critic_mbs = _packed_microbatches(
+                    experience, rows, critic.groups, max_tokens, tokens, None, pad_id
+                )
             _set_loss_scale(critic_mbs, critic.groups)
             critic_metrics = critic.engine.step(critic_mbs, partial(critic_loss, ppo.value_clip))
             actor_keys = ACTOR_METRICS + (("rehearsal_nll",) if rehearsal else ())
@@ -218,6 +260,78 @@ def _actor_microbatches(
     _pad_to_common_width(mbs, pad_id)
     _set_loss_scale(mbs, groups)
     return mbs
+
+
+def _packed_microbatches(
+    experience, rows, groups, max_tokens: int, tokens: float, rehearsal, pad_id: int
+) -> list[dict]:
+    """This DP rank's (of ``groups``) packed microbatches of the global minibatch ``rows``.
+
+    The minibatch's rows are balanced by tokens over the DP ranks and this rank's packed
+    first-fit into rows of at most ``max_tokens`` tokens; with rehearsal, this rank's share of
+    the rehearsal rows (as the padded path's) is spread over the packs by tokens, after the PPO
+    rows (a pack may pass the budget by them). Each microbatch holds the packed ``input_ids``
+    and ``padding_mask`` (1, T), ``predicting`` (k, N): the position predicting each response
+    token of its k PPO rows (0 where ``response_mask`` is 0), the rows' per-token fields, and
+    with rehearsal ``rehearsal_positions``: the positions predicting a rehearsal target.
+    """
+    from megatron_rlhf.data.packing import balance_by_tokens, pack_first_fit, pack_sequences
+
+    lengths = experience.attention_mask[rows].sum(dim=1).tolist()
+    share = balance_by_tokens(lengths, groups.dp.size())[groups.dp.rank()]
+    packs = pack_first_fit([lengths[i] for i in share], max_tokens)
+    extra = [] if rehearsal is None else _rehearsal_sequences(rehearsal, groups, experience)
+    loads = [sum(lengths[share[j]] for j in pack) for pack in packs]
+    extra_of_pack = balance_by_tokens([len(ids) for ids, _ in extra], len(packs), loads)
+    p, n = experience.prompt_length, experience.response_mask.shape[1]
+    steps = torch.arange(n, device=experience.sequences.device)
+    microbatches = []
+    for pack, extra_rows in zip(packs, extra_of_pack):
+        sub = experience.select(rows[[share[j] for j in pack]])
+        real = sub.attention_mask.bool()
+        sequences = [sub.sequences[r][real[r]] for r in range(real.shape[0])]
+        packed = pack_sequences(sequences + [extra[r][0] for r in extra_rows])
+        ppo_starts = packed.starts[: len(pack)]
+        predicting = (ppo_starts + real[:, :p].sum(dim=1) - 1)[:, None] + steps[None, :]
+        microbatch = {
+            "input_ids": packed.input_ids,
+            "padding_mask": packed.segments,
+            "predicting": torch.where(sub.response_mask.bool(), predicting, 0),
+            "response_mask": sub.response_mask,
+            "old_logprobs": sub.logprobs,
+            "advantages": sub.advantages,
+            "old_values": sub.values,
+            "returns": sub.returns,
+            "tokens": tokens,
+        }
+        if rehearsal is not None:
+            targets = torch.zeros_like(packed.input_ids[0])  # 1 where a rehearsal target sits
+            for r, start in zip(extra_rows, packed.starts[len(pack) :].tolist()):
+                loss_mask = extra[r][1]
+                targets[start + 1 : start + len(loss_mask)] = loss_mask[1:]
+            microbatch["rehearsal_positions"] = targets[1:].nonzero()[:, 0]
+            microbatch["rehearsal_tokens"] = sum(
+                float(r["loss_mask"][:, 1:].sum()) for r in rehearsal
+            )
+            microbatch["rehearsal_rows"] = sum(r["loss_mask"].shape[0] for r in rehearsal)
+        microbatches.append(microbatch)
+    _pad_to_common_width(microbatches, pad_id)
+    _set_loss_scale(microbatches, groups)
+    return microbatches
+
+
+def _rehearsal_sequences(rehearsal: list[dict], groups, experience) -> list[tuple]:
+    """This DP rank's share of the global rehearsal microbatches (as the padded path's), as
+    (token ids, loss mask) pairs of each row's real tokens, on the experience's device."""
+    device = experience.sequences.device
+    sequences = []
+    for microbatch in rehearsal[dp_rows(len(rehearsal), groups.dp.size(), groups.dp.rank())]:
+        for ids, mask, loss_mask in zip(
+            microbatch["input_ids"], microbatch["attention_mask"], microbatch["loss_mask"]
+        ):
+            real = mask.bool()
+            sequences.append((ids[real].to(device), loss_mask[real].to(device)))
+    return sequences
 
 
 def _set_loss_scale(microbatches: list[dict], groups) -> None:

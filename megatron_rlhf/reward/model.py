@@ -54,6 +54,22 @@ def read_scalars(
     return rewards, expected
 
 
+def read_packed_scalars(
+    output: torch.Tensor, last_positions: torch.Tensor, prompt_ends: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`read_scalars` for sequences packed into one row (data/packing.py).
+
+    output:         (1, T, n) scalar-head outputs of the packed row.
+    last_positions: (k,) index of each sequence's last token in the row.
+    prompt_ends:    (k,) index of each sequence's last prompt token (read when n = 2).
+    Returns r (k,) and e_τ (k,) or None for an RM.
+    """
+    rewards = output[0, last_positions, REWARD_CHANNEL]
+    if output.shape[-1] == 1:
+        return rewards, None
+    return rewards, output[0, prompt_ends, EXPECTED_REWARD_CHANNEL]
+
+
 def advantage_scores(rewards: torch.Tensor, expected: torch.Tensor | None) -> torch.Tensor:
     """The score an RM/AM gives a response: r for an RM, a = r - e_τ(x) for an AM (Eqs. 5, 7).
 
@@ -101,6 +117,24 @@ def pad_columns(rows: dict, width: int, pad_id: int) -> dict:
     padded["input_ids"] = torch.nn.functional.pad(rows["input_ids"], (0, extra), value=pad_id)
     padded["padding_mask"] = torch.nn.functional.pad(rows["padding_mask"], (0, extra), value=0)
     return padded
+
+
+def pack_pairs(rows: dict) -> dict:
+    """:func:`pair_rows` (2P, S) packed into one row (1, T): ``input_ids``, ``padding_mask``
+    (each sequence's id), ``last_positions`` and ``prompt_ends`` (2P,) for
+    :func:`read_packed_scalars`, and the pairs' other fields unchanged."""
+    from megatron_rlhf.data.packing import pack_rows
+
+    packed = pack_rows(rows["input_ids"], rows["padding_mask"])
+    kept = {k: v for k, v in rows.items() if k not in ("input_ids", "padding_mask")}
+    kept.pop("prompt_lengths")
+    return {
+        **kept,
+        "input_ids": packed.input_ids,
+        "padding_mask": packed.segments,
+        "last_positions": packed.starts + packed.lengths - 1,
+        "prompt_ends": packed.starts + rows["prompt_lengths"] - 1,
+    }
 
 
 def collate_pairs(chunks: list[list[dict]], pad_id: int, width_multiple: int = 1) -> list[dict]:

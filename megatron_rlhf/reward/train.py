@@ -37,6 +37,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from megatron_rlhf.reward.config import (
     AMConfig,
@@ -112,8 +113,13 @@ class RewardTask(loop.Task):
             num_scalar_outputs=NUM_OUTPUTS[self.config.loss],
         )  # fmt: skip
 
-    def batches(self, groups, data: loop.Data, num_microbatches: int, max_length: int):
-        return PairBatches.of(self.config, groups, num_microbatches, data.dataset.pad_id)
+    def packs(self) -> bool:
+        return self.config.train.packing and self.config.backend == "megatron"
+
+    def batches(self, groups, data: loop.Data, num_microbatches: int, max_length: int, max_tokens):
+        return PairBatches.of(
+            self.config, groups, num_microbatches, data.dataset.pad_id, max_tokens=max_tokens
+        )
 
     def loss_fn(self, groups):
         return make_loss_fn(self.config)
@@ -144,14 +150,22 @@ def make_loss_fn(config: RewardTrainConfig, sink: list | None = None):
     """``loss_fn(output, microbatch)`` for the engine: Eq. 1 or Eq. 6 on one microbatch of pairs.
 
     ``sink`` (a list) receives (chosen scores, rejected scores, task ids) lists per microbatch.
+    A packed microbatch (:class:`PairBatches`) carries ``pair_weight``, its share of the global
+    batch's pairs relative to a padded microbatch's; the loss and metrics, means over its
+    pairs, are scaled by it so that they stay means over the global batch.
     """
     from megatron_rlhf.reward import losses
-    from megatron_rlhf.reward.model import read_scalars, split_pairs
+    from megatron_rlhf.reward.model import read_packed_scalars, read_scalars, split_pairs
 
     def loss_fn(output, microbatch):
-        rewards, expected = read_scalars(
-            output, microbatch["padding_mask"], microbatch["prompt_lengths"]
-        )  # (2P,), (2P,) or None
+        if "last_positions" in microbatch:  # packed
+            rewards, expected = read_packed_scalars(
+                output, microbatch["last_positions"], microbatch["prompt_ends"]
+            )
+        else:
+            rewards, expected = read_scalars(
+                output, microbatch["padding_mask"], microbatch["prompt_lengths"]
+            )  # (2P,), (2P,) or None
         chosen_r, rejected_r = split_pairs(rewards)
         if config.loss == "rm":
             loss, metrics = losses.bradley_terry_loss(chosen_r, rejected_r)
@@ -168,6 +182,9 @@ def make_loss_fn(config: RewardTrainConfig, sink: list | None = None):
             task_ids = microbatch.get("task_ids")
             tasks = [None] * len(chosen) if task_ids is None else task_ids.tolist()
             sink.append((chosen.detach().tolist(), rejected.detach().tolist(), tasks))
+        weight = microbatch.get("pair_weight")
+        if weight is not None:
+            loss, metrics = loss * weight, {k: v * weight for k, v in metrics.items()}
         return loss, metrics
 
     return loss_fn
@@ -214,22 +231,48 @@ def check_pairs(dataset, max_length: int) -> None:
 
 
 class PairBatches(loop.Batches):
-    """How this rank turns preference pairs into microbatches of (2P, S) rows."""
+    """How this rank turns preference pairs into microbatches: (2P, S) padded rows, chosen
+    first, or (``max_tokens``) one packed row holding both sequences of each of its pairs."""
 
     def train_steps(self, dataset, seed: int, consumed: int):
         """Endless iterator of this rank's microbatches, one list per optimizer step."""
-        for chunks in self.step_chunks(dataset, seed, consumed):
-            yield self.collate(chunks)
+        if not self.max_tokens:
+            for chunks in self.step_chunks(dataset, seed, consumed):
+                yield self.collate_padded(chunks)
+            return
+        global_pairs = self.micro_batch_size * self.num_microbatches * self.dp_size
+        for chunks in self.packed_step_chunks(dataset, seed, consumed):
+            microbatches = self.collate_packed(chunks)
+            share = len(microbatches) * self.dp_size / global_pairs
+            for microbatch, chunk in zip(microbatches, chunks):
+                microbatch["pair_weight"] = torch.tensor(len(chunk) * share, dtype=torch.float32)
+            yield microbatches
 
     def eval_microbatches(self, dataset):
-        """This rank's share of ``dataset``: (a list of one microbatch, its pair count)."""
+        """This rank's share of ``dataset``: (a list of one padded microbatch, its pair count)."""
         for chunk in self.eval_chunks(dataset):
-            yield self.collate([chunk]), len(chunk)
+            yield self.collate_padded([chunk]), len(chunk)
 
-    def collate(self, chunks: list[list[dict]]) -> list[dict]:
+    def example_lengths(self, train_set, indices: list[int]) -> list[int]:
+        from megatron_rlhf.data import stream_lengths
+
+        def tokens(stream):
+            return stream_lengths(train_set, stream, indices)
+
+        return (2 * tokens("prompt") + tokens("chosen") + tokens("rejected")).tolist()
+
+    def collate_padded(self, chunks: list[list[dict]]) -> list[dict]:
         from megatron_rlhf.reward.model import collate_pairs
 
         return [to_device(rows) for rows in collate_pairs(chunks, self.pad_id, self.width_multiple)]
+
+    def collate_packed(self, chunks: list[list[dict]]) -> list[dict]:
+        from megatron_rlhf.data import collate_preference
+        from megatron_rlhf.reward.model import pack_pairs, pad_columns, pair_rows
+
+        packs = [pack_pairs(pair_rows(collate_preference(chunk, self.pad_id))) for chunk in chunks]
+        width = self.pack_width([pack["input_ids"].shape[1] for pack in packs])
+        return [to_device(pad_columns(pack, width, self.pad_id)) for pack in packs]
 
 
 def evaluate(engine, eval_set, config: RewardTrainConfig, batches: PairBatches) -> dict:

@@ -80,6 +80,18 @@ class TrainConfig:
     """Examples per optimizer step."""
     micro_batch_size: int = 1
     """Examples per forward pass; global = micro × microbatches × dp."""
+    packing: bool = True
+    """Pack the real tokens of several examples back to back into each micro-batch (no
+    padding computed; attention stays within each example, data/packing.py) instead of padding
+    ``micro_batch_size`` examples to the longest. The global batch is the same examples either
+    way, balanced by tokens over the data-parallel ranks, and the loss the same token (pair)
+    mean, so losses, gradients and weights equal the padded path's up to rounding. The number
+    of micro-batches then varies by step. ``train-reward``'s DeepSpeed backend always pads."""
+    max_tokens_per_micro_batch: int | None = None
+    """Packing's token budget per micro-batch (None: ``micro_batch_size`` × the longest an
+    example may be, so a pack is never longer than the padded micro-batch's worst case). On
+    the CPU attention path a pack of T tokens computes a T×T score matrix: at GPU scale keep
+    it near ``data.max_length`` (one BLOOM context) with ``micro_batch_size: 1``."""
     epochs: float = 1.0
     """Passes over the training examples; ignored when ``steps`` is set."""
     steps: int | None = None
@@ -158,6 +170,7 @@ def config_problems(train: TrainConfig, data) -> list[str]:
             ("eval_interval", 0),
             ("save_interval", 0),
             ("steps", 1),
+            ("max_tokens_per_micro_batch", 1),
         )
         if getattr(train, key) is not None and getattr(train, key) < least
     ]

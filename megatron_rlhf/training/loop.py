@@ -15,7 +15,7 @@ and checkpoint format.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,6 +49,9 @@ class Batches:
     width_multiple: int
     """Microbatch widths are multiples of this (the TP size under sequence parallelism)."""
     pad_id: int
+    max_tokens: int | None = field(default=None, kw_only=True)
+    """Packing (``train.packing``): the token budget of a packed micro-batch; None: padded
+    micro-batches of ``micro_batch_size`` examples."""
 
     @classmethod
     def of(cls, config, groups, num_microbatches: int, pad_id: int | None, **extra):
@@ -63,6 +66,36 @@ class Batches:
             pad_id=pad_id if pad_id is not None else 0,
             **extra,
         )
+
+    def example_lengths(self, train_set, indices: list[int]) -> list[int]:
+        """Tokens each example of ``train_set`` at ``indices`` takes in a pack (read from the
+        index, not the data); a packing batcher implements it."""
+        raise NotImplementedError
+
+    def packed_step_chunks(self, train_set, seed: int, consumed: int):
+        """Endless iterator of this rank's examples per optimizer step, one list per packed
+        micro-batch: the step's global batch (the same examples as :meth:`step_chunks`'s,
+        from global position ``consumed``) balanced by tokens over the data-parallel ranks,
+        then packed first-fit into micro-batches of at most ``max_tokens`` tokens. The number
+        of micro-batches varies by step and rank; losses are token (or pair) means over the
+        global batch, so they do not depend on it."""
+        from megatron_rlhf.data import ShardedSampler
+        from megatron_rlhf.data.packing import balance_by_tokens, pack_first_fit
+
+        stream = ShardedSampler(len(train_set), 0, 1, seed)
+        per_step = self.micro_batch_size * self.num_microbatches * self.dp_size
+        while True:
+            indices = [stream.global_index(p) for p in range(consumed, consumed + per_step)]
+            consumed += per_step
+            lengths = self.example_lengths(train_set, indices)
+            mine = balance_by_tokens(lengths, self.dp_size)[self.dp_rank]
+            packs = pack_first_fit([lengths[i] for i in mine], self.max_tokens)
+            yield [[train_set[indices[mine[j]]] for j in pack] for pack in packs]
+
+    def pack_width(self, widths: list[int]) -> int:
+        """The one width of a step's packed micro-batches (pipeline schedules send one
+        activation shape), a multiple of ``width_multiple``."""
+        return -(-max(widths) // self.width_multiple) * self.width_multiple
 
     def step_chunks(self, dataset, seed: int, consumed: int):
         """Endless iterator of this rank's examples, ``num_microbatches`` lists per optimizer
@@ -87,7 +120,8 @@ class Batches:
             ]
 
     def eval_chunks(self, dataset):
-        """This rank's share of ``dataset``, ``micro_batch_size`` examples at a time."""
+        """This rank's share of ``dataset``, ``micro_batch_size`` examples at a time (padded,
+        packing or not: an evaluation's micro-batches need no equal token counts)."""
         mine = list(range(self.dp_rank, len(dataset), self.dp_size))
         for start in range(0, len(mine), self.micro_batch_size):
             yield [dataset[i] for i in mine[start : start + self.micro_batch_size]]
@@ -118,10 +152,26 @@ class Task:
         """The training and held-out examples, checked against the model ``arch``."""
         raise NotImplementedError
 
-    def batches(self, groups, data: Data, num_microbatches: int, max_length: int) -> Batches:
+    def batches(
+        self, groups, data: Data, num_microbatches: int, max_length: int, max_tokens: int | None
+    ) -> Batches:
         """This rank's batcher, whose ``train_steps(train_set, seed, consumed)`` yields each
-        step's microbatches; ``groups``: the model's process groups."""
+        step's microbatches; ``groups``: the model's process groups; ``max_tokens``: the
+        packing budget (None: padded microbatches)."""
         raise NotImplementedError
+
+    def packs(self) -> bool:
+        """Whether training micro-batches are packed (``train.packing``)."""
+        return self.config.train.packing
+
+    def token_budget(self, max_length: int) -> int | None:
+        """Tokens per packed micro-batch (None: not packing): ``train.max_tokens_per_micro_batch``,
+        else ``micro_batch_size`` examples of the longest length allowed."""
+        if not self.packs():
+            return None
+        train = self.config.train
+        longest = self.rows_per_example * max_length
+        return train.max_tokens_per_micro_batch or train.micro_batch_size * longest
 
     def loss_fn(self, groups):
         """``loss_fn(output, microbatch) -> (loss, metrics)`` for ``engine.step``."""
@@ -215,9 +265,11 @@ def train(
     data = task.open_data(arch)
     total_steps = steps_to_run(config, len(data.train_set), task.examples)
     max_length = min(config.data.max_length or arch.max_sequence_length, arch.max_sequence_length)
+    max_tokens = task.token_budget(max_length)
     check_trainer(
         arch, config, dp_size, max_length, task.rows_per_example, task.head,
         command.use_bf16(config.model.bf16), task.sharded_optimizer(), skip_memory_check,
+        max_tokens=max_tokens,
     )  # fmt: skip
     guard = NonFiniteGuard(config.train.max_nonfinite_skips)
     engine, step, consumed, checkpoint = task.build_engine(
@@ -229,7 +281,7 @@ def train(
         write_json(output_dir / "config.json", to_dict(config))
 
     groups = model_groups(engine.module)
-    batches = task.batches(groups, data, num_microbatches, max_length)
+    batches = task.batches(groups, data, num_microbatches, max_length, max_tokens)
     loss_fn = task.loss_fn(groups)
     steps = batches.train_steps(data.train_set, config.train.seed, consumed)
     metadata = task.metadata()

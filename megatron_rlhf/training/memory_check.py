@@ -73,21 +73,26 @@ def check_trainer(
     bf16: bool,
     sharded_optimizer: bool,
     skip: bool = False,
+    max_tokens: int | None = None,
 ) -> None:
     """:func:`check_fits` for one trained model (``train-sft``, ``train-reward``): ``config``
     has ``model`` (recompute), ``parallel`` (tp, pp, sequence parallelism) and ``train``
     (batch sizes);
-    ``rows_per_example``: 2 for a preference pair."""
+    ``rows_per_example``: 2 for a preference pair; ``max_tokens``: packed micro-batches of
+    this many tokens (one row) instead of ``micro_batch_size`` padded examples."""
     from megatron_rlhf.distributed.layouts import Layout
     from megatron_rlhf.planning.memory import Workload, train_memory
     from megatron_rlhf.planning.shapes import shape_of
 
     model, parallel, train = config.model, config.parallel, config.train
     layout = Layout(tp=parallel.tp, pp=parallel.pp, dp=dp)
+    rows, width = train.micro_batch_size * rows_per_example, seq_len
+    if max_tokens is not None:
+        rows, width = 1, max_tokens
     work = Workload(
-        micro_batch=train.micro_batch_size * rows_per_example,
-        seq_len=seq_len,
-        response_len=seq_len,
+        micro_batch=rows,
+        seq_len=width,
+        response_len=width,
         num_microbatches=max(1, train.global_batch_size // (train.micro_batch_size * dp)),
         element_bytes=2 if bf16 else 4,
         recompute=model.recompute_activations,
@@ -96,6 +101,8 @@ def check_trainer(
     )
     per_rank_rows = -(-train.global_batch_size // dp) * rows_per_example
     batch_keys = "train.micro_batch_size, data.max_length or model.recompute_activations=true"
+    if max_tokens is not None:
+        batch_keys = "train.max_tokens_per_micro_batch or model.recompute_activations=true"
     keys = _term_keys(
         layout="parallel.tp or parallel.pp (or more ranks)",
         batch=batch_keys,

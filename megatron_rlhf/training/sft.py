@@ -48,6 +48,7 @@ from megatron_rlhf.training.command import (
     to_device,
 )
 from megatron_rlhf.training.engine import OptimConfig, optim_problems
+from megatron_rlhf.training.throughput import summed_over
 
 COMMAND = "train-sft"
 
@@ -118,10 +119,10 @@ class SFTTask(loop.Task):
         check_data_fits_model(data.dataset, "data.train", self.config.model.load, arch.vocab_size)
         return data
 
-    def batches(self, groups, data: loop.Data, num_microbatches: int, max_length: int):
+    def batches(self, groups, data: loop.Data, num_microbatches: int, max_length: int, max_tokens):
         _note_truncation(data.train_set, max_length)  # what these batches cut
         return SequenceBatches.of(
-            self.config, groups, num_microbatches, data.dataset.pad_id,
+            self.config, groups, num_microbatches, data.dataset.pad_id, max_tokens=max_tokens,
             max_length=max_length, dp_group=groups.dp if groups.dp.size() > 1 else None,
         )  # fmt: skip
 
@@ -154,12 +155,13 @@ def sft_loss(logits: torch.Tensor, microbatch: dict, tp_group=None):
 
 @dataclass
 class SequenceBatches(loop.Batches):
-    """How this rank turns SFT sequences into microbatches.
+    """How this rank turns SFT sequences into microbatches: padded (``micro_batch_size``
+    sequences to the longest) or packed (``max_tokens``: sequences back to back in one row).
 
-    The engine averages the microbatch losses over microbatches and DDP averages gradients over
-    data-parallel ranks; ``nll_scale = microbatches · dp / (response tokens of the global
-    batch)`` turns that into the NLL summed over the global batch's response tokens divided by
-    their count, whatever the layout.
+    The engine averages the microbatch losses over this rank's microbatches and DDP averages
+    gradients over data-parallel ranks; ``nll_scale = microbatches · dp / (response tokens of
+    the global batch)`` turns that into the NLL summed over the global batch's response tokens
+    divided by their count, whatever the layout, packing or not.
     """
 
     max_length: int
@@ -172,34 +174,44 @@ class SequenceBatches(loop.Batches):
     def train_steps(self, dataset, seed: int, consumed: int):
         """Endless iterator of this rank's microbatches, one list per optimizer step, from
         global stream position ``consumed`` (a resumed run sees what an uninterrupted one would)."""
-        for chunks in self.step_chunks(dataset, seed, consumed):
+        chunks_per_step = self.packed_step_chunks if self.max_tokens else self.step_chunks
+        for chunks in chunks_per_step(dataset, seed, consumed):
             microbatches = self.collate(chunks)
-            tokens = sum(int(mb["loss_mask"][:, 1:].sum()) for mb in microbatches)
-            total = _sum_over(self.dp_group, tokens)
-            scale = self.num_microbatches * self.dp_size / max(total, 1)
+            tokens = sum(mb["loss_mask"][:, 1:].sum() for mb in microbatches)
+            total = int(summed_over(tokens, self.dp_group))
+            scale = len(microbatches) * self.dp_size / max(total, 1)
             for mb in microbatches:
                 mb["nll_scale"] = torch.tensor(scale, dtype=torch.float32)
             self.last_step_tokens = total
             yield microbatches
 
     def eval_microbatches(self, dataset):
-        """This rank's share of ``dataset``, one microbatch (a list of one) at a time."""
+        """This rank's share of ``dataset``, one padded microbatch (a list of one) at a time."""
         for chunk in self.eval_chunks(dataset):
-            microbatches = self.collate([chunk])
+            microbatches = self.collate_padded([chunk])
             microbatches[0]["nll_scale"] = torch.tensor(0.0)
             yield microbatches
 
-    def collate(self, chunks: list[list[dict]]) -> list[dict]:
-        """Truncated, right-padded microbatches, all of the same width (pipeline schedules
-        send one activation shape)."""
-        from megatron_rlhf.data import collate_sft
+    def example_lengths(self, train_set, indices: list[int]) -> list[int]:
+        from megatron_rlhf.data import stream_lengths
 
+        return np.minimum(stream_lengths(train_set, "tokens", indices), self.max_length).tolist()
+
+    def collate(self, chunks: list[list[dict]]) -> list[dict]:
+        """One step's microbatches, all of one width (pipeline schedules send one activation
+        shape): packed when packing, else padded."""
         for chunk in chunks:
             for sample in chunk:
                 sample["input_ids"] = sample["input_ids"][: self.max_length]
                 sample["loss_mask"] = sample["loss_mask"][: self.max_length]
+        return self.collate_packed(chunks) if self.max_tokens else self.collate_padded(chunks)
+
+    def collate_padded(self, chunks: list[list[dict]]) -> list[dict]:
+        """Right-padded microbatches (B, width), the step's longest sequence wide."""
+        from megatron_rlhf.data import collate_sft
+
         longest = max(len(sample["input_ids"]) for chunk in chunks for sample in chunk)
-        width = -(-longest // self.width_multiple) * self.width_multiple
+        width = self.pack_width([longest])
         microbatches = []
         for chunk in chunks:
             batch = collate_sft(chunk, self.pad_id, pad_to_multiple_of=width)  # (B, width)
@@ -207,6 +219,34 @@ class SequenceBatches(loop.Batches):
                 "input_ids": batch["input_ids"],
                 "padding_mask": batch["attention_mask"],
                 "loss_mask": batch["loss_mask"],
+            }
+            microbatches.append(to_device(microbatch))
+        return microbatches
+
+    def collate_packed(self, chunks: list[list[dict]]) -> list[dict]:
+        """One packed row (1, width) per chunk: ``padding_mask`` holds each sequence's id, and
+        ``loss_mask`` is 0 on each sequence's first token (in a padded row that column is never
+        a target; in a pack it would be predicted from the sequence before)."""
+        from megatron_rlhf.data import collate_sft
+        from megatron_rlhf.data.packing import pack_rows, pad_pack
+
+        packs = []
+        for chunk in chunks:
+            batch = collate_sft(chunk, self.pad_id)
+            real = batch["attention_mask"].bool()
+            packed = pack_rows(batch["input_ids"], batch["attention_mask"])
+            loss_mask = batch["loss_mask"][real][None]  # (1, T)
+            loss_mask[0, packed.starts] = 0
+            packs.append((packed, loss_mask))
+        width = self.pack_width([packed.input_ids.shape[1] for packed, _ in packs])
+        microbatches = []
+        for packed, loss_mask in packs:
+            padded = pad_pack(packed, width, self.pad_id)
+            extra = width - loss_mask.shape[1]
+            microbatch = {
+                "input_ids": padded.input_ids,
+                "padding_mask": padded.segments,
+                "loss_mask": torch.nn.functional.pad(loss_mask, (0, extra), value=0),
             }
             microbatches.append(to_device(microbatch))
         return microbatches
@@ -238,17 +278,6 @@ def evaluate(engine, eval_set, batches: SequenceBatches) -> dict:
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
 
 
-def _sum_over(group, count: int) -> int:
-    """``count`` summed over the ranks of ``group`` (None: this rank's)."""
-    if group is None:
-        return count
-    total = torch.tensor([count], dtype=torch.int64)
-    if torch.cuda.is_available():
-        total = total.cuda()
-    torch.distributed.all_reduce(total, group=group)
-    return int(total.item())
-
-
 def _open_data(config: SFTConfig) -> loop.Data:
     """The training dataset, training sequences and held-out sequences (or None)."""
     from megatron_rlhf.data import SFTDataset
@@ -266,9 +295,11 @@ def _open_data(config: SFTConfig) -> loop.Data:
 def _note_truncation(train_set, max_length: int) -> None:
     """Say how many training sequences lose tokens to ``max_length`` (and how many lose every
     response token, so they teach nothing)."""
+    from megatron_rlhf.data import stream_lengths
+
     dataset = getattr(train_set, "dataset", train_set)
     indices = np.asarray(getattr(train_set, "indices", range(len(dataset))))
-    lengths = dataset.streams["tokens"].sequence_lengths.astype(np.int64)[indices]
+    lengths = stream_lengths(train_set, "tokens")
     if (lengths > max_length).any():
         masks = dataset.streams["loss_mask"]
         empty = sum(

@@ -46,10 +46,15 @@ def forward_flops(arch, tokens: float, seq_len: int) -> float:
 
 def global_token_count(mask: torch.Tensor, group) -> float:
     """Real tokens in ``mask`` summed over the data-parallel ``group`` (None: this rank)."""
-    count = mask.sum().to(torch.float64).reshape(1)
+    return summed_over((mask != 0).sum(), group)  # a packed mask holds sequence ids
+
+
+def summed_over(value: torch.Tensor, group) -> float:
+    """A scalar tensor summed over ``group`` (None: this rank's), on the tensor's device."""
+    total = value.to(torch.float64).reshape(1)
     if group is not None:
-        dist.all_reduce(count, group=group)
-    return float(count)
+        dist.all_reduce(total, group=group)
+    return float(total)
 
 
 def ppo_step_flops(roles, tokens: float, seq_len: int, epochs: int) -> float:
@@ -67,9 +72,13 @@ def ppo_step_flops(roles, tokens: float, seq_len: int, epochs: int) -> float:
 def train_step_throughput(arch, microbatches: list[dict], seconds: float, groups) -> dict:
     """``step_throughput`` of one ``TrainEngine.step`` over ``microbatches`` (this rank's share
     of the global batch; real tokens from ``padding_mask``, summed over the data-parallel group
-    of ``groups``, the trained model's ProcessGroupCollection)."""
+    of ``groups``, the trained model's ProcessGroupCollection). Attention FLOPs are counted at
+    the mean sequence length (a packed row's mask holds sequence ids 1..k, a padded row's 1)."""
     group = groups.dp if groups.dp.size() > 1 else None
     mask = torch.cat([mb["padding_mask"].reshape(-1) for mb in microbatches])
     tokens = global_token_count(mask, group)
-    width = microbatches[0]["padding_mask"].shape[-1]
-    return step_throughput(seconds, tokens, train_flops(arch, tokens, width))
+    sequences = summed_over(
+        sum(mb["padding_mask"].amax(dim=-1).sum() for mb in microbatches), group
+    )
+    mean_length = max(1, round(tokens / max(sequences, 1.0)))
+    return step_throughput(seconds, tokens, train_flops(arch, tokens, mean_length))
