@@ -1,8 +1,9 @@
-"""Padding that is not computed (issue 21): a rollout whose rows end early, and PPO scoring of
-ragged rows, each against the padded way, side by side.
+"""Padding that is not computed (issue 21): a rollout whose rows end early, PPO scoring of
+ragged rows, and SFT / reward training steps on HH-RLHF-like lengths, each against the padded
+way, side by side.
 
     python benchmarks/bench_packing.py [--reps 3 --seeds 0 1 --threads 2 --sizes tiny real \\
-        --parts rollout scoring]
+        --parts rollout scoring sft reward]
 
 One process, ``--threads`` torch threads; the two ways alternate inside every repetition; each
 seed is a fresh random model and batch. Sizes: ``tiny`` 4 layers x 128, vocab 1,024; ``real``
@@ -29,6 +30,15 @@ log-normal (median 16 tokens, clipped to 1..48), response lengths geometric with
 clipped to 1..64: a stand-in for a preference dataset's skew (not fitted to one). Log-probs and
 scores are compared (rel 1e-5). tokens/s = real (prompt + response) tokens / s.
 
+sft / reward: one optimizer step (forward, backward, Adam at lr 0 so every repetition computes
+the same loss) of the ``train-sft`` / ``train-reward`` (AM) engine over one global batch (32
+examples tiny, 8 real), built by the commands' own batchers: packed (``train.packing``,
+first-fit into packs of 4 x the longest example's tokens, each sequence's attention alone)
+against padded micro-batches of 4 examples, all as wide as the step's longest. Lengths follow
+:func:`hh_rlhf_lengths` (Anthropic HH-RLHF's split sizes; scaled by 1/4 at the real width to fit
+a CPU, clipped to 512 / 256 tokens). The two losses are compared (max diff column, relative).
+tokens/s = real tokens / s.
+
 min / median / max over reps x seeds, ratio of medians; a claim holds only if every seed shows
 it. Measured (defaults; idle 2-core VM, load 0.8 -> 1.8):
 
@@ -53,6 +63,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -216,7 +227,151 @@ def scoring_part(size: str, args) -> dict:
     return {"rates": rates, "per_seed": per_seed, "shape": shape}
 
 
-PARTS = {"rollout": rollout_part, "scoring": scoring_part}
+HH_RLHF = {  # config: (train examples, bytes per example) from the dataset card's split sizes
+    "helpful-base": (43_835, 67_080_738 / 43_835),
+    "helpful-online": (22_007, 81_565_233 / 22_007),
+    "helpful-rejection-sampled": (52_421, 103_629_758 / 52_421),
+    "harmless-base": (42_537, 56_295_642 / 42_537),
+}
+BYTES_PER_TOKEN = 4.0  # BLOOM's tokenizer on English text, about
+
+
+def hh_rlhf_lengths(seed: int, count: int, scale: float, longest: int) -> list[tuple[int, int]]:
+    """(prompt, response) token lengths of ``count`` examples drawn like Anthropic HH-RLHF's.
+
+    The published figures are the dataset card's split sizes: per config, train examples and
+    bytes, each example a chosen and a rejected transcript (dialogue history + last reply), so
+    a transcript averages bytes / 2 / ``BYTES_PER_TOKEN`` tokens: helpful-base 191,
+    helpful-online 463, helpful-rejection-sampled 247, harmless-base 165. A config is drawn by
+    its share of the examples, a length log-normally around its mean (sigma 0.7: the card
+    gives no spread, this is our assumption), the last reply a uniform 10-50 % of it; lengths
+    times ``scale`` (to fit CPU runs), clipped to 4..``longest``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    names = list(HH_RLHF)
+    weights = torch.tensor([HH_RLHF[name][0] for name in names], dtype=torch.float64)
+    sigma = 0.7
+    lengths = []
+    for config in torch.multinomial(weights, count, replacement=True, generator=g).tolist():
+        mean = HH_RLHF[names[config]][1] / 2 / BYTES_PER_TOKEN * scale
+        mu = math.log(mean) - sigma**2 / 2
+        total = int(min(max(math.exp(mu + sigma * float(torch.randn(1, generator=g))), 4), longest))
+        response = max(1, int(total * (0.1 + 0.4 * float(torch.rand(1, generator=g)))))
+        lengths.append((total - response, response))
+    return lengths
+
+
+def random_tokens(g: torch.Generator, count: int, vocab: int) -> torch.Tensor:
+    return torch.randint(4, vocab, (count,), generator=g)
+
+
+def sft_items(seed: int, count: int, vocab: int, scale: float, longest: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed + 1)
+    items = []
+    for prompt, response in hh_rlhf_lengths(seed, count, scale, longest):
+        loss_mask = torch.cat(
+            [torch.zeros(prompt, dtype=torch.long), torch.ones(response, dtype=torch.long)]
+        )
+        items.append(
+            {"input_ids": random_tokens(g, prompt + response, vocab), "loss_mask": loss_mask}
+        )
+    return items
+
+
+def pair_items(seed: int, count: int, vocab: int, scale: float, longest: int) -> list[dict]:
+    """Pairs: the chosen reply drawn as above, the rejected one as long as another draw's."""
+    g = torch.Generator().manual_seed(seed + 1)
+    lengths = hh_rlhf_lengths(seed, 2 * count, scale, longest)
+    items = []
+    for (prompt, chosen), (_, rejected) in zip(lengths[::2], lengths[1::2]):
+        rejected = max(1, min(rejected, longest - prompt))
+        items.append({
+            "prompt_ids": random_tokens(g, prompt, vocab),
+            "chosen_ids": random_tokens(g, chosen, vocab),
+            "rejected_ids": random_tokens(g, rejected, vocab),
+        })  # fmt: skip
+    return items
+
+
+def train_step_part(kind: str, size: str, args) -> dict:
+    """One optimizer step of the SFT or reward trainer (``train.packing`` on / off) over the
+    same global batch, through the same microbatch builders as the commands; lr 0, so every
+    repetition computes the same loss."""
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.data.packing import pack_first_fit
+    from megatron_rlhf.models.bloom.config import BloomArchitecture
+    from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
+    from megatron_rlhf.reward.train import PairBatches, make_loss_fn
+    from megatron_rlhf.training.engine import OptimConfig, TrainEngine
+    from megatron_rlhf.training.sft import SequenceBatches, sft_loss
+
+    batch, scale, longest = (8, 0.25, 256) if size == "real" else (32, 1.0, 512)
+    vocab = SIZES[size]["vocab_size"]
+    rates = {True: [], False: []}
+    per_seed, fill = {}, []
+    for seed in args.seeds:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_random_hf_bloom(tmp, BloomArchitecture(**SIZES[size]), seed=seed)
+            head = dict(head="scalar", num_scalar_outputs=2) if kind == "reward" else {}
+            model = load_bloom(tmp, **head)
+        engine = TrainEngine(model, OptimConfig(lr=0.0, warmup_fraction=0.0), total_steps=100)
+        common = dict(micro_batch_size=4, num_microbatches=batch // 4, dp_rank=0, dp_size=1,
+                      width_multiple=1, pad_id=PAD)  # fmt: skip
+        if kind == "sft":
+            items = sft_items(seed, batch, vocab, scale, longest)
+            lengths = [len(item["input_ids"]) for item in items]
+            rows, loss_fn = 1, sft_loss
+            batcher = SequenceBatches(**common, max_length=longest)
+        else:
+            items = pair_items(seed, batch, vocab, scale, longest)
+            lengths = [2 * len(i["prompt_ids"]) + len(i["chosen_ids"]) + len(i["rejected_ids"])
+                       for i in items]  # fmt: skip
+            rows = 2
+            loss_fn = make_loss_fn(SimpleNamespace(loss="am", am=SimpleNamespace(
+                margin=2.5, policy_column=None)))  # fmt: skip
+            batcher = PairBatches(**common)
+        tokens = sum(lengths)
+        budget = 4 * rows * longest  # the commands' default: micro_batch_size x longest example
+        packs = [[items[j] for j in pack] for pack in pack_first_fit(lengths, budget)]
+        microbatches = {
+            True: batcher.collate_packed(packs),
+            False: batcher.collate_padded([items[i : i + 4] for i in range(0, batch, 4)]),
+        }
+        for packed, mbs in microbatches.items():  # the scales train_steps sets
+            sizes = [len(pack) for pack in packs] if packed else [4] * len(mbs)
+            if kind == "sft":
+                total = sum(int(m["loss_mask"][:, 1:].sum()) for m in mbs)
+            for mb, size_ in zip(mbs, sizes):
+                if kind == "sft":
+                    mb["nll_scale"] = torch.tensor(len(mbs) / total)
+                else:
+                    mb["pair_weight"] = torch.tensor(size_ * len(mbs) / batch)
+        fill.append(tokens / sum(mb["input_ids"].numel() for mb in microbatches[False]))
+        seconds, losses = {True: [], False: []}, {}
+        for _ in range(args.reps):
+            for packed in (True, False):
+                start = time.perf_counter()
+                metrics = engine.step(microbatches[packed], loss_fn)
+                seconds[packed].append(time.perf_counter() - start)
+                losses[packed] = metrics["loss"]
+        for packed in (True, False):
+            rates[packed] += [tokens / t for t in seconds[packed]]
+        per_seed[seed] = {
+            "ratio": statistics.median(seconds[False]) / statistics.median(seconds[True]),
+            "diff": abs(losses[True] - losses[False]) / max(abs(losses[False]), 1e-12),
+        }
+        del engine, model
+    shape = (f"{batch} {'sequences' if kind == 'sft' else 'pairs'}, "
+             f"{100 * statistics.mean(fill):.0f} % of the padded batch real")  # fmt: skip
+    return {"rates": rates, "per_seed": per_seed, "shape": shape}
+
+
+PARTS = {
+    "rollout": rollout_part,
+    "scoring": scoring_part,
+    "sft": lambda size, args: train_step_part("sft", size, args),
+    "reward": lambda size, args: train_step_part("reward", size, args),
+}
 
 
 def stats(rates: list[float]) -> str:

@@ -1,9 +1,12 @@
 """Sequence packing: the real tokens of several rows back to back in one row, no padding.
 
 A packed row's key mask holds each sequence's id (``1 1 1 2 2 3``); ``BloomModel`` turns it into
-block-diagonal causal attention with ALiBi positions restarting at each sequence, so every token
-gets the output it has in its own (padded) row. Packs are formed from consecutive rows by a
-token budget (deterministic); a row longer than the budget forms a pack alone.
+causal attention within each sequence with ALiBi positions restarting at each one (Megatron-
+Core's THD layout on the PyTorch attention path, a block-diagonal mask elsewhere), so every
+token gets the output it has in its own (padded) row. Packs are formed by a token budget,
+from consecutive rows (:func:`pack_by_budget`) or first-fit decreasing (:func:`pack_first_fit`),
+after a global batch is split over data-parallel ranks by tokens (:func:`balance_by_tokens`);
+all deterministic; a row longer than the budget forms a pack alone.
 """
 
 from __future__ import annotations

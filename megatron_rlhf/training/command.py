@@ -89,9 +89,10 @@ class TrainConfig:
     of micro-batches then varies by step. ``train-reward``'s DeepSpeed backend always pads."""
     max_tokens_per_micro_batch: int | None = None
     """Packing's token budget per micro-batch (None: ``micro_batch_size`` × the longest an
-    example may be, so a pack is never longer than the padded micro-batch's worst case). On
-    the CPU attention path a pack of T tokens computes a T×T score matrix: at GPU scale keep
-    it near ``data.max_length`` (one BLOOM context) with ``micro_batch_size: 1``."""
+    example may be, so a pack is never longer than the padded micro-batch's worst case). The
+    PyTorch attention path runs each packed sequence's attention alone; with TE layers or
+    sequence parallelism a pack falls back to one T×T mask, so there keep it near
+    ``data.max_length`` (one BLOOM context) with ``micro_batch_size: 1``."""
     epochs: float = 1.0
     """Passes over the training examples; ignored when ``steps`` is set."""
     steps: int | None = None

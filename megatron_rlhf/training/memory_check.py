@@ -102,7 +102,10 @@ def check_trainer(
     per_rank_rows = -(-train.global_batch_size // dp) * rows_per_example
     batch_keys = "train.micro_batch_size, data.max_length or model.recompute_activations=true"
     if max_tokens is not None:
-        batch_keys = "train.max_tokens_per_micro_batch or model.recompute_activations=true"
+        batch_keys = (
+            "train.micro_batch_size or train.max_tokens_per_micro_batch (the packed micro-batch's "
+            "budget), data.max_length or model.recompute_activations=true"
+        )
     keys = _term_keys(
         layout="parallel.tp or parallel.pp (or more ranks)",
         batch=batch_keys,

@@ -19,7 +19,10 @@ fused ALiBi is relative and fp32 too, so training (TE) and generation (this path
 Key positions come from the padding mask (``BloomModel`` passes them as Megatron's
 ``attention_bias``, fp32 (B, Sk)), so left-padded rows see the same biases as their unpadded
 selves; queries are the last Sq keys (all of them, or the new ones after a KV cache). The mask is
-Megatron's boolean convention (True = masked), shape (B, 1, Sq, Sk).
+Megatron's boolean convention (True = masked), shape (B, 1, Sq, Sk). A packed row (several
+sequences back to back) comes in Megatron-Core's THD layout instead (``PackedSeqParams``, from
+``BloomModel``): :func:`packed_alibi_attention` runs each sequence alone, causal, positions
+from its first token, which is the block-diagonal mask's result without the T x T scores.
 
 :class:`TEAlibiDotProductAttention` (GPU, when transformer-engine imports) runs TE's fused
 attention with ``core_attention_bias_type="alibi"`` and this rank's slopes passed explicitly,
@@ -84,6 +87,39 @@ def alibi_attention(
     return context.view(batch, heads, sq, dim).permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
 
+def packed_alibi_attention(
+    query: torch.Tensor,  # (T, H, D): sequences back to back (Megatron's THD layout)
+    key: torch.Tensor,  # (T, H, D)
+    value: torch.Tensor,  # (T, H, D)
+    cu_seqlens: torch.Tensor,  # (k + 1,) where each sequence starts, then T
+    slopes: torch.Tensor,  # (H,) fp32
+    softmax_scale: float,
+    dropout: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """:func:`alibi_attention` of each sequence alone (causal, positions from its first
+    token): what the block-diagonal mask of a packed row computes, without the T x T scores.
+    Returns (T, 1, H*D)."""
+    outputs = []
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        length = end - start
+        causal = torch.ones(length, length, dtype=torch.bool, device=query.device).triu_(1)
+        positions = torch.arange(length, dtype=torch.float32, device=query.device)[None]
+        outputs.append(
+            alibi_attention(
+                query[start:end, None],
+                key[start:end, None],
+                value[start:end, None],
+                causal[None, None],
+                positions,
+                slopes,
+                softmax_scale,
+                dropout,
+            )  # fmt: skip
+        )
+    return torch.cat(outputs)
+
+
 class AlibiDotProductAttention(MegatronModule):
     """ALiBi attention over this rank's heads; tensors are (S, B, heads_per_rank, head_dim)."""
 
@@ -117,7 +153,12 @@ class AlibiDotProductAttention(MegatronModule):
         packed_seq_params=None,
     ) -> torch.Tensor:
         if packed_seq_params is not None:
-            raise NotImplementedError("ALiBi attention does not take packed sequences")
+            if packed_seq_params.qkv_format != "thd":
+                raise NotImplementedError("ALiBi attention takes packed sequences in THD only")
+            return packed_alibi_attention(
+                query, key, value, packed_seq_params.cu_seqlens_q, self.slopes,
+                self.softmax_scale, self.dropout,
+            )  # fmt: skip
         if attention_mask is None or attention_bias is None:
             raise ValueError(
                 "BLOOM attention needs the causal+padding mask and the key positions (BloomModel "

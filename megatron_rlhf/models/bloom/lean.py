@@ -115,6 +115,7 @@ class BloomTransformerLayer(TransformerLayer):
             attention_mask=kwargs.get("attention_mask"),
             inference_context=kwargs.get("inference_context"),
             attention_bias=kwargs.get("attention_bias"),
+            packed_seq_params=kwargs.get("packed_seq_params"),  # set: Megatron-Core's path
         )
         hidden = hidden + (output if bias is None else output + bias)
         output, bias = self.mlp(self.pre_mlp_layernorm(hidden))

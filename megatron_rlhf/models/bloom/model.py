@@ -183,14 +183,20 @@ class BloomModel(GPTModel):
     ) -> torch.Tensor:
         self._check_device(input_ids, padding_mask)
         query_length = input_ids.shape[1]
-        attention_mask = attention_mask_for(padding_mask, query_length)
+        packed = self._packed_sequences(padding_mask, query_length, inference_context)
+        if packed is not None:  # one row of sequences: attention within each, no T x T mask
+            attention_mask, key_positions = None, None
+        else:
+            attention_mask = attention_mask_for(padding_mask, query_length)
+            key_positions = self._key_positions(padding_mask, query_length)
         output = super().forward(
             input_ids=input_ids,
             position_ids=None,
             attention_mask=attention_mask,
             inference_context=inference_context,
             runtime_gather_output=runtime_gather_output,
-            extra_block_kwargs={"attention_bias": self._key_positions(padding_mask, query_length)},
+            packed_seq_params=packed,
+            extra_block_kwargs={"attention_bias": key_positions},
         )
         if not self.is_last_stage:
             return output  # (S, B, H) activations for the next stage
@@ -211,6 +217,33 @@ class BloomModel(GPTModel):
                     f"BloomModel.forward: {name} is on {tensor.device}, the model on {device}; "
                     "move batches with megatron_rlhf.distributed.compute_device()"
                 )
+
+    def _packed_sequences(self, padding_mask: torch.Tensor, query_length: int, context):
+        """Megatron's THD ``PackedSeqParams`` for one packed row (a (1, S) mask holding sequence
+        ids 1..k, k > 1; data/packing.py) on the PyTorch attention path, whose core attention
+        then runs each sequence alone (models/bloom/attention.py): the cost of k short
+        sequences, not of one S x S score matrix. Trailing padding (id 0) is one more
+        sequence, its outputs unused. None (the masked path) for anything else: a KV cache, TE
+        layers, sequence parallelism (the row is split over TP ranks), a padded batch."""
+        if (
+            padding_mask.shape[0] != 1
+            or context is not None
+            or query_length != padding_mask.shape[1]
+            or self.uses_te_attention
+            or self.config.sequence_parallel
+            or int(padding_mask.max()) < 2
+        ):
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        segments = padding_mask[0]
+        changes = torch.nonzero(segments[1:] != segments[:-1])[:, 0] + 1
+        ends = torch.tensor([0, *changes.tolist(), segments.shape[0]], dtype=torch.int32)
+        longest = int((ends[1:] - ends[:-1]).max())
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends,
+            max_seqlen_q=longest, max_seqlen_kv=longest,
+        )  # fmt: skip
 
     def _key_positions(self, padding_mask: torch.Tensor, query_length: int):
         """Megatron's ``attention_bias`` for every layer: fp32 key positions (B, Sk) counted from
