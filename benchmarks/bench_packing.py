@@ -347,6 +347,8 @@ def train_step_part(kind: str, size: str, args) -> dict:
                 else:
                     mb["pair_weight"] = torch.tensor(size_ * len(mbs) / batch)
         fill.append(tokens / sum(mb["input_ids"].numel() for mb in microbatches[False]))
+        for packed in (True, False):  # untimed: the first step allocates buffers and state
+            engine.step(microbatches[packed], loss_fn)
         seconds, losses = {True: [], False: []}, {}
         for _ in range(args.reps):
             for packed in (True, False):
