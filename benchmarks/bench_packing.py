@@ -62,6 +62,7 @@ import os
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -368,8 +369,89 @@ def train_step_part(kind: str, size: str, args) -> dict:
     return {"rates": rates, "per_seed": per_seed, "shape": shape}
 
 
+def hh_rlhf_experience(seed: int, batch: int, vocab: int, scale: float, longest: int):
+    """One PPO step's experience with :func:`hh_rlhf_lengths` prompts and responses (prompts
+    left-padded, responses right-padded), random old log-probs, advantages, values, returns."""
+    from megatron_rlhf.ppo.experience import Experience
+
+    g = torch.Generator().manual_seed(seed + 2)
+    lengths = hh_rlhf_lengths(seed, batch, scale, longest)
+    p, n = max(q for q, _ in lengths), max(r for _, r in lengths)
+    sequences = torch.full((batch, p + n), PAD, dtype=torch.long)
+    mask = torch.zeros((batch, p + n), dtype=torch.long)
+    for row, (prompt, response) in enumerate(lengths):
+        sequences[row, p - prompt : p + response] = random_tokens(g, prompt + response, vocab)
+        mask[row, p - prompt : p + response] = 1
+    response_mask = mask[:, p:].clone()
+
+    def per_token(center: float = 0.0):
+        return (center + torch.randn(batch, n, generator=g)) * response_mask
+
+    return Experience(
+        sequences=sequences, attention_mask=mask, response_mask=response_mask,
+        prompt_index=torch.arange(batch), prompt_length=p, logprobs=per_token(-3.0),
+        advantages=per_token(), values=per_token(), returns=per_token(),
+    )  # fmt: skip
+
+
+def update_part(size: str, args) -> dict:
+    """``ppo/update.ppo_update`` (actor and critic, one minibatch) over one step's experience,
+    packed (``ppo.packing``: budget micro_batch_size 4 x the padded width, as train-ppo's
+    default) against padded micro-batches of 4 rows; lr 0, so every repetition computes the
+    same losses."""
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.models.bloom.config import BloomArchitecture
+    from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
+    from megatron_rlhf.ppo.setup import Role
+    from megatron_rlhf.ppo.update import ppo_update
+    from megatron_rlhf.training.engine import OptimConfig, TrainEngine
+
+    batch, scale, longest = (8, 0.25, 256) if size == "real" else (32, 1.0, 512)
+    ppo = SimpleNamespace(epochs=1, num_minibatches=1, micro_batch_size=4, clip_ratio=0.2,
+                          value_clip=0.2)  # fmt: skip
+    rates = {True: [], False: []}
+    per_seed, fill = {}, []
+    for seed in args.seeds:
+        roles = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            save_random_hf_bloom(tmp, BloomArchitecture(**SIZES[size]), seed=seed)
+            for name, head in (("actor", {}), ("critic", dict(head="scalar"))):
+                model = load_bloom(tmp, **head)
+                engine = TrainEngine(model, OptimConfig(lr=0.0, warmup_fraction=0.0), 100)
+                roles[name] = Role(name, model, model.pg_collection, engine)
+        experience = hh_rlhf_experience(seed, batch, SIZES[size]["vocab_size"], scale, longest)
+        tokens = int(experience.attention_mask.sum())
+        fill.append(tokens / experience.attention_mask.numel())
+        budget = ppo.micro_batch_size * experience.sequences.shape[1]
+
+        run = partial(ppo_update, experience, roles["actor"], roles["critic"], ppo, 1.0)
+        for packed in (True, False):  # untimed: the first step allocates buffers and state
+            run(torch.Generator().manual_seed(seed), max_tokens=budget if packed else None)
+        seconds, metrics = {True: [], False: []}, {}
+        for _ in range(args.reps):
+            for packed in (True, False):
+                start = time.perf_counter()
+                metrics[packed] = run(
+                    torch.Generator().manual_seed(seed), max_tokens=budget if packed else None
+                )
+                seconds[packed].append(time.perf_counter() - start)
+        for packed in (True, False):
+            rates[packed] += [tokens / t for t in seconds[packed]]
+        keys = ("actor/policy_loss", "critic/value_loss", "actor/grad_norm", "critic/grad_norm")
+        per_seed[seed] = {
+            "ratio": statistics.median(seconds[False]) / statistics.median(seconds[True]),
+            "diff": max(
+                abs(metrics[True][k] - metrics[False][k]) / max(abs(metrics[False][k]), 1e-12)
+                for k in keys
+            ),
+        }
+    shape = f"B={batch}, {100 * statistics.mean(fill):.0f} % of the padded batch real"
+    return {"rates": rates, "per_seed": per_seed, "shape": shape}
+
+
 PARTS = {
     "rollout": rollout_part,
+    "update": update_part,
     "scoring": scoring_part,
     "sft": lambda size, args: train_step_part("sft", size, args),
     "reward": lambda size, args: train_step_part("reward", size, args),

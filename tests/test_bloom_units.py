@@ -419,3 +419,45 @@ def test_ended_rows_leave_the_decode_batch_and_nothing_else_changes(
         assert not out.response_mask[row, n:].any()
         diff = (out.response_logprobs[row, :n] - alone.response_logprobs[0]).abs().max()
         assert diff <= 1e-5, (row, float(diff))
+
+
+def test_one_packed_row_runs_thd_attention_with_the_masked_paths_values_and_gradients(
+    single_process, hf_dir
+):
+    """A single packed row (batch 1, ids 1..k, trailing padding) takes Megatron-Core's THD
+    layout (each sequence's attention alone, none for the padding); in training mode its
+    logits and every parameter's gradient equal those of the same sequences as a padded batch
+    (the masked path), rel 1e-5."""
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.data.packing import pack_rows, pad_pack
+
+    lengths = [6, 1, 9, 4]
+    generator = torch.Generator().manual_seed(5)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), 3, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(4, ARCH_A.vocab_size, (n,), generator=generator)
+        mask[row, :n] = 1
+    packed = pad_pack(pack_rows(ids, mask), sum(lengths) + 3, pad_id=3)
+    model = load_bloom(hf_dir).train()
+    assert model._packed_sequences(packed.segments, packed.segments.shape[1], None) is not None
+    assert model._packed_sequences(mask, width, None) is None  # a padded batch: masked path
+    weights = torch.randn(sum(lengths), generator=generator)
+
+    def loss_and_grads(logits_real):
+        model.zero_grad(set_to_none=True)
+        loss = (logits_real[:, : ARCH_A.vocab_size].logsumexp(dim=-1) * weights).sum()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logits_real.detach(), grads
+
+    packed_logits, packed_grads = loss_and_grads(
+        model(packed.input_ids, packed.segments)[0, : sum(lengths)]
+    )
+    padded_logits, padded_grads = loss_and_grads(model(ids, mask)[mask.bool()])
+    assert (packed_logits - padded_logits).abs().max() <= 1e-5
+    assert packed_grads.keys() == padded_grads.keys() and len(packed_grads) > 10
+    for name, grad in padded_grads.items():
+        gap = (packed_grads[name] - grad).abs().max() / grad.abs().max().clamp(min=1e-12)
+        assert gap <= 1e-5, (name, float(gap))

@@ -315,7 +315,8 @@ def _packed_microbatches(
             )
             microbatch["rehearsal_rows"] = sum(r["loss_mask"].shape[0] for r in rehearsal)
         microbatches.append(microbatch)
-    _pad_to_common_width(microbatches, pad_id)
+    if groups.pp.size() > 1:  # one activation shape through the pipeline
+        _pad_to_common_width(microbatches, pad_id)
     _set_loss_scale(microbatches, groups)
     return microbatches
 

@@ -271,8 +271,8 @@ class PairBatches(loop.Batches):
         from megatron_rlhf.reward.model import pack_pairs, pad_columns, pair_rows
 
         packs = [pack_pairs(pair_rows(collate_preference(chunk, self.pad_id))) for chunk in chunks]
-        width = self.pack_width([pack["input_ids"].shape[1] for pack in packs])
-        return [to_device(pad_columns(pack, width, self.pad_id)) for pack in packs]
+        widths = self.pack_widths([pack["input_ids"].shape[1] for pack in packs])
+        return [to_device(pad_columns(pack, w, self.pad_id)) for pack, w in zip(packs, widths)]
 
 
 def evaluate(engine, eval_set, config: RewardTrainConfig, batches: PairBatches) -> dict:

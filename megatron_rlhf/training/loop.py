@@ -52,6 +52,8 @@ class Batches:
     max_tokens: int | None = field(default=None, kw_only=True)
     """Packing (``train.packing``): the token budget of a packed micro-batch; None: padded
     micro-batches of ``micro_batch_size`` examples."""
+    pipelined: bool = field(default=False, kw_only=True)
+    """pp > 1: every micro-batch of a step must have one width (one activation shape)."""
 
     @classmethod
     def of(cls, config, groups, num_microbatches: int, pad_id: int | None, **extra):
@@ -64,6 +66,7 @@ class Batches:
             dp_size=groups.dp.size(),
             width_multiple=groups.tp.size() if config.parallel.sequence_parallel else 1,
             pad_id=pad_id if pad_id is not None else 0,
+            pipelined=groups.pp.size() > 1,
             **extra,
         )
 
@@ -93,9 +96,16 @@ class Batches:
             yield [[train_set[indices[mine[j]]] for j in pack] for pack in packs]
 
     def pack_width(self, widths: list[int]) -> int:
-        """The one width of a step's packed micro-batches (pipeline schedules send one
-        activation shape), a multiple of ``width_multiple``."""
+        """The one width of a step's micro-batches, a multiple of ``width_multiple``."""
         return -(-max(widths) // self.width_multiple) * self.width_multiple
+
+    def pack_widths(self, widths: list[int]) -> list[int]:
+        """The widths of a step's packed micro-batches: one (:meth:`pack_width`) when pipelined
+        (schedules send one activation shape), else each its own, rounded up to
+        ``width_multiple`` (no padding computed)."""
+        if self.pipelined:
+            return [self.pack_width(widths)] * len(widths)
+        return [self.pack_width([width]) for width in widths]
 
     def step_chunks(self, dataset, seed: int, consumed: int):
         """Endless iterator of this rank's examples, ``num_microbatches`` lists per optimizer

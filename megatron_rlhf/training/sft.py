@@ -238,9 +238,9 @@ class SequenceBatches(loop.Batches):
             loss_mask = batch["loss_mask"][real][None]  # (1, T)
             loss_mask[0, packed.starts] = 0
             packs.append((packed, loss_mask))
-        width = self.pack_width([packed.input_ids.shape[1] for packed, _ in packs])
+        widths = self.pack_widths([packed.input_ids.shape[1] for packed, _ in packs])
         microbatches = []
-        for packed, loss_mask in packs:
+        for (packed, loss_mask), width in zip(packs, widths):
             padded = pad_pack(packed, width, self.pad_id)
             extra = width - loss_mask.shape[1]
             microbatch = {

@@ -98,25 +98,31 @@ def packed_alibi_attention(
 ) -> torch.Tensor:
     """:func:`alibi_attention` of each sequence alone (causal, positions from its first
     token): what the block-diagonal mask of a packed row computes, without the T x T scores.
-    Returns (T, 1, H*D)."""
-    outputs = []
+    Tokens after ``cu_seqlens[-1]`` (trailing padding) get zeros. Returns (T, 1, H*D)."""
     bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        length = end - start
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    padding = query.shape[0] - bounds[-1]
+    lengths.append(padding)  # split off with the rest; no attention computed
+    outputs = []
+    # split, not slices: a slice's backward writes a zero tensor of all T tokens per sequence
+    for q, k, v in list(zip(*(t.split(lengths) for t in (query, key, value))))[:-1]:
+        length = q.shape[0]
         causal = torch.ones(length, length, dtype=torch.bool, device=query.device).triu_(1)
         positions = torch.arange(length, dtype=torch.float32, device=query.device)[None]
         outputs.append(
             alibi_attention(
-                query[start:end, None],
-                key[start:end, None],
-                value[start:end, None],
+                q[:, None],
+                k[:, None],
+                v[:, None],
                 causal[None, None],
                 positions,
                 slopes,
                 softmax_scale,
                 dropout,
-            )  # fmt: skip
+            )
         )
+    if padding:
+        outputs.append(query.new_zeros(padding, 1, query.shape[1] * value.shape[2]))
     return torch.cat(outputs)
 
 

@@ -222,9 +222,10 @@ class BloomModel(GPTModel):
         """Megatron's THD ``PackedSeqParams`` for one packed row (a (1, S) mask holding sequence
         ids 1..k, k > 1; data/packing.py) on the PyTorch attention path, whose core attention
         then runs each sequence alone (models/bloom/attention.py): the cost of k short
-        sequences, not of one S x S score matrix. Trailing padding (id 0) is one more
-        sequence, its outputs unused. None (the masked path) for anything else: a KV cache, TE
-        layers, sequence parallelism (the row is split over TP ranks), a padded batch."""
+        sequences, not of one S x S score matrix. ``cu_seqlens`` ends at the last real token:
+        trailing padding (id 0) gets no attention (its outputs are unused). None (the masked
+        path) for anything else: a KV cache, TE layers, sequence parallelism (the row is split
+        over TP ranks), a padded batch."""
         if (
             padding_mask.shape[0] != 1
             or context is not None
@@ -237,8 +238,9 @@ class BloomModel(GPTModel):
         from megatron.core.packed_seq_params import PackedSeqParams
 
         segments = padding_mask[0]
-        changes = torch.nonzero(segments[1:] != segments[:-1])[:, 0] + 1
-        ends = torch.tensor([0, *changes.tolist(), segments.shape[0]], dtype=torch.int32)
+        real = int(torch.nonzero(segments)[-1, 0]) + 1  # tokens up to the last real one
+        changes = torch.nonzero(segments[1:real] != segments[: real - 1])[:, 0] + 1
+        ends = torch.tensor([0, *changes.tolist(), real], dtype=torch.int32)
         longest = int((ends[1:] - ends[:-1]).max())
         return PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends,
