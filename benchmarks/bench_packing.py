@@ -40,18 +40,26 @@ a CPU, clipped to 512 / 256 tokens). The two losses are compared (max diff colum
 tokens/s = real tokens / s.
 
 min / median / max over reps x seeds, ratio of medians; a claim holds only if every seed shows
-it. Measured (defaults; idle 2-core VM, load 0.8 -> 1.8):
+it. Measured (defaults; idle 2-core VM; rollout rows at load 0.8 -> 1.8, the rest on
+2026-12-01 at load 1.5 -> 2.1):
 
     | part    | size | batch                                          | not padded            | padded               | ratio (per seed)     |
     | rollout | tiny | 41 % end early, mean 47.9, 32/32 rows identical | 1986 / 3031 / 3432   | 1969 / 2818 / 3164   | 1.08x (1.06x, 1.25x) |
     | rollout | real | 38 % end early, mean 47.5, 31/32 rows identical | 41.8 / 43.4 / 47.3   | 35.6 / 40.8 / 43.8   | 1.07x (1.06x, 1.13x) |
     | rollout | real | B=64 (--rollout-batch 64), 40 % end early, mean 48.2, 128/128 identical | 77.2 / 78.9 / 85.2 | 64.2 / 69.4 / 81.4 | 1.14x (1.09x, 1.18x) |
-    | scoring | tiny | B=16, 34 % of the padded batch real             | 6763 / 8957 / 10707  | 3625 / 4344 / 5565   | 2.06x (1.72x, 2.13x) |
-    | scoring | real | B=8, 50 % of the padded batch real              | 146 / 152 / 175      | 53 / 83 / 94         | 1.84x (2.06x, 1.65x) |
+    | scoring | tiny | B=16, 34 % of the padded batch real | 6763 / 8252 / 9602   | 3458 / 4270 / 4593   | 1.93x (1.90x, 2.37x) |
+    | scoring | real | B=8, 50 % of the padded batch real  | 134 / 141 / 155      | 59 / 72 / 97         | 1.95x (2.32x, 1.48x) |
+    | update  | tiny | B=32, 39 % real                      | 3605 / 4705 / 5319   | 912 / 953 / 1056     | 4.94x (4.21x, 5.23x) |
+    | update  | real | B=8, 36 % real                       | 29.6 / 32.0 / 34.9   | 10.8 / 13.2 / 15.7   | 2.42x (2.86x, 2.15x) |
+    | sft     | tiny | 32 sequences, 47 % real              | 4561 / 6287 / 8646   | 1983 / 2397 / 3391   | 2.62x (2.51x, 3.23x) |
+    | sft     | real | 8 sequences, 39 % real               | 39.9 / 40.6 / 48.3   | 12.2 / 15.9 / 21.0   | 2.55x (3.69x, 2.02x) |
+    | reward  | tiny | 32 pairs, 38 % real                  | 8379 / 9241 / 10108  | 1858 / 1982 / 2093   | 4.66x (4.11x, 5.13x) |
+    | reward  | real | 8 pairs, 40 % real                   | 85.5 / 123.3 / 229.3 | 58.1 / 65.0 / 75.4   | 1.90x (1.79x, 2.90x) |
 
 At B=16 a CPU decode step is bound by reading the weights, not by rows, so dropping ended rows
 (26 % of the row-steps here) gains little; at B=64 it gains 1.14x of the 1.33x the saved
-row-steps allow. Packed scoring gains about the padding it skips.
+row-steps allow. Packed scoring gains about the padding it skips; packed training at the real
+width about the padding too, more at the tiny width, where padded attention dominates.
 """
 
 from __future__ import annotations

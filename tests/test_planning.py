@@ -72,6 +72,35 @@ def test_planned_memory_within_15_percent_of_measured_tiny():
         assert row["tokens_per_s"] > 0
 
 
+def test_planned_packed_memory_within_15_percent_of_measured():
+    """A packed row of 8 sequences of 96 tokens (each attended alone) through training and
+    scoring: the planner's peak (``packed_sequence_len``) within 15 % of the measured one, and
+    well below what it plans for the same row under one 768 x 768 mask."""
+    from dataclasses import replace
+
+    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed.layouts import Layout
+    from megatron_rlhf.planning.memory import Workload, train_memory
+    from megatron_rlhf.planning.study import SHAPES, StudyWork, run_row
+
+    work = StudyWork(micro_batch=8, prompt_len=48, response_len=48, packed=True)
+    initialize(ParallelConfig())
+    try:
+        rows = [run_row(SHAPES["tiny"], s, work) for s in ("actor_train", "critic_train", "score")]
+    finally:
+        destroy()
+    for row in rows:
+        ratio = row["peak_mem_planned_mb"] / row["peak_mem_measured_mb"]
+        assert 0.85 <= ratio <= 1.15, row
+    packed = Workload(micro_batch=1, seq_len=768, response_len=384, element_bytes=4,
+                      distributed_optimizer=False, packed_sequence_len=96)  # fmt: skip
+    layout = Layout(tp=1, pp=1, dp=1)
+    one_mask = train_memory(SHAPES["tiny"], layout, "lm", replace(packed, packed_sequence_len=None))
+    assert (
+        train_memory(SHAPES["tiny"], layout, "lm", packed).activations < 0.5 * one_mask.activations
+    )
+
+
 @pytest.mark.slow
 def test_planned_memory_within_15_percent_of_measured_tiny_tp2(tmp_path):
     """Every stage at TP=2 over two gloo ranks (about 20 s). Gloo's worker thread frees many of

@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-length", type=int, help="prompt tokens (default: half)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     parser.add_argument(
+        "--max-tokens-per-micro-batch",
+        type=int,
+        help="plan packed scoring/update micro-batches of this many tokens (ppo.packing)",
+    )
+    parser.add_argument(
         "--gpu", default="H100", help="hardware for the time estimate (H200, H100, A100, ...)"
     )
     parser.add_argument("--reserve-gb", type=float, default=2.0, help="held back per GPU")
@@ -93,6 +98,12 @@ def request_from_args(args):
     for name in ("gpus", "rollout_sequences", "max_length", "micro_batch", "top"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    budget = args.max_tokens_per_micro_batch
+    if budget is not None and budget < args.max_length:
+        raise InputError(
+            f"--max-tokens-per-micro-batch must be >= --max-length ({args.max_length}), "
+            f"got {budget}: a pack holds at least one whole sequence"
+        )
     if not args.gpu_memory_gb > 0:
         raise InputError(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb}")
     if args.prompt_length is not None and not 0 < args.prompt_length < args.max_length:
@@ -116,6 +127,7 @@ def request_from_args(args):
         max_length=args.max_length,
         prompt_length=args.prompt_length,
         micro_batch=args.micro_batch,
+        max_tokens_per_micro_batch=budget,
         reserve_gb=args.reserve_gb,
         gpu=gpu,
     )
@@ -130,6 +142,7 @@ def request_dict(request) -> dict:
         "max_length": request.max_length,
         "prompt_length": request.prompt,
         "micro_batch": request.micro_batch,
+        "max_tokens_per_micro_batch": request.max_tokens_per_micro_batch,
         "reserve_gb": request.reserve_gb,
     }
 
@@ -205,6 +218,8 @@ def write_config(plan, request, args) -> None:
     )
     config.setdefault("data", {})["max_prompt_length"] = request.prompt
     config.setdefault("ppo", {})["micro_batch_size"] = request.micro_batch
+    if request.max_tokens_per_micro_batch is not None:
+        config["ppo"]["max_tokens_per_micro_batch"] = request.max_tokens_per_micro_batch
     config.setdefault("train", {})["bf16"] = True
     with atomic_output(out) as tmp:
         header = f"# written by tools/plan_parallelism.py: {request.gpus} x {request.gpu_memory_gb:g} GB, est. {plan.total_bytes / 1e9:.1f} GB/GPU, {plan.step_seconds:.1f} s/step{'' if plan.fits else ' (DOES NOT FIT)'}\n"

@@ -63,6 +63,17 @@ class Workload:
     fused_attention: bool = False
     """TransformerEngine's fused ALiBi attention (GPUs): the (s x s) scores are never stored,
     only the fp32 log-sum-exp per query; False: our PyTorch core attention (the CPU path)."""
+    packed_sequence_len: int | None = None
+    """Packed micro-batches (``train.packing`` / ``ppo.packing``): ``micro_batch`` 1 row of
+    ``seq_len`` tokens (the budget) holding sequences of at most this many tokens, each
+    attended alone (the THD path), so a layer's scores are at most ``seq_len`` x this per head,
+    not ``seq_len``²; None: padded rows, or a pack under the block-diagonal mask (sequence
+    parallelism, TE layers), whose scores are ``seq_len``²."""
+
+    @property
+    def key_len(self) -> int:
+        """Keys each query's attention scores span (at most)."""
+        return min(self.packed_sequence_len or self.seq_len, self.seq_len)
 
 
 @dataclass(kw_only=True)
@@ -125,22 +136,31 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, work: Workload, se
     if work.fused_attention:
         scores = a * seq * b / t * 4  # the softmax statistics flash attention keeps
     else:
-        scores = a * seq * seq * b / t * (4 + (e if e < 4 else 0))
+        keys = min(work.key_len, seq)
+        scores = a * seq * keys * b / t * (4 + (e if e < 4 else 0))
     layer_norm_stats = 4 * seq * b * 4
     return (replicated + 12 * sbh / t) * e + scores + layer_norm_stats
 
 
 def layer_forward_bytes(
-    shape: ModelShape, layout: Layout, rows: int, seq: int, e: int, fused_attention: bool = False
+    shape: ModelShape,
+    layout: Layout,
+    rows: int,
+    seq: int,
+    e: int,
+    fused_attention: bool = False,
+    key_len: int | None = None,
 ) -> float:
     """Peak temporaries of one layer's forward without autograd: the residual stream and
     LayerNorm output, QKV and its permuted copies, and two fp32 score tensors at once (matmul,
-    scale, ALiBi add and mask each write a new one), or the MLP's fc1 and GELU outputs."""
+    scale, ALiBi add and mask each write a new one), or the MLP's fc1 and GELU outputs.
+    ``key_len``: keys per query (a packed row's longest sequence; None: ``seq``)."""
     h, a, t = shape.hidden_size, shape.num_heads, layout.tp
     sbh = rows * seq * h
     attention = (2 * sbh + 5 * sbh / t) * e
     if not fused_attention:
-        attention += 2 * a * seq * seq * rows / t * 4
+        keys = min(key_len or seq, seq)
+        attention += 2 * a * seq * keys * rows / t * 4
     mlp = (2 * sbh + 8 * sbh / t) * e
     return max(attention, mlp)
 
@@ -207,8 +227,9 @@ def forward_memory(shape: ModelShape, layout: Layout, head: str, work: Workload)
     for stage in range(layout.pp):
         memory = static_memory(shape, layout, head, False, work, stage)
         layer = layer_forward_bytes(
-            shape, layout, work.micro_batch, work.seq_len, work.element_bytes
-        )
+            shape, layout, work.micro_batch, work.seq_len, work.element_bytes,
+            work.fused_attention, work.key_len,
+        )  # fmt: skip
         if stage == layout.pp - 1 and head == "lm":
             memory.logits = logits_bytes(shape, layout, work, training=False)
         memory.activations = max(layer, 2 * sbh + memory.logits) - memory.logits

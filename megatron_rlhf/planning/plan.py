@@ -54,6 +54,9 @@ class PlanRequest:
     """Prompt tokens (default: half of max_length)."""
     micro_batch: int = 1
     """Sequences per training/scoring micro-batch."""
+    max_tokens_per_micro_batch: int | None = None
+    """Packed scoring/update micro-batches (``ppo.packing``) of this many tokens instead of
+    ``micro_batch`` padded rows."""
     reserve_gb: float = 2.0
     """Held back per GPU for the CUDA context, NCCL buffers and fragmentation."""
     gpu: hardware.GPU = field(default_factory=lambda: hardware.DEFAULT_GPU)
@@ -116,12 +119,27 @@ def candidate_layouts(shape: ModelShape, gpus: int) -> list[Layout]:
 
 
 def role_workload(request: PlanRequest, layout: Layout, recompute: bool) -> Workload:
+    """A role's micro-batches: ``micro_batch`` padded rows, or (``max_tokens_per_micro_batch``)
+    one packed row of that many tokens, as full as the budget allows. A pack's sequences are
+    attended alone (``packed_sequence_len``) except under sequence parallelism (here at tp > 1),
+    where the block-diagonal mask costs the whole row's scores."""
     per_replica = max(1, request.rollout_sequences // layout.dp)
+    rows, width, response, microbatches = (
+        request.micro_batch, request.max_length, request.response,
+        max(1, per_replica // request.micro_batch),
+    )  # fmt: skip
+    budget, sequence = request.max_tokens_per_micro_batch, None
+    if budget is not None:
+        rows, width = 1, budget
+        response = max(1, budget * request.response // request.max_length)
+        microbatches = max(1, -(-per_replica * request.max_length // budget))
+        sequence = request.max_length if layout.tp == 1 else None
     return Workload(
-        micro_batch=request.micro_batch,
-        seq_len=request.max_length,
-        response_len=request.response,
-        num_microbatches=max(1, per_replica // request.micro_batch),
+        micro_batch=rows,
+        seq_len=width,
+        response_len=response,
+        num_microbatches=microbatches,
+        packed_sequence_len=sequence,
         element_bytes=2,
         recompute=recompute,
         sequence_parallel=layout.tp > 1,

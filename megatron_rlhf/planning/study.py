@@ -51,6 +51,9 @@ class StudyWork:
     """Response tokens per sequence (generated, or scored/trained on)."""
     microbatches: int = 2
     """Micro-batches per training step (1F1B keeps min(pp, this) in flight)."""
+    packed: bool = False
+    """Training and scoring micro-batches are one packed row of the ``micro_batch`` sequences
+    (each attended alone, data/packing.py) instead of ``micro_batch`` rows."""
 
     @property
     def seq_len(self) -> int:
@@ -64,14 +67,19 @@ def planned_bytes(
     ``fused_attention``: the model runs TransformerEngine's attention."""
     e = 4 if not torch.cuda.is_available() else 2
     layout = Layout(tp=tp, pp=pp, dp=dp)
+    rows, width, response, sequence = work.micro_batch, work.seq_len, work.response_len, None
+    if work.packed and stage != "generate":
+        rows, width, response = 1, work.micro_batch * width, work.micro_batch * response
+        sequence = work.seq_len
     load = memory.Workload(
-        micro_batch=work.micro_batch,
-        seq_len=work.seq_len,
-        response_len=work.response_len,
+        micro_batch=rows,
+        seq_len=width,
+        response_len=response,
         num_microbatches=work.microbatches,
         element_bytes=e,
         distributed_optimizer=torch.cuda.is_available(),
         fused_attention=fused_attention,
+        packed_sequence_len=sequence,
     )
     if stage == "actor_train":
         return memory.train_memory(shape, layout, "lm", load).total
@@ -167,6 +175,11 @@ def _build(shape: ModelShape, stage: str, work: StudyWork):
     if stage == "generate":
         prompt_ids, prompt_mask = ids[:, : work.prompt_len], mask[:, : work.prompt_len]
         return model, _generate_step(model, prompt_ids, prompt_mask, work)
+    if work.packed:  # the rows back to back in one, each sequence its own id
+        ids, mask = (
+            ids.reshape(1, -1),
+            (torch.arange(ids.numel(), device=ids.device) // work.seq_len + 1)[None],
+        )
     if stage == "score":
         return model, _score_step(model, ids, mask, work)
     return model, _train_step(model, stage, ids, mask, work)
@@ -177,8 +190,15 @@ def _response_logprobs(model, logits_shard, ids, work: StudyWork) -> torch.Tenso
     through the fused kernel PPO's scoring and policy loss are built on."""
     from megatron_rlhf.kernels import token_logprobs
 
-    predicting = logits_shard[:, work.prompt_len - 1 : work.seq_len - 1]  # (B, N, V/tp)
-    targets = ids[:, work.prompt_len : work.seq_len]  # (B, N)
+    if work.packed:  # each sequence's response positions of the one packed row
+        starts = torch.arange(work.micro_batch, device=ids.device)[:, None] * work.seq_len
+        positions = (
+            starts + torch.arange(work.prompt_len - 1, work.seq_len - 1, device=ids.device)
+        ).reshape(-1)
+        predicting, targets = logits_shard[:, positions], ids[:, positions + 1]  # (1, B*N, ...)
+    else:
+        predicting = logits_shard[:, work.prompt_len - 1 : work.seq_len - 1]  # (B, N, V/tp)
+        targets = ids[:, work.prompt_len : work.seq_len]  # (B, N)
     return token_logprobs(predicting, targets, 1.0, vocab_group(model_groups(model)))
 
 

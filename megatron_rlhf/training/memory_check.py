@@ -86,9 +86,10 @@ def check_trainer(
 
     model, parallel, train = config.model, config.parallel, config.train
     layout = Layout(tp=parallel.tp, pp=parallel.pp, dp=dp)
-    rows, width = train.micro_batch_size * rows_per_example, seq_len
-    if max_tokens is not None:
+    rows, width, sequence = train.micro_batch_size * rows_per_example, seq_len, None
+    if max_tokens is not None:  # one row; each sequence attended alone unless under SP
         rows, width = 1, max_tokens
+        sequence = None if parallel.sequence_parallel else seq_len
     work = Workload(
         micro_batch=rows,
         seq_len=width,
@@ -98,6 +99,7 @@ def check_trainer(
         recompute=model.recompute_activations,
         sequence_parallel=parallel.sequence_parallel,
         distributed_optimizer=sharded_optimizer,
+        packed_sequence_len=sequence,
     )
     per_rank_rows = -(-train.global_batch_size // dp) * rows_per_example
     batch_keys = "train.micro_batch_size, data.max_length or model.recompute_activations=true"
