@@ -205,23 +205,9 @@ def ppo_update(
                 tp_group=vocab_group(actor.groups),
             )
             actor_metrics = actor.engine.step(actor_mbs, loss_fn)
-            critic_mbs = [
-                {
-                    "input_ids": m.sequences,
-                    "padding_mask": m.attention_mask,
-                    "prompt_length": m.prompt_length,
-                    "old_values": m.values,
-                    "returns": m.returns,
-                    "response_mask": m.response_mask,
-                    "tokens": tokens,
-                }
-                for m in _my_microbatches(experience, rows, critic.groups, ppo.micro_batch_size)
-            ]
-            if max_tokens:
-                critic_mbs = _packed_microbatches(
-                    experience, rows, critic.groups, max_tokens, tokens, None, pad_id
-                )
-            _set_loss_scale(critic_mbs, critic.groups)
+            critic_mbs = _critic_microbatches(
+                experience, rows, critic.groups, ppo.micro_batch_size, tokens, pad_id, max_tokens
+            )
             critic_metrics = critic.engine.step(critic_mbs, partial(critic_loss, ppo.value_clip))
             actor_keys = ACTOR_METRICS + (("rehearsal_nll",) if rehearsal else ())
             for role, metrics, keys, count in (
@@ -260,6 +246,29 @@ def _actor_microbatches(
     _pad_to_common_width(mbs, pad_id)
     _set_loss_scale(mbs, groups)
     return mbs
+
+
+def _critic_microbatches(
+    experience, rows, groups, micro_batch_size, tokens, pad_id, max_tokens
+) -> list[dict]:
+    """This DP rank's critic microbatches of the global minibatch ``rows``: packed when
+    ``max_tokens`` is set, else ``micro_batch_size`` padded rows."""
+    if max_tokens:
+        return _packed_microbatches(experience, rows, groups, max_tokens, tokens, None, pad_id)
+    microbatches = [
+        {
+            "input_ids": m.sequences,
+            "padding_mask": m.attention_mask,
+            "prompt_length": m.prompt_length,
+            "old_values": m.values,
+            "returns": m.returns,
+            "response_mask": m.response_mask,
+            "tokens": tokens,
+        }
+        for m in _my_microbatches(experience, rows, groups, micro_batch_size)
+    ]
+    _set_loss_scale(microbatches, groups)
+    return microbatches
 
 
 def _packed_microbatches(
