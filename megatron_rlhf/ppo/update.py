@@ -238,11 +238,10 @@ def _actor_microbatches(
     if rehearsal is not None:  # this rank's share of the global rehearsal microbatches
         mine = rehearsal[dp_rows(len(rehearsal), groups.dp.size(), groups.dp.rank())]
     mbs = [actor_microbatch(m, mine[i] if mine else None, pad_id) for i, m in enumerate(micro)]
-    rehearsal_tokens = sum(float(r["loss_mask"][:, 1:].sum()) for r in rehearsal or [])
-    rehearsal_rows = sum(r["loss_mask"].shape[0] for r in rehearsal or [])
+    counts = _rehearsal_counts(rehearsal)
     for mb in mbs:
-        mb["tokens"], mb["rehearsal_tokens"] = tokens, rehearsal_tokens
-        mb["rehearsal_rows"] = rehearsal_rows
+        mb["tokens"] = tokens
+        mb.update(counts)
     _pad_to_common_width(mbs, pad_id)
     _set_loss_scale(mbs, groups)
     return mbs
@@ -294,6 +293,7 @@ def _packed_microbatches(
     extra_of_pack = balance_by_tokens([len(ids) for ids, _ in extra], len(packs), loads)
     p, n = experience.prompt_length, experience.response_mask.shape[1]
     steps = torch.arange(n, device=experience.sequences.device)
+    counts = _rehearsal_counts(rehearsal)
     microbatches = []
     for pack, extra_rows in zip(packs, extra_of_pack):
         sub = experience.select(rows[[share[j] for j in pack]])
@@ -319,15 +319,20 @@ def _packed_microbatches(
                 loss_mask = extra[r][1]
                 targets[start + 1 : start + len(loss_mask)] = loss_mask[1:]
             microbatch["rehearsal_positions"] = targets[1:].nonzero()[:, 0]
-            microbatch["rehearsal_tokens"] = sum(
-                float(r["loss_mask"][:, 1:].sum()) for r in rehearsal
-            )
-            microbatch["rehearsal_rows"] = sum(r["loss_mask"].shape[0] for r in rehearsal)
+            microbatch.update(counts)
         microbatches.append(microbatch)
     if groups.pp.size() > 1:  # one activation shape through the pipeline
         _pad_to_common_width(microbatches, pad_id)
     _set_loss_scale(microbatches, groups)
     return microbatches
+
+
+def _rehearsal_counts(rehearsal: list[dict] | None) -> dict:
+    """The global minibatch's rehearsal target tokens and rows (the NLL's denominators)."""
+    return {
+        "rehearsal_tokens": sum(float(r["loss_mask"][:, 1:].sum()) for r in rehearsal or []),
+        "rehearsal_rows": sum(r["loss_mask"].shape[0] for r in rehearsal or []),
+    }
 
 
 def _rehearsal_sequences(rehearsal: list[dict], groups, experience) -> list[tuple]:

@@ -126,8 +126,9 @@ def pack_pairs(rows: dict) -> dict:
     from megatron_rlhf.data.packing import pack_rows
 
     packed = pack_rows(rows["input_ids"], rows["padding_mask"])
-    kept = {k: v for k, v in rows.items() if k not in ("input_ids", "padding_mask")}
-    kept.pop("prompt_lengths")
+    kept = {
+        k: v for k, v in rows.items() if k not in ("input_ids", "padding_mask", "prompt_lengths")
+    }
     return {
         **kept,
         "input_ids": packed.input_ids,

@@ -198,8 +198,8 @@ class SequenceBatches(loop.Batches):
         return np.minimum(stream_lengths(train_set, "tokens", indices), self.max_length).tolist()
 
     def collate(self, chunks: list[list[dict]]) -> list[dict]:
-        """One step's microbatches, all of one width (pipeline schedules send one activation
-        shape): packed when packing, else padded."""
+        """One step's microbatches of sequences truncated to ``max_length``: packed when
+        packing, else padded."""
         for chunk in chunks:
             for sample in chunk:
                 sample["input_ids"] = sample["input_ids"][: self.max_length]
