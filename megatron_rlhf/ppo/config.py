@@ -101,6 +101,15 @@ class PPOConfig:
     """Token budget of a packed micro-batch (None: ``micro_batch_size`` x the step's padded
     row width, the tokens a padded micro-batch holds). Rehearsal rows ride on the update's
     packs beyond it, spread by tokens, as they ride on padded micro-batches."""
+    old_logprobs: Literal["auto", "rollout", "recompute"] = "auto"
+    """Where log pi_old (the PPO ratio's denominator and the KL term's policy side) comes from.
+    rollout: the log-probs the rollout computed for the tokens it sampled (same weights,
+    temperature 1), as TRL does: no actor forward in scoring (at BLOOM-560m's vocabulary, a
+    fifth of a CPU PPO step). recompute: an actor forward over the finished sequences, as
+    verl and OpenRLHF do; with bf16 weights a KV-cached decode and a full forward round
+    differently (~1e-2 in a log-prob), so only recomputing makes the first ratio exactly 1.
+    auto: rollout when the weights are fp32 and rollout.temperature is 1 (the two then agree
+    to ~1e-6), else recompute."""
     clip_ratio: float = 0.2
     """epsilon of the clipped policy objective: ratios outside [1 - eps, 1 + eps] get no
     gradient."""

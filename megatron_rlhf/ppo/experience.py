@@ -21,6 +21,7 @@ class Experience:
     response_mask: torch.Tensor  # (B, N) 1 on generated tokens (EOS included)
     prompt_index: torch.Tensor  # (B,) index of each prompt in the prompt dataset
     prompt_length: int  # P, the padded prompt width
+    rollout_logprobs: torch.Tensor | None = None  # (B, N) log pi(a_t|s_t) as sampled, T = 1
     logprobs: torch.Tensor | None = None  # (B, N) log pi_old(a_t|s_t) of the actor
     ref_logprobs: torch.Tensor | None = None  # (B, N) log pi_ref(a_t|s_t)
     values: torch.Tensor | None = None  # (B, N) critic V(s_t)

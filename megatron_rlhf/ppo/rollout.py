@@ -15,7 +15,7 @@ def rollout(actor, prompts: dict, sampling: SamplingConfig) -> Experience:
     """Generate one response per prompt (on the actor's groups); ``prompts`` is
     ``collate_prompts`` output."""
     out = generate(actor, prompts["input_ids"], prompts["attention_mask"], sampling)
-    return _experience(prompts, out.response_ids, out.response_mask)
+    return _experience(prompts, out.response_ids, out.response_mask, out.response_logprobs)
 
 
 def rollout_global(engine, prompts: dict, sampling: SamplingConfig, row_seeds) -> Experience:
@@ -31,7 +31,8 @@ def rollout_global(engine, prompts: dict, sampling: SamplingConfig, row_seeds) -
     )
     response_ids = gather_rows(out.response_ids, dp, sampling.pad_id)
     response_mask = gather_rows(out.response_mask, dp, 0)
-    return _experience(prompts, response_ids, response_mask)
+    logprobs = gather_rows(out.response_logprobs, dp, 0.0)
+    return _experience(prompts, response_ids, response_mask, logprobs)
 
 
 def step_row_seeds(seed: int, step: int, rows: int) -> list[int]:
@@ -40,7 +41,7 @@ def step_row_seeds(seed: int, step: int, rows: int) -> list[int]:
     return [(seed * 1_000_003 + step) * 100_003 + row for row in range(rows)]
 
 
-def _experience(prompts: dict, response_ids: torch.Tensor, response_mask: torch.Tensor):
+def _experience(prompts: dict, response_ids, response_mask, rollout_logprobs) -> Experience:
     device = response_ids.device  # the compute device: the experience stays there
     prompt_ids = prompts["input_ids"].to(device)  # (B, P)
     prompt_mask = prompts["attention_mask"].to(device)
@@ -50,4 +51,5 @@ def _experience(prompts: dict, response_ids: torch.Tensor, response_mask: torch.
         response_mask=response_mask,
         prompt_index=prompts["index"],
         prompt_length=prompt_ids.shape[1],
+        rollout_logprobs=rollout_logprobs,
     )

@@ -141,7 +141,9 @@ def _score_packed(experience, models, reward_kind, temperature, max_tokens, rewa
         last = packed.starts + packed.lengths - 1  # (k,) each row's last token
         for role, model in models.items():
             groups = model_groups(model)
-            output = pipeline_forward(model, packed.input_ids, packed.segments)
+            # log-probs need the logits of the positions predicting a response token only
+            select = {"output_positions": predicting[real]} if role in LM_ROLES else {}
+            output = pipeline_forward(model, packed.input_ids, packed.segments, **select)
             name, value, shape = _from_packed_output(
                 role, output, packed, predicting, real, last, packed.starts + prompt - 1,
                 temperature, reward_kind, groups,
@@ -163,11 +165,11 @@ def _from_packed_output(
     rows, n = predicting.shape
     if not is_last_stage(groups):
         return FIELD_OF_ROLE[role], None, (rows,) if role == "reward" else (rows, n)
-    if role in ("actor", "reference"):
-        all_logprobs = token_logprobs(
-            output[:, :-1], packed.input_ids[:, 1:], temperature, vocab_group(groups)
-        )[0]  # (T - 1,) log p(token j + 1 | ..., token j)
-        return FIELD_OF_ROLE[role], all_logprobs[predicting] * real, (rows, n)
+    if role in LM_ROLES:  # output: the logits (1, M, V/tp) at predicting[real]
+        targets = packed.input_ids[:, predicting[real] + 1]
+        logprobs = token_logprobs(output, targets, temperature, vocab_group(groups))[0]
+        spread = logprobs.new_zeros((rows, n)).masked_scatter(real, logprobs)
+        return FIELD_OF_ROLE[role], spread, (rows, n)
     if role == "critic":
         return "values", output[0, :, 0].float()[predicting] * real, (rows, n)
     if output.shape[-1] != NUM_OUTPUTS[reward_kind]:
@@ -176,6 +178,7 @@ def _from_packed_output(
     return "scores", advantage_scores(rewards, expected), (rows,)
 
 
+LM_ROLES = ("actor", "reference")
 FIELD_OF_ROLE = {
     "actor": "logprobs",
     "reference": "ref_logprobs",

@@ -66,6 +66,12 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
     budget = config.ppo.max_tokens_per_micro_batch
     if budget is not None and budget < 1:
         problems.append(f"ppo.max_tokens_per_micro_batch={budget} must be >= 1 (or null)")
+    if config.ppo.old_logprobs == "rollout" and config.rollout.temperature != 1.0:
+        problems.append(
+            f"ppo.old_logprobs=rollout needs rollout.temperature=1 (it is "
+            f"{config.rollout.temperature}): the rollout's log-probs are at temperature 1; "
+            "use ppo.old_logprobs=recompute or auto"
+        )
     if problems:
         raise InputError("; ".join(problems))
     if (models.reward is None) == (models.reward_fn is None):

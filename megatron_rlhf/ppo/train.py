@@ -3,8 +3,10 @@
     torchrun --nproc-per-node N -m megatron_rlhf train-ppo --config FILE [key=value ...]
 
 Each step is the four stages of the paper's recipe, in order:
-  rollout     (rollout.py)     sample responses of the actor (KV-cached generation)
-  score       (scoring.py)     old/reference log-probs, values, AM/RM scores
+  rollout     (rollout.py)     sample responses of the actor (KV-cached generation), with
+                               their log-probs (log pi_old: ppo.old_logprobs)
+  score       (scoring.py)     reference log-probs (and old ones if recomputed), values,
+                               AM/RM scores
   advantages  (advantages.py)  -beta*KL shaped rewards (Eq. 2), GAE, DP-wide whitening
   update      (update.py)      PPO epochs; with rehearsal, L_PPO + gamma*NLL(D_R) (Eq. 9)
 Checkpoints (actor, critic, optimizers, schedules, KL controller, reward normaliser, RNG, data
@@ -38,7 +40,7 @@ from megatron_rlhf.ppo.setup import (
     world_size,
 )
 from megatron_rlhf.ppo.update import ppo_update
-from megatron_rlhf.training.command import say_if_finished
+from megatron_rlhf.training.command import say_if_finished, use_bf16
 from megatron_rlhf.training.guards import NonFiniteGuard
 from megatron_rlhf.training.run_dir import first_logged, open_run
 from megatron_rlhf.training.signals import EXIT_SAVED_ON_SIGNAL, ExitSignals, stopped_message
@@ -85,6 +87,7 @@ class PPOTrainer:
         train = config.train
         self.roles = build_roles(plan, initialize_layouts(plan.layouts), seed=train.seed)
         self.actor, self.critic = self.roles.actor, self.roles.critic
+        self.reuse_rollout_logprobs = reuses_rollout_logprobs(config)
         self.reward_fn = (
             import_reward_fn(config.models.reward_fn) if config.models.reward_fn else None
         )
@@ -122,6 +125,8 @@ class PPOTrainer:
                 self.sampling(),
                 step_row_seeds(config.train.seed, self.step, rows),
             )
+            if self.reuse_rollout_logprobs:
+                experience.logprobs = experience.rollout_logprobs
             timings["rollout"], t0 = time.time() - t0, time.time()
             experience = score_in_layouts(
                 experience,
@@ -219,7 +224,9 @@ class PPOTrainer:
 
     def scoring_roles(self) -> list:
         roles = self.roles
-        scored = [roles.actor, roles.reference, roles.critic]
+        scored = [roles.reference, roles.critic]
+        if not self.reuse_rollout_logprobs:
+            scored.insert(0, roles.actor)
         if self.config.ppo.algorithm == "rejection_sampling":
             scored = []
         return scored + ([roles.reward] if roles.reward is not None else [])
@@ -348,6 +355,16 @@ class PPOTrainer:
         if is_rank0():
             print(f"[train-ppo] resumed from {latest} at step {self.step}", flush=True)
         say_if_finished("train-ppo", latest, self.step, self.config.train.steps)
+
+
+def reuses_rollout_logprobs(config) -> bool:
+    """Whether log pi_old is the rollout's own (``ppo.old_logprobs``; auto: fp32 weights and
+    temperature 1, where a recomputing forward would agree to rounding)."""
+    choice = config.ppo.old_logprobs
+    if choice == "auto":
+        fp32 = not use_bf16(config.train.bf16, "train.bf16")
+        return fp32 and config.rollout.temperature == 1.0
+    return choice == "rollout"
 
 
 def observed_kl(experience) -> tuple[float, int]:

@@ -68,7 +68,7 @@ def actor_loss(
     means. The returned loss is multiplied by ``mb["loss_scale"]`` (microbatches x DP ranks) to
     undo the schedule's and DDP's averaging; the metrics are each microbatch's share.
     """
-    if "predicting" in mb:  # packed (_packed_microbatches)
+    if "predicting" in mb:  # packed: logits of mb["output_positions"] only (_select_outputs)
         logprobs, entropy = packed_response_logprobs(logits, mb, temperature, tp_group)
     else:
         ppo_rows = mb["num_ppo_rows"]
@@ -95,8 +95,9 @@ def actor_loss(
     if "rehearsal_loss_mask" in mb or "rehearsal_positions" in mb:
         if "rehearsal_positions" in mb:  # packed: the positions predicting a target token
             positions = mb["rehearsal_positions"]
-            rehearsal_logits = logits[:, positions]  # (1, M, V/tp)
-            targets = mb["input_ids"][:, positions + 1]  # (1, M)
+            first = logits.shape[1] - positions.shape[0]  # (1, R, V/tp) follow the PPO's M
+            rehearsal_logits = logits[:, first:]
+            targets = mb["input_ids"][:, positions + 1]  # (1, R)
             target_mask = torch.ones_like(targets)
         else:
             rehearsal_logits = logits[ppo_rows:, :-1]  # (R, S - 1, V/tp)
@@ -135,12 +136,13 @@ def critic_loss(value_clip: float, values: torch.Tensor, mb: dict):
 
 def packed_response_logprobs(logits: torch.Tensor, mb: dict, temperature: float, tp_group):
     """:func:`response_logprobs` of a packed row: log pi and entropy (k, N) of each packed PPO
-    row's response tokens, computed only at the positions that predict one (0 elsewhere)."""
+    row's response tokens (0 elsewhere) from the logits (1, K, V/tp) of the microbatch's
+    ``output_positions``, whose first M are the positions predicting them."""
     real = mb["response_mask"].bool()  # (k, N)
     positions = mb["predicting"][real]  # (M,)
     logprobs, entropy = token_logprobs(
-        logits[:, positions], mb["input_ids"][:, positions + 1], temperature, tp_group,
-        return_entropy=True,
+        logits[:, : positions.shape[0]], mb["input_ids"][:, positions + 1], temperature,
+        tp_group, return_entropy=True,
     )  # fmt: skip
     spread = []
     for flat in (logprobs, entropy):
@@ -192,6 +194,8 @@ def ppo_update(
                 actor_mbs = _packed_microbatches(
                     experience, rows, actor.groups, max_tokens, tokens, rehearsal, pad_id
                 )
+                for mb in actor_mbs:
+                    mb["output_positions"] = _actor_output_positions(mb)
             else:
                 actor_mbs = _actor_microbatches(
                     experience, rows, actor.groups, ppo.micro_batch_size, tokens, rehearsal, pad_id
@@ -325,6 +329,15 @@ def _packed_microbatches(
         _pad_to_common_width(microbatches, pad_id)
     _set_loss_scale(microbatches, groups)
     return microbatches
+
+
+def _actor_output_positions(microbatch: dict) -> torch.Tensor:
+    """The columns of a packed actor microbatch whose logits the loss reads: those predicting a
+    response token (in ``predicting`` order), then those predicting a rehearsal target. The
+    LM head runs on these alone (``BloomModel.forward(output_positions=...)``): at BLOOM's
+    vocabulary it is most of the actor's FLOPs, and prompt positions are most of a row."""
+    ppo = microbatch["predicting"][microbatch["response_mask"].bool()]
+    return torch.cat([ppo, microbatch.get("rehearsal_positions", ppo[:0])])
 
 
 def _rehearsal_counts(rehearsal: list[dict] | None) -> dict:

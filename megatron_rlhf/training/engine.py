@@ -127,6 +127,7 @@ class TrainEngine:
             use_gloo_process_groups=False,
             pg_collection=groups,
         )
+        fuse_cpu_adam(self.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
         self.steps_done = 0
         self.clip_grad = optim.clip_grad
@@ -199,6 +200,7 @@ class TrainEngine:
         prefix = self.checkpoint_prefix
         self.module.load_state_dict({k.removeprefix(prefix): v for k, v in loaded["model"].items()})
         self.optimizer.load_state_dict(loaded["optimizer"])
+        fuse_cpu_adam(self.optimizer)  # a loaded state brings its param groups' flags
 
     def scheduler_state(self) -> dict:
         return {"scheduler": self.scheduler.state_dict(), "steps_done": self.steps_done}
@@ -206,6 +208,24 @@ class TrainEngine:
     def load_scheduler_state(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps_done = state["steps_done"]
+
+
+def fuse_cpu_adam(optimizer) -> None:
+    """Run torch's fused Adam kernel on CPU parameters.
+
+    Without Transformer Engine or Apex, Megatron-Core builds ``torch.optim.Adam``/``AdamW``
+    with torch's defaults, and for CPU tensors those pick the per-tensor loop (``foreach`` and
+    ``fused`` are CUDA defaults): at 307M parameters (BLOOM-560m's vocabulary, 4 layers) one
+    step takes 1.2-1.7 s on 2 cores against 0.17 s fused, and a PPO step makes two (actor and
+    critic). The fused kernel computes the same update up to rounding. GPU parameters keep what Megatron-Core chose (TE/Apex fused Adam, or torch's CUDA
+    default)."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            if group["params"] and all(p.device.type == "cpu" for p in group["params"]):
+                group.update(fused=True, foreach=False, differentiable=False, capturable=False)
 
 
 def build_lr_scheduler(optimizer, optim: OptimConfig, total_steps: int):
@@ -233,7 +253,9 @@ def _forward_step(loss_fn, data_iterator, model):
         key: value.to(device) if isinstance(value, torch.Tensor) else value
         for key, value in next(data_iterator).items()
     }
-    output = model(microbatch["input_ids"], microbatch["padding_mask"])
+    positions = microbatch.get("output_positions")  # only these columns' outputs (BloomModel)
+    kwargs = {} if positions is None else {"output_positions": positions}
+    output = model(microbatch["input_ids"], microbatch["padding_mask"], **kwargs)
     return output, partial(_loss_on_last_stage, loss_fn, microbatch)
 
 

@@ -19,6 +19,9 @@ inputs on the model's device and refuses others; callers place batches with ``co
 
 from __future__ import annotations
 
+import weakref
+from functools import partial
+
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
@@ -172,6 +175,10 @@ class BloomModel(GPTModel):
             self.num_valid_local_vocab = max(
                 0, min(self.vocab_size // tp, arch.vocab_size - vocab_start)
             )
+            self._output_positions = None  # set for the length of one forward
+            self.output_layer.register_forward_pre_hook(
+                partial(_select_output_positions, weakref.ref(self)), with_kwargs=True
+            )
 
     def forward(
         self,
@@ -180,7 +187,15 @@ class BloomModel(GPTModel):
         *,
         inference_context=None,
         runtime_gather_output: bool | None = None,
+        output_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The last stage's vocab shard of the logits (B, S, V/tp) (scalar head: (B, S, n)),
+        other stages' activations (S, B, H). ``output_positions`` (K,): only those columns'
+        outputs, (B, K, ...); for the LM head the vocabulary projection then runs on K
+        positions only (the positions that predict a response token: in PPO scoring and the
+        actor's update most of a row is prompt, whose logits nobody reads), except under
+        sequence parallelism, where the hidden states are split by position and the columns
+        are taken from the full logits."""
         self._check_device(input_ids, padding_mask)
         query_length = input_ids.shape[1]
         packed = self._packed_sequences(padding_mask, query_length, inference_context)
@@ -189,20 +204,33 @@ class BloomModel(GPTModel):
         else:
             attention_mask = attention_mask_for(padding_mask, query_length)
             key_positions = self._key_positions(padding_mask, query_length)
-        output = super().forward(
-            input_ids=input_ids,
-            position_ids=None,
-            attention_mask=attention_mask,
-            inference_context=inference_context,
-            runtime_gather_output=runtime_gather_output,
-            packed_seq_params=packed,
-            extra_block_kwargs={"attention_bias": key_positions},
+        select_first = (
+            output_positions is not None and self.head == "lm" and not self.config.sequence_parallel
         )
+        if select_first:
+            self._output_positions = output_positions
+        try:
+            output = super().forward(
+                input_ids=input_ids,
+                position_ids=None,
+                attention_mask=attention_mask,
+                inference_context=inference_context,
+                runtime_gather_output=runtime_gather_output,
+                packed_seq_params=packed,
+                extra_block_kwargs={"attention_bias": key_positions},
+            )
+        finally:
+            if select_first:
+                self._output_positions = None
         if not self.is_last_stage:
             return output  # (S, B, H) activations for the next stage
         if self.head == "scalar":
-            return self._scalar_outputs(output)
-        return self._mask_padded_vocab(output)
+            output = self._scalar_outputs(output)
+        else:
+            output = self._mask_padded_vocab(output)
+        if output_positions is not None and not select_first:
+            output = output[:, output_positions]
+        return output
 
     @property
     def device(self) -> torch.device:
@@ -324,6 +352,16 @@ def init_replicated_head(linear: torch.nn.Linear, std: float) -> None:
     with torch.no_grad():
         linear.weight.copy_(weight)
         linear.bias.zero_()
+
+
+def _select_output_positions(model_ref, output_layer, args, kwargs):
+    """Forward pre-hook of the LM head: keep the hidden states (S, B, H) of the columns
+    ``BloomModel.forward`` was asked for (its ``_output_positions``, set only during a call)."""
+    model = model_ref()
+    positions = None if model is None else model._output_positions
+    if positions is None:
+        return None
+    return (args[0].index_select(0, positions), *args[1:]), kwargs
 
 
 def _apply_embedding_layernorm(module, inputs, embeddings):

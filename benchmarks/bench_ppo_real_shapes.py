@@ -1,0 +1,336 @@
+"""A PPO step at BLOOM's real width and vocabulary: our ``train-ppo`` against TRL's PPOTrainer
+(issue 19), the same models, prompts and settings, side by side.
+
+    python benchmarks/bench_ppo_real_shapes.py --trl-python /path/to/venv-with-trl/bin/python \\
+        [--reps 3 --seeds 0 1 --steps 4 --size 560m]
+
+TRL lives in its own virtual environment so that ours stays as the README installs it; make it
+once with the same torch and transformers (``python -m venv --system-site-packages ENV &&
+ENV/bin/pip install trl==1.12.0``) and pass its interpreter. Without ``--trl-python`` only our
+side runs.
+
+Models: random BLOOMs built with transformers (``models/bloom/tiny.py``), one set per seed:
+``560m`` = BLOOM-560m's width and vocabulary (hidden 1,024, 16 heads, vocab 250,880) with 4
+layers; ``tiny`` = 4 layers x 128, vocab 512. The actor/reference is a ``BloomForCausalLM``;
+the reward model and the critic's initialisation one ``BloomForSequenceClassification`` (1
+label), as TRL's examples set them up. Prompts: 8 per step, 16 random tokens each (no padding),
+32 sampled new tokens (temperature 1; EOS is one token in 250,880, so rows run to the end on
+both sides). PPO: 1 epoch, 1 minibatch of 8, micro-batches of 4 (TRL: 4 per device x 2
+accumulation steps), k1 KL at 0.05, clip 0.2 / 0.2, gamma 1, lambda 0.95, whitened advantages,
+Adam at lr 1e-6 for actor and critic, fp32, no checkpoints, ``--threads`` torch threads.
+
+Each repetition runs both sides as fresh processes, one after the other, the order alternating.
+A process runs ``--steps`` PPO steps; step 1 is a warm-up and steps 2.. are timed. Per side:
+the median step of the process (and its phases: rollout, scoring, update; TRL's phases are
+timed by wrapping its ``batch_generation`` and its no-grad forwards), the peak RSS of the
+process (``wait4``), and start-up (launch to the first step's start). The table gives min /
+median / max over reps x seeds and the ratio of medians per seed; a claim holds only where every
+seed shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS_PER_STEP, PROMPT_TOKENS, NEW_TOKENS, MICRO = 8, 16, 32, 4
+SIZES = {
+    "560m": dict(vocab_size=250_880, hidden_size=1024, num_layers=4, num_heads=16),
+    "tiny": dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4),
+}
+PAD, EOS = 3, 2
+
+
+def build_inputs(root: Path, size: str, seed: int, steps: int) -> dict:
+    """Random actor and reward BLOOMs (HF safetensors) and the prompts of every step."""
+    import torch
+    from transformers import BloomConfig, BloomForSequenceClassification
+
+    from megatron_rlhf.data import write_prompt_dataset
+    from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
+
+    arch = tiny_architecture(**SIZES[size])
+    save_random_hf_bloom(root / "actor", arch, seed=seed)
+    config = BloomConfig(**{**arch.to_hf_dict(), "num_labels": 1, "pad_token_id": PAD})
+    torch.manual_seed(seed + 1)
+    BloomForSequenceClassification(config).save_pretrained(root / "reward")
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(
+        4, arch.vocab_size, (steps * PROMPTS_PER_STEP, PROMPT_TOKENS), generator=generator
+    ).tolist()
+    write_prompt_dataset(
+        root / "prompts", prompts, vocab_size=arch.vocab_size, eos_id=EOS, pad_id=PAD
+    )
+    (root / "trl_prompts.json").write_text(json.dumps(prompts))
+    return {"root": root, "seed": seed, "steps": steps}
+
+
+def ours_command(inputs: dict, output_dir: Path) -> list[str]:
+    import yaml
+
+    root = inputs["root"]
+    config = {
+        "models": {
+            "actor": str(root / "actor"),
+            "critic": str(root / "reward"),
+            "reward": str(root / "reward"),
+            "reward_kind": "rm",
+        },
+        "data": {"prompts": str(root / "prompts"), "max_prompt_length": PROMPT_TOKENS},
+        "rollout": {
+            "prompts_per_step": PROMPTS_PER_STEP,
+            "max_new_tokens": NEW_TOKENS,
+            "temperature": 1.0,
+        },
+        "ppo": {
+            "epochs": 1,
+            "num_minibatches": 1,
+            "micro_batch_size": MICRO,
+            "kl": {"coef": 0.05, "estimator": "k1"},
+        },
+        "actor_optim": {"lr": 1.0e-6, "warmup_fraction": 0.0},
+        "critic_optim": {"lr": 1.0e-6, "warmup_fraction": 0.0},
+        "train": {
+            "steps": inputs["steps"],
+            "seed": inputs["seed"],
+            "output_dir": str(output_dir),
+            "save_interval": 10_000,
+            "sample_interval": 10_000,
+        },
+    }
+    path = output_dir.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(config))
+    return [sys.executable, "-m", "megatron_rlhf", "train-ppo", "--config", str(path)]
+
+
+def ours_steps(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [
+        {
+            "step": r["time/step_s"],
+            "rollout": r["time/rollout_s"],
+            "scoring": r["time/score_s"],
+            "update": r["time/update_s"] + r.get("time/advantages_s", 0.0),
+        }
+        for r in records
+    ]
+
+
+def trl_command(inputs: dict, output_dir: Path, trl_python: str) -> list[str]:
+    return [
+        trl_python, __file__, "--trl-worker", str(inputs["root"]), "--output", str(output_dir),
+        "--steps", str(inputs["steps"]), "--seed", str(inputs["seed"]),
+    ]  # fmt: skip
+
+
+def trl_worker(root: Path, output_dir: Path, steps: int, seed: int) -> None:
+    """One TRL PPOTrainer run, each step's phases appended to ``output_dir/steps.jsonl``."""
+    import torch
+    from datasets import Dataset
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        PreTrainedTokenizerFast,
+        TrainerCallback,
+    )
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as trl_ppo
+
+    phases = {"rollout": 0.0, "scoring": 0.0}
+
+    def timed(function, phase_of):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                phase = phase_of()
+                if phase is not None:
+                    phases[phase] += time.perf_counter() - start
+
+        return wrapper
+
+    scoring = lambda: None if torch.is_grad_enabled() else "scoring"  # noqa: E731
+    trl_ppo.batch_generation = timed(trl_ppo.batch_generation, lambda: "rollout")
+    trl_ppo.forward = timed(trl_ppo.forward, scoring)
+    trl_ppo.get_reward = timed(trl_ppo.get_reward, scoring)
+
+    class StepTimer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            step = now - self.last
+            record = {"step": step, **phases, "update": step - sum(phases.values())}
+            with open(output_dir / "steps.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            phases.update(rollout=0.0, scoring=0.0)
+            self.last = now
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    words = {"<unk>": 0, "<s>": 1, "</s>": EOS, "<pad>": PAD}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(words, unk_token="<unk>")),
+        pad_token="<pad>", eos_token="</s>", bos_token="<s>", unk_token="<unk>",
+    )  # fmt: skip
+    prompts = json.loads((root / "trl_prompts.json").read_text())
+    dataset = Dataset.from_dict({"input_ids": prompts})
+    policy = AutoModelForCausalLM.from_pretrained(root / "actor", dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(root / "actor", dtype=torch.float32)
+    value = AutoModelForSequenceClassification.from_pretrained(root / "reward", num_labels=1)
+    reward = AutoModelForSequenceClassification.from_pretrained(root / "reward", num_labels=1)
+    args = PPOConfig(
+        output_dir=str(output_dir / "trl"),
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=PROMPTS_PER_STEP // MICRO,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        total_episodes=steps * PROMPTS_PER_STEP,
+        response_length=NEW_TOKENS,
+        temperature=1.0,
+        kl_coef=0.05,
+        kl_estimator="k1",
+        cliprange=0.2,
+        cliprange_value=0.2,
+        gamma=1.0,
+        lam=0.95,
+        learning_rate=1e-6,
+        lr_scheduler_type="constant",
+        local_rollout_forward_batch_size=PROMPTS_PER_STEP,
+        num_sample_generations=0,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=1,
+        seed=seed,
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        stop_token=None,
+    )
+    trainer = PPOTrainer(
+        args=args, processing_class=tokenizer, model=policy, ref_model=reference,
+        reward_model=reward, value_model=value, train_dataset=dataset, callbacks=[StepTimer()],
+    )  # fmt: skip
+    trainer.train()
+
+
+def run_side(command: list[str], steps_of, output_dir: Path, steps: int, threads: int) -> dict:
+    """Launch one process, wait for its steps, return its timings and peak RSS."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    log = open(output_dir.with_suffix(".log"), "w")
+    launched = time.time()
+    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    while True:
+        pid, _, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:  # exited by itself
+            break
+        if len(steps_of(output_dir)) >= steps:  # the last step is logged: skip the final save
+            proc.kill()
+            _, _, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.5)
+    finished = time.time()
+    log.close()
+    records = steps_of(output_dir)
+    if len(records) < steps:
+        tail = output_dir.with_suffix(".log").read_text()[-3000:]
+        raise SystemExit(f"{command[:4]} stopped after {len(records)} steps:\n{tail}")
+    timed = records[1:steps]
+    result = {
+        phase: statistics.median(r[phase] for r in timed)
+        for phase in ("step", "rollout", "scoring", "update")
+    }
+    result["rss_gb"] = usage.ru_maxrss / 2**20  # KiB
+    result["startup"] = finished - launched - sum(r["step"] for r in records[:steps])
+    return result
+
+
+def row(values: list[float], fmt: str) -> str:
+    return " / ".join(format(v, fmt) for v in (min(values), statistics.median(values), max(values)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trl-python", help="interpreter of a venv with trl installed")
+    parser.add_argument("--size", choices=sorted(SIZES), default="560m")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, default=4, help="PPO steps per process (>= 2)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work-dir", help="keep inputs and logs here (default: a temp dir)")
+    parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(Path(args.trl_worker), Path(args.output), args.steps, args.seed)
+        return
+    if args.steps < 2:
+        parser.error("--steps must be >= 2: step 1 is a warm-up")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_ppo_"))
+    sides = ["ours"] + (["trl"] if args.trl_python else [])
+    results = {side: {seed: [] for seed in args.seeds} for side in sides}
+    for seed in args.seeds:
+        inputs = build_inputs(work / f"seed{seed}", args.size, seed, args.steps)
+        for rep in range(args.reps):
+            order = sides if rep % 2 == 0 else sides[::-1]
+            for side in order:
+                output_dir = work / f"seed{seed}" / f"{side}_rep{rep}"
+                if side == "ours":
+                    command, steps_of = ours_command(inputs, output_dir), ours_steps
+                else:
+                    command = trl_command(inputs, output_dir, args.trl_python)
+                    steps_of = _trl_steps
+                result = run_side(command, steps_of, output_dir, args.steps, args.threads)
+                results[side][seed].append(result)
+                print(f"seed {seed} rep {rep} {side}: " + json.dumps(
+                    {k: round(v, 2) for k, v in result.items()}), flush=True)  # fmt: skip
+    print(f"\n{args.size}: B={PROMPTS_PER_STEP}, {PROMPT_TOKENS} prompt + {NEW_TOKENS} new tokens, "
+          f"{args.threads} threads; min / median / max over {args.reps} reps x {len(args.seeds)} seeds")  # fmt: skip
+    print("| side | step (s) | rollout | scoring | update | peak RSS (GB) | start-up (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for side in sides:
+        every = [r for seed in args.seeds for r in results[side][seed]]
+        cells = [
+            row([r[k] for r in every], ".1f") for k in ("step", "rollout", "scoring", "update")
+        ]
+        cells += [
+            row([r["rss_gb"] for r in every], ".2f"),
+            row([r["startup"] for r in every], ".0f"),
+        ]
+        print(f"| {side} | " + " | ".join(cells) + " |")
+    if "trl" in sides:
+        per_seed = [
+            statistics.median(r["step"] for r in results["trl"][seed])
+            / statistics.median(r["step"] for r in results["ours"][seed])
+            for seed in args.seeds
+        ]
+        ours = statistics.median(r["step"] for s in args.seeds for r in results["ours"][s])
+        trl = statistics.median(r["step"] for s in args.seeds for r in results["trl"][s])
+        print(f"\nTRL step / our step, medians: {trl / ours:.2f}x (per seed: "
+              + ", ".join(f"{v:.2f}x" for v in per_seed) + ")")  # fmt: skip
+    print(f"inputs and logs: {work}")
+
+
+def _trl_steps(output_dir: Path) -> list[dict]:
+    path = output_dir / "steps.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+if __name__ == "__main__":
+    main()
