@@ -36,6 +36,7 @@ from megatron_rlhf.models.bloom.config import (
     transformer_config,
 )
 from megatron_rlhf.models.bloom.layers import BloomLayerNorm
+from megatron_rlhf.models.bloom.lean import BloomOutputLayer
 from megatron_rlhf.models.bloom.spec import bloom_block_spec, resolve_te_attention
 
 HEADS = ("lm", "scalar")
@@ -175,6 +176,7 @@ class BloomModel(GPTModel):
             self.num_valid_local_vocab = max(
                 0, min(self.vocab_size // tp, arch.vocab_size - vocab_start)
             )
+            self.output_layer.__class__ = BloomOutputLayer  # its lean inference forward
             self._output_positions = None  # set for the length of one forward
             self.output_layer.register_forward_pre_hook(
                 partial(_select_output_positions, weakref.ref(self)), with_kwargs=True
