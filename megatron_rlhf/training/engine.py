@@ -31,6 +31,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from megatron_rlhf.models.bloom import vocab as vocab_layers
 from megatron_rlhf.training.guards import UPDATE_SKIPPED, step_is_finite
 
 
@@ -106,6 +107,8 @@ class TrainEngine:
         self.model = DistributedDataParallel(
             config=config, ddp_config=ddp_config, module=model, pg_collection=groups
         )
+        if not ddp_config.overlap_grad_reduce:  # no bucket waits on a gradient hook
+            vocab_layers.opt_in(model)  # vocabulary gradients straight into main_grad
         config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=groups)
         config.no_sync_func = self.model.no_sync
         config.variable_seq_lengths = False

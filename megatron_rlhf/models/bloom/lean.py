@@ -49,37 +49,6 @@ class BloomColumnParallelLinear(ColumnParallelLinear):
         return output, (self.bias if self.skip_bias_add else None)
 
 
-class BloomOutputLayer(ColumnParallelLinear):
-    """GPTModel's (tied) LM head; in inference at TP = 1 (where gathering the vocabulary is
-    the identity) the projection of :func:`vocab_projection`. ``BloomModel`` gives its
-    ``output_layer`` this class (the parameters and checkpoint names are the parent's)."""
-
-    def forward(self, input_, weight=None, runtime_gather_output=None):
-        lean = _inference(self) and self.tp_group.size() == 1 and not self.sequence_parallel
-        if not lean:
-            return super().forward(input_, weight, runtime_gather_output)
-        return vocab_projection(input_, self.weight if weight is None else weight), None
-
-
-VOCAB_CHUNK = 4096
-
-
-def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(hidden, weight)`` (..., H) x (V, H) -> (..., V); on a CPU, for a few rows
-    (a decode step) and a large vocabulary, in slices of VOCAB_CHUNK vocabulary rows.
-
-    MKL's sgemm splits a (rows <= 64) x 1024 x 250,880 product badly over the cores: on the
-    2-core machine of the benchmarks one call takes 0.18-0.20 s for 8 rows where 4,096-row
-    slices take 0.12 s together (1 row: 0.063 s either way; 192 rows: no gain), and a
-    BLOOM-560m-sized decode step is mostly this product. Each output element is the same
-    dot product. Elsewhere (GPUs, many rows, small vocabularies) one ``F.linear``."""
-    rows = hidden.numel() // hidden.shape[-1]
-    vocab = weight.shape[0]
-    if hidden.device.type != "cpu" or not 1 < rows <= 64 or vocab < 4 * VOCAB_CHUNK:
-        return F.linear(hidden, weight)
-    return torch.cat([F.linear(hidden, part) for part in weight.split(VOCAB_CHUNK)], dim=-1)
-
-
 class BloomRowParallelLinear(RowParallelLinear):
     """``RowParallelLinear``; in inference ``F.linear`` on this rank's columns, the sum over the
     TP group, then the (replicated) bias."""

@@ -36,8 +36,8 @@ from megatron_rlhf.models.bloom.config import (
     transformer_config,
 )
 from megatron_rlhf.models.bloom.layers import BloomLayerNorm
-from megatron_rlhf.models.bloom.lean import BloomOutputLayer
 from megatron_rlhf.models.bloom.spec import bloom_block_spec, resolve_te_attention
+from megatron_rlhf.models.bloom.vocab import BloomOutputLayer, BloomWordEmbedding
 
 HEADS = ("lm", "scalar")
 
@@ -159,6 +159,7 @@ class BloomModel(GPTModel):
         self.num_scalar_outputs = num_scalar_outputs if head == "scalar" else 0
         self.is_last_stage = post_process
         if pre_process:
+            self.embedding.word_embeddings.__class__ = BloomWordEmbedding  # models/bloom/vocab.py
             self.embedding.word_embeddings_layernorm = BloomLayerNorm(
                 config, arch.hidden_size, eps=arch.layer_norm_epsilon
             )
@@ -176,7 +177,7 @@ class BloomModel(GPTModel):
             self.num_valid_local_vocab = max(
                 0, min(self.vocab_size // tp, arch.vocab_size - vocab_start)
             )
-            self.output_layer.__class__ = BloomOutputLayer  # its lean inference forward
+            self.output_layer.__class__ = BloomOutputLayer  # models/bloom/vocab.py
             self._output_positions = None  # set for the length of one forward
             self.output_layer.register_forward_pre_hook(
                 partial(_select_output_positions, weakref.ref(self)), with_kwargs=True

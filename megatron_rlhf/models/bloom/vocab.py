@@ -1,0 +1,144 @@
+"""BLOOM's vocabulary layers: Megatron-Core's word embedding and tied LM head with two CPU costs
+of a 250,880-token vocabulary taken out. ``BloomModel`` gives its ``embedding.word_embeddings``
+and ``output_layer`` these classes (parameters, sharding and checkpoint names are the parents').
+
+**Decode** (:func:`vocab_projection`): a few rows times the vocabulary, projected in slices.
+
+**Gradients straight into Megatron's gradient buffer.** Megatron-Core's DDP keeps every parameter's gradient in a preallocated buffer (``main_grad``)
+and adds each backward's ``param.grad`` into it. For the word embedding of BLOOM's 250,880-row
+vocabulary that means, per micro-batch and role: the embedding's backward allocates and zeroes
+a dense vocab x hidden tensor (1 GB at BLOOM-560m's width, fp32) to scatter a few hundred rows
+into, the tied LM head's weight gradient allocates another, autograd sums the two, and DDP adds
+the sum into ``main_grad``. On a CPU each fresh gigabyte is page-faulted in (0.3-0.4 s on the
+benchmarks' 2-core machine): at BLOOM-560m's shapes this was ~2.5 s of a 12 s PPO update.
+Megatron-Core's own cure, ``gradient_accumulation_fusion``, needs a CUDA extension and covers
+linears only.
+
+Here, for a parameter that opts in (``TrainEngine`` marks its model's parameters, because its
+DDP never overlaps the gradient reduce with the backward, so no bucket waits on the gradient
+hook these skip):
+
+- the embedding's backward ``index_add_``s the rows' gradients into ``main_grad``;
+- the LM head's weight gradient is one ``addmm_`` into ``main_grad`` (the input gradient as
+  before).
+
+Both return no gradient for the weight, so ``param.grad`` stays None and DDP adds nothing; the
+tied weight's ``main_grad`` receives both contributions. The sums are the ones autograd and DDP
+form, in another order (equal to rounding; the training tests compare against the unfused
+path and against float64). Used at tensor-parallel size 1 without sequence parallelism, where
+neither layer communicates; elsewhere Megatron-Core's layers run unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+
+OPT_IN = "accumulate_into_main_grad"
+
+
+def opt_in(module: torch.nn.Module) -> None:
+    """Let the vocabulary layers of ``module`` (wrapped in Megatron DDP with
+    ``overlap_grad_reduce=False``) accumulate into ``main_grad`` directly."""
+    for param in module.parameters():
+        setattr(param, OPT_IN, True)
+
+
+def accumulates(weight: torch.Tensor) -> bool:
+    """Whether a backward of this forward should write into ``weight.main_grad``."""
+    return (
+        torch.is_grad_enabled()
+        and weight.requires_grad
+        and getattr(weight, OPT_IN, False)
+        and getattr(weight, "main_grad", None) is not None
+        and weight.main_grad.dtype == weight.dtype
+    )
+
+
+class _EmbeddingIntoMainGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        main_grad = ctx.weight.main_grad
+        main_grad.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]))
+        return None, None
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden, weight)
+        return F.linear(hidden, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hidden, weight = ctx.saved_tensors
+        grad_input = grad.matmul(weight)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        weight.main_grad.addmm_(flat_grad.t(), hidden.reshape(-1, hidden.shape[-1]))
+        return grad_input, None
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(ids, weight)`` whose weight gradient goes into ``weight.main_grad``."""
+    return _EmbeddingIntoMainGrad.apply(ids, weight)
+
+
+def linear(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(hidden, weight)`` whose weight gradient goes into ``weight.main_grad``."""
+    return _LinearIntoMainGrad.apply(hidden, weight)
+
+
+class BloomWordEmbedding(VocabParallelEmbedding):
+    """``VocabParallelEmbedding``; at TP = 1, training a model that opted in, the lookup whose
+    backward writes into ``main_grad``."""
+
+    def forward(self, input_):
+        if (
+            self.tp_group.size() > 1
+            or self.reduce_scatter_embeddings
+            or not accumulates(self.weight)
+        ):
+            return super().forward(input_)
+        return embedding(input_, self.weight)
+
+
+class BloomOutputLayer(ColumnParallelLinear):
+    """GPTModel's (tied) LM head. At TP = 1 without sequence parallelism (gathering the
+    vocabulary is then the identity): in inference :func:`vocab_projection`; in training a
+    model that opted in, the projection whose weight gradient goes into ``main_grad``."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        weight = self.weight if weight is None else weight
+        plain = self.tp_group.size() == 1 and not self.sequence_parallel
+        if plain and not (torch.is_grad_enabled() or self.training):
+            return vocab_projection(input_, weight), None
+        if plain and accumulates(weight):
+            return linear(input_, weight), None
+        return super().forward(input_, weight, runtime_gather_output)
+
+
+VOCAB_CHUNK = 4096
+
+
+def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(hidden, weight)`` (..., H) x (V, H) -> (..., V); on a CPU, for a few rows
+    (a decode step) and a large vocabulary, in slices of VOCAB_CHUNK vocabulary rows.
+
+    MKL's sgemm splits a (rows <= 64) x 1024 x 250,880 product badly over the cores: on the
+    2-core machine of the benchmarks one call takes 0.18-0.20 s for 8 rows where 4,096-row
+    slices take 0.12 s together (1 row: 0.063 s either way; 192 rows: no gain), and a
+    BLOOM-560m-sized decode step is mostly this product. Each output element is the same
+    dot product. Elsewhere (GPUs, many rows, small vocabularies) one ``F.linear``."""
+    rows = hidden.numel() // hidden.shape[-1]
+    vocab = weight.shape[0]
+    if hidden.device.type != "cpu" or not 1 < rows <= 64 or vocab < 4 * VOCAB_CHUNK:
+        return F.linear(hidden, weight)
+    return torch.cat([F.linear(hidden, part) for part in weight.split(VOCAB_CHUNK)], dim=-1)
