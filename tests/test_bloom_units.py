@@ -461,3 +461,95 @@ def test_one_packed_row_runs_thd_attention_with_the_masked_paths_values_and_grad
     for name, grad in padded_grads.items():
         gap = (packed_grads[name] - grad).abs().max() / grad.abs().max().clamp(min=1e-12)
         assert gap <= 1e-5, (name, float(gap))
+
+
+def test_vocab_projection_in_slices_equals_one_linear():
+    from megatron_rlhf.models.bloom.vocab import VOCAB_CHUNK, vocab_projection
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 4 * VOCAB_CHUNK + 123  # sliced, with a ragged last slice
+    weight = torch.randn(vocab, 32, generator=generator)
+    for shape in ((1, 8, 32), (3, 32), (1, 1, 32), (100, 32)):  # decode, 2-D, 1 row, many
+        hidden = torch.randn(*shape, generator=generator)
+        out = vocab_projection(hidden, weight)
+        assert out.shape == (*shape[:-1], vocab)
+        torch.testing.assert_close(out, hidden @ weight.t(), rtol=1e-6, atol=1e-5)
+
+
+def test_output_positions_give_those_columns_logits_and_gradients(single_process, hf_dir):
+    """``output_positions``: the LM head runs on the chosen columns only; logits and every
+    parameter's gradient equal those of the full logits' same columns (ragged rows)."""
+    from megatron_rlhf.checkpoint import load_bloom
+
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, [9, 5, 7], seed=4)
+    positions = torch.tensor([8, 3, 5, 6])  # any order, not contiguous
+    weights = torch.randn(3, 4, padded_vocab_size(ARCH_A.vocab_size, 1))
+    grads = []
+    for select in (False, True):
+        model = load_bloom(hf_dir)
+        if select:
+            logits = model(ids, mask, output_positions=positions)
+        else:
+            logits = model(ids, mask)[:, positions]
+        assert logits.shape == weights.shape
+        (logits[..., : ARCH_A.vocab_size] * weights[..., : ARCH_A.vocab_size]).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads[-1]["logits"] = logits.detach()
+    for name, full in grads[0].items():
+        torch.testing.assert_close(grads[1][name], full, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("head", ["lm", "scalar"])
+def test_vocabulary_gradients_into_main_grad_equal_megatrons_path(single_process, hf_dir, head):
+    """The embedding and tied LM head write their weight gradients into DDP's ``main_grad``
+    (models/bloom/vocab.py); one optimizer step equals the same step through Megatron-Core's
+    own layers (the opt-in removed): loss, gradient norm and every updated weight."""
+    from unittest import mock
+
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.models.bloom import vocab
+    from megatron_rlhf.models.bloom.vocab import OPT_IN
+    from megatron_rlhf.training.engine import OptimConfig, TrainEngine
+
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, [9, 5, 7, 3], seed=5)
+    microbatches = [
+        {"input_ids": ids[:2], "padding_mask": mask[:2]},
+        {"input_ids": ids[2:], "padding_mask": mask[2:]},
+    ]
+    generator = torch.Generator().manual_seed(6)
+    width = padded_vocab_size(ARCH_A.vocab_size, 1) if head == "lm" else 1
+    targets = torch.randn(2, 9, width, generator=generator)
+
+    def loss_fn(output, microbatch):
+        rows = 0 if microbatch["input_ids"] is ids[:2] else 1
+        valid = output[..., : ARCH_A.vocab_size] if head == "lm" else output
+        target = targets[rows, :, : valid.shape[-1]]
+        loss = ((valid - target).pow(2) * microbatch["padding_mask"][..., None]).mean()
+        return loss, {}
+
+    results = []
+    for fused in (True, False):
+        model = load_bloom(hf_dir, head=head)
+        engine = TrainEngine(model, OptimConfig(lr=1e-3, warmup_fraction=0.0), total_steps=2)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        word_embeddings = model.embedding.word_embeddings.weight
+        assert getattr(word_embeddings, OPT_IN) is True  # the engine opted its model in
+        if not fused:
+            for param in model.parameters():
+                setattr(param, OPT_IN, False)
+        with (
+            mock.patch.object(vocab, "embedding", wraps=vocab.embedding) as embedding,
+            mock.patch.object(vocab, "linear", wraps=vocab.linear) as linear,
+        ):
+            metrics = engine.step(microbatches, loss_fn)
+        assert embedding.call_count == (2 if fused else 0)  # one per microbatch
+        assert linear.call_count == (2 if fused and head == "lm" else 0)
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        results.append((metrics["loss"], metrics["grad_norm"], weights))
+    (loss, norm, weights), (ref_loss, ref_norm, ref_weights) = results
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert norm == pytest.approx(ref_norm, rel=1e-5)
+    moved = min((initial[n] - w).abs().max().item() for n, w in weights.items())
+    assert moved > 1e-4  # the step moved every tensor, the embedding included
+    for name, weight in weights.items():
+        torch.testing.assert_close(weight, ref_weights[name], rtol=1e-5, atol=1e-6, msg=name)

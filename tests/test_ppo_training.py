@@ -95,6 +95,24 @@ def test_tp2_follows_the_tp1_trajectory(tp1_run, tp2_run):
 
 
 @pytest.mark.slow
+def test_rollout_logprobs_as_old_logprobs_equal_a_recomputing_forward(setup):
+    """ppo.old_logprobs: log pi_old taken from the rollout (the default here: fp32,
+    temperature 1) and from an actor forward over the finished sequences (recompute) give
+    the same steps to rounding: the same samples, KL, losses and gradient norms."""
+    runs = {}
+    for choice in ("rollout", "recompute"):
+        output_dir = setup["root"] / f"old_logprobs_{choice}"
+        _run(setup, output_dir, 1, f"ppo.old_logprobs={choice}", "train.steps=3")
+        runs[choice] = _rewards(output_dir)
+    for step in (1, 2, 3):
+        reused, recomputed = runs["rollout"][step], runs["recompute"][step]
+        assert reused["reward/mean"] == recomputed["reward/mean"], step
+        assert reused["kl/mean"] == pytest.approx(recomputed["kl/mean"], rel=1e-5, abs=1e-6)
+        for key in ("actor/policy_loss", "actor/grad_norm", "critic/value_loss"):
+            assert reused[key] == pytest.approx(recomputed[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
 def test_tp2_checkpoint_exports_policy_and_critic_to_hf(tp2_run, tmp_path):
     """megatron-to-hf on a checkpoint saved at TP=2: the HF policy generates our tokens."""
     from test_checkpoint_integrity import check_export_matches_checkpoint

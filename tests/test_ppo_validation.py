@@ -53,3 +53,27 @@ def test_untrained_reward_model(setup, capsys):
 def test_unknown_config_key(setup, capsys):
     err = _fails(setup, capsys, "ppo.clip=0.3")
     assert "unknown config key ppo.clip" in err
+
+
+def test_rollout_logprobs_at_another_temperature(setup, capsys):
+    err = _fails(setup, capsys, "ppo.old_logprobs=rollout", "rollout.temperature=0.7")
+    assert "ppo.old_logprobs=rollout needs rollout.temperature=1" in err
+
+
+def test_old_logprobs_auto_reuses_the_rollouts_only_where_they_agree():
+    from megatron_rlhf.ppo import config as ppo
+    from megatron_rlhf.ppo.train import reuses_rollout_logprobs
+
+    def config(choice, temperature=1.0, bf16=False):
+        return ppo.TrainPPOConfig(
+            models=ppo.ModelsConfig(actor="a", critic="c"),
+            data=ppo.DataConfig(prompts="p"),
+            rollout=ppo.RolloutConfig(temperature=temperature),
+            ppo=ppo.PPOConfig(old_logprobs=choice),
+            train=ppo.TrainSection(bf16=bf16),
+        )
+
+    assert reuses_rollout_logprobs(config("auto"))  # fp32, temperature 1
+    assert not reuses_rollout_logprobs(config("auto", temperature=0.7))
+    assert not reuses_rollout_logprobs(config("recompute"))
+    assert reuses_rollout_logprobs(config("rollout"))
