@@ -258,6 +258,7 @@ def build_roles(plan: PPOPlan, groups: dict, seed: int) -> Roles:
         head="scalar",
         num_scalar_outputs=1,
         trunk_only=not critic_is_value_model,
+        init_weights=False,  # every tensor is loaded; a fresh head has its own seeded init
         **trained,
     )
     critic = Role(
