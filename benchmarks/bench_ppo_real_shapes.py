@@ -25,7 +25,66 @@ the median step of the process (and its phases: rollout, scoring, update; TRL's 
 timed by wrapping its ``batch_generation`` and its no-grad forwards), the peak RSS of the
 process (``wait4``), and start-up (launch to the first step's start). The table gives min /
 median / max over reps x seeds and the ratio of medians per seed; a claim holds only where every
-seed shows it.
+seed shows it. At the tiny size EOS is one token in 512, so a few of our rows end early (our
+engine stops computing them); TRL's ``generate`` runs every row to 32 tokens.
+
+Measured (idle 2-core AMD EPYC VM, AVX-512, 24 GB; torch 2.13.0 CPU, MKL; 2026-12-01):
+
+    | 560m   | step (s)              | rollout            | scoring         | update             | peak RSS (GB)         | start-up (s) |
+    | ours   | 14.1 / 16.4 / 18.4    | 5.1 / 5.9 / 7.2    | 2.6 / 3.0 / 3.2 | 6.1 / 7.3 / 7.9    | 12.31 / 12.35 / 12.41 | 12 / 14 / 21 |
+    | TRL    | 31.9 / 33.3 / 37.8    | 10.0 / 10.8 / 14.2 | 2.8 / 2.9 / 3.1 | 18.8 / 20.4 / 21.2 | 15.55 / 15.61 / 15.80 | 6 / 7 / 10   |
+    TRL step / our step, medians: 2.03x (per seed: 2.17x, 1.85x)
+
+    | tiny   | step (s)              | rollout            | scoring            | update             | peak RSS (GB) | start-up (s) |
+    | ours   | 0.30 / 0.36 / 0.42    | 0.10 / 0.14 / 0.15 | 0.06 / 0.07 / 0.09 | 0.14 / 0.15 / 0.18 | 0.51          | 5 / 6 / 6    |
+    | TRL    | 0.81 / 0.88 / 0.93    | 0.11 / 0.12 / 0.14 | 0.03 / 0.04 / 0.05 | 0.65 / 0.71 / 0.76 | 0.66          | 6 / 6 / 7    |
+    TRL step / our step, medians: 2.45x (per seed: 2.10x, 2.53x)
+
+(``--steps 4`` at 560m, ``--steps 6`` tiny.) BLOOM-1b7's width (hidden 2,048, the same
+vocabulary, 4 layers: ~0.71B parameters a role) needs ~29 GB for the four roles' fp32 weights
+and the two trained roles' gradients and Adam moments on either side, more than this machine.
+
+How the 560m step went from 0.90x TRL to 2.03x. Before (commit 40640b2, one rep, seed 0): ours
+38.1 s (rollout 9.0, scoring 7.3, update 21.8; peak RSS 14.0 GB, start-up 22 s), TRL 34.3 s
+(11.0 / 3.0 / 20.3; 15.5 GB). ``py-spy record`` (20 Hz, with ``--native`` for the backward) of a
+train-ppo run, and what each finding became (each step re-measured, one rep, seed 0):
+
+1. Adam was 40 % of the update. Without TE/Apex, Megatron-Core builds ``torch.optim.AdamW``
+   with torch's defaults, which on CPU tensors is the per-tensor loop: 1.2-1.7 s per step of
+   307M parameters against 0.17 s for torch's fused kernel, twice a PPO step (actor, critic).
+   ``training/engine.fuse_cpu_adam`` switches CPU parameter groups to the fused kernel.
+2. Scoring ran an actor forward over the finished sequences for log pi_old, which the rollout
+   had already computed for the tokens it sampled (same weights, temperature 1; in fp32 the two
+   agree to ~1e-6). ``ppo.old_logprobs`` (auto: the rollout's where they agree to rounding,
+   i.e. fp32 weights at temperature 1; recompute under bf16, where a KV-cached decode and a
+   full forward differ by ~1e-2 in a log-prob, or at another temperature).
+3. The LM head projected every position, but the losses read only the positions that predict
+   a response (or rehearsal) token: 32 of 48 here, a minority of a row on real prompts.
+   ``BloomModel.forward(output_positions=...)`` runs the vocabulary projection on those columns
+   only (reference scoring and the actor's update). Steps 1-3: 38.1 -> 23.6 s.
+4. In the decode, ``F.linear`` of 8 rows x 1,024 x 250,880 took 0.18-0.20 s: MKL splits that
+   product badly over 2 cores; 4,096-row vocabulary slices take 0.12 s together (1 row: 0.063 s
+   either way; from 128 rows up the gain is within the noise, so those stay one call).
+   ``models/bloom/vocab.vocab_projection``: rollout
+   8.3 -> 6.0 s, step 23.6 -> 20.9 s.
+5. Per micro-batch and role the embedding's backward zeroed a fresh dense 1 GB gradient
+   (``embedding_dense_backward``, page-faulted: 0.43 s with DDP's add into ``main_grad``), and
+   the tied LM head's weight gradient was another fresh 1 GB (0.89 s against 0.45 s for one
+   ``addmm_`` into ``main_grad``). ``models/bloom/vocab.py`` writes both straight into
+   Megatron's gradient buffer (TP 1 without sequence parallelism): update 12.0 -> 7.2 s, peak
+   RSS 14.0 -> 12.4 GB, the same gradient norms.
+6. Start-up: the critic was built with Megatron's random init of its 300M parameters, then
+   every tensor was overwritten by the checkpoint; now it is built without (24.6 -> 20.6 s in
+   that run). The rest of the gap to TRL's 7 s (imports, four 1.2 GB checkpoints loaded into
+   Megatron modules, DDP buffers, the optimizers' state on the first step) is not pursued.
+
+Looked at and left: the sampling itself (softmax, CDF and search over the vocabulary per
+decode step) is ~1 % of the rollout; the hidden -> log-prob kernel with recompute
+(``kernels/hidden_logprobs.py``) is not on the training path: with ``output_positions`` the
+actor materialises the logits of K response positions only (here 128 x 250,880 fp32, 128 MB a
+micro-batch; at 176B with TP 8 and 1,024 response tokens a micro-batch, 1,024 x 31,360 bf16 =
+64 MB), so there is no memory to buy back by recomputing, and computing the loss's upstream
+gradient in the forward (no stored logits) was not needed for the target.
 """
 
 from __future__ import annotations
@@ -304,9 +363,9 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for side in sides:
         every = [r for seed in args.seeds for r in results[side][seed]]
-        cells = [
-            row([r[k] for r in every], ".1f") for k in ("step", "rollout", "scoring", "update")
-        ]
+        digits = ".2f" if args.size == "tiny" else ".1f"
+        phases = ("step", "rollout", "scoring", "update")
+        cells = [row([r[k] for r in every], digits) for k in phases]
         cells += [
             row([r["rss_gb"] for r in every], ".2f"),
             row([r["startup"] for r in every], ".0f"),
