@@ -105,6 +105,7 @@ SIZES = {
     "tiny": dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4),
 }
 PAD, EOS = 3, 2
+PHASES = ("step", "rollout", "scoring", "update", "optimizer")
 
 
 def build_inputs(root: Path, size: str, seed: int, steps: int) -> dict:
@@ -180,6 +181,8 @@ def ours_steps(output_dir: Path) -> list[dict]:
             "rollout": r["time/rollout_s"],
             "scoring": r["time/score_s"],
             "update": r["time/update_s"] + r.get("time/advantages_s", 0.0),
+            # one optimizer step per role (1 epoch x 1 minibatch)
+            "optimizer": r["actor/time/optimizer_s"] + r["critic/time/optimizer_s"],
         }
         for r in records
     ]
@@ -207,7 +210,7 @@ def trl_worker(root: Path, output_dir: Path, steps: int, seed: int) -> None:
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     from trl.experimental.ppo import ppo_trainer as trl_ppo
 
-    phases = {"rollout": 0.0, "scoring": 0.0}
+    phases = {"rollout": 0.0, "scoring": 0.0, "optimizer": 0.0}
 
     def timed(function, phase_of):
         def wrapper(*args, **kwargs):
@@ -233,10 +236,11 @@ def trl_worker(root: Path, output_dir: Path, steps: int, seed: int) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             now = time.perf_counter()
             step = now - self.last
-            record = {"step": step, **phases, "update": step - sum(phases.values())}
+            update = step - phases["rollout"] - phases["scoring"]  # the optimizer's inside
+            record = {"step": step, **phases, "update": update}
             with open(output_dir / "steps.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
-            phases.update(rollout=0.0, scoring=0.0)
+            phases.update(rollout=0.0, scoring=0.0, optimizer=0.0)
             self.last = now
 
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -283,6 +287,8 @@ def trl_worker(root: Path, output_dir: Path, steps: int, seed: int) -> None:
         args=args, processing_class=tokenizer, model=policy, ref_model=reference,
         reward_model=reward, value_model=value, train_dataset=dataset, callbacks=[StepTimer()],
     )  # fmt: skip
+    optimizer = trainer.optimizer  # accelerate's: steps only when gradients are synced
+    optimizer.step = timed(optimizer.step, lambda: "optimizer")
     trainer.train()
 
 
@@ -308,10 +314,7 @@ def run_side(command: list[str], steps_of, output_dir: Path, steps: int, threads
         tail = output_dir.with_suffix(".log").read_text()[-3000:]
         raise SystemExit(f"{command[:4]} stopped after {len(records)} steps:\n{tail}")
     timed = records[1:steps]
-    result = {
-        phase: statistics.median(r[phase] for r in timed)
-        for phase in ("step", "rollout", "scoring", "update")
-    }
+    result = {phase: statistics.median(r[phase] for r in timed) for phase in PHASES}
     result["rss_gb"] = usage.ru_maxrss / 2**20  # KiB
     result["startup"] = finished - launched - sum(r["step"] for r in records[:steps])
     return result
@@ -359,13 +362,13 @@ def main() -> None:
                     {k: round(v, 2) for k, v in result.items()}), flush=True)  # fmt: skip
     print(f"\n{args.size}: B={PROMPTS_PER_STEP}, {PROMPT_TOKENS} prompt + {NEW_TOKENS} new tokens, "
           f"{args.threads} threads; min / median / max over {args.reps} reps x {len(args.seeds)} seeds")  # fmt: skip
-    print("| side | step (s) | rollout | scoring | update | peak RSS (GB) | start-up (s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| side | step (s) | rollout | scoring | update | of it optimizer | peak RSS (GB) |"
+          " start-up (s) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for side in sides:
         every = [r for seed in args.seeds for r in results[side][seed]]
         digits = ".2f" if args.size == "tiny" else ".1f"
-        phases = ("step", "rollout", "scoring", "update")
-        cells = [row([r[k] for r in every], digits) for k in phases]
+        cells = [row([r[k] for r in every], digits) for k in PHASES]
         cells += [
             row([r["rss_gb"] for r in every], ".2f"),
             row([r["startup"] for r in every], ".0f"),

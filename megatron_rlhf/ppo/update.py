@@ -219,7 +219,8 @@ def ppo_update(
                 (critic, critic_metrics, CRITIC_METRICS, len(critic_mbs)),
             ):
                 summed = _sum_over_replicas(role.groups, metrics, keys, count)
-                summed |= {k: metrics[k] for k in ("lr", "grad_norm") if k in metrics}
+                passed = ("lr", "grad_norm", "time/optimizer_s")
+                summed |= {k: metrics[k] for k in passed if k in metrics}
                 for key, value in summed.items():
                     totals.setdefault(f"{role.name}/{key}", []).append(value)
     return {key: sum(values) / len(values) for key, values in totals.items()}

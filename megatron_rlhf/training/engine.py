@@ -16,6 +16,7 @@ of each microbatch is averaged over microbatches (and data-parallel replicas, by
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -140,7 +141,8 @@ class TrainEngine:
 
         Each microbatch holds ``input_ids`` (B, S) and ``padding_mask`` (B, S) plus whatever
         ``loss_fn`` reads. Returns the microbatch-averaged metrics (last stage; empty elsewhere)
-        plus ``lr``, ``grad_norm`` and ``update_skipped`` (1.0 when a non-finite loss or grad
+        plus ``lr``, ``grad_norm``, ``time/optimizer_s`` (the gradient norm, clipping and
+        optimizer step) and ``update_skipped`` (1.0 when a non-finite loss or grad
         norm on any rank skipped the update; the trainer's NonFiniteGuard decides what next).
         """
         self.model.train(not forward_only)
@@ -163,7 +165,9 @@ class TrainEngine:
         )
         metrics = average_metrics(losses, groups)
         if not forward_only:
+            start = time.perf_counter()
             metrics |= self._update(metrics.get("loss"))
+            metrics["time/optimizer_s"] = time.perf_counter() - start
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
 
