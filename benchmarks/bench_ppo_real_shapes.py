@@ -21,8 +21,10 @@ Adam at lr 1e-6 for actor and critic, fp32, no checkpoints, ``--threads`` torch 
 
 Each repetition runs both sides as fresh processes, one after the other, the order alternating.
 A process runs ``--steps`` PPO steps; step 1 is a warm-up and steps 2.. are timed. Per side:
-the median step of the process (and its phases: rollout, scoring, update; TRL's phases are
-timed by wrapping its ``batch_generation`` and its no-grad forwards), the peak RSS of the
+the median step of the process (and its phases: rollout, scoring, update, and the optimizer
+inside the update: gradient norm, clipping and the step, ours from ``*/time/optimizer_s``;
+TRL's phases are timed by wrapping its ``batch_generation``, its no-grad forwards and its
+optimizer's ``step``), the peak RSS of the
 process (``wait4``), and start-up (launch to the first step's start). The table gives min /
 median / max over reps x seeds and the ratio of medians per seed; a claim holds only where every
 seed shows it. At the tiny size EOS is one token in 512, so a few of our rows end early (our
@@ -30,21 +32,21 @@ engine stops computing them); TRL's ``generate`` runs every row to 32 tokens.
 
 Measured (idle 2-core AMD EPYC VM, AVX-512, 24 GB; torch 2.13.0 CPU, MKL; 2026-12-01):
 
-    | 560m   | step (s)              | rollout            | scoring         | update             | peak RSS (GB)         | start-up (s) |
-    | ours   | 14.1 / 16.4 / 18.4    | 5.1 / 5.9 / 7.2    | 2.6 / 3.0 / 3.2 | 6.1 / 7.3 / 7.9    | 12.31 / 12.35 / 12.41 | 12 / 14 / 21 |
-    | TRL    | 31.9 / 33.3 / 37.8    | 10.0 / 10.8 / 14.2 | 2.8 / 2.9 / 3.1 | 18.8 / 20.4 / 21.2 | 15.55 / 15.61 / 15.80 | 6 / 7 / 10   |
-    TRL step / our step, medians: 2.03x (per seed: 2.17x, 1.85x)
+    | 560m | step (s)           | rollout            | scoring         | update             | optimizer       | peak RSS (GB)         | start-up (s) |
+    | ours | 14.4 / 16.2 / 19.1 | 5.4 / 6.6 / 8.0    | 2.6 / 2.9 / 3.4 | 6.3 / 6.8 / 7.7    | 0.6 / 0.7 / 1.4 | 12.31 / 12.36 / 12.44 | 10 / 11 / 15 |
+    | TRL  | 29.0 / 31.8 / 34.4 | 9.9 / 10.6 / 11.3  | 2.3 / 2.7 / 3.0 | 16.4 / 18.2 / 19.5 | 0.4 / 0.5 / 1.0 | 15.61 / 15.73 / 15.86 | 6 / 7 / 8    |
+    TRL step / our step, medians: 1.97x (per seed: 2.00x, 1.87x)
 
-    | tiny   | step (s)              | rollout            | scoring            | update             | peak RSS (GB) | start-up (s) |
-    | ours   | 0.30 / 0.36 / 0.42    | 0.10 / 0.14 / 0.15 | 0.06 / 0.07 / 0.09 | 0.14 / 0.15 / 0.18 | 0.51          | 5 / 6 / 6    |
-    | TRL    | 0.81 / 0.88 / 0.93    | 0.11 / 0.12 / 0.14 | 0.03 / 0.04 / 0.05 | 0.65 / 0.71 / 0.76 | 0.66          | 6 / 6 / 7    |
-    TRL step / our step, medians: 2.45x (per seed: 2.10x, 2.53x)
+    | tiny | step (s)           | rollout            | scoring            | update             | optimizer | peak RSS (GB)      | start-up (s) |
+    | ours | 0.28 / 0.31 / 0.34 | 0.09 / 0.12 / 0.13 | 0.05 / 0.06 / 0.07 | 0.12 / 0.14 / 0.15 | 0.01      | 0.51 / 0.51 / 0.52 | 5 / 5 / 5    |
+    | TRL  | 0.76 / 0.81 / 0.90 | 0.10 / 0.12 / 0.14 | 0.03 / 0.04 / 0.05 | 0.63 / 0.66 / 0.73 | 0.00      | 0.65 / 0.66 / 0.66 | 5 / 6 / 6    |
+    TRL step / our step, medians: 2.65x (per seed: 2.51x, 2.78x)
 
 (``--steps 4`` at 560m, ``--steps 6`` tiny.) BLOOM-1b7's width (hidden 2,048, the same
 vocabulary, 4 layers: ~0.71B parameters a role) needs ~29 GB for the four roles' fp32 weights
 and the two trained roles' gradients and Adam moments on either side, more than this machine.
 
-How the 560m step went from 0.90x TRL to 2.03x. Before (commit 40640b2, one rep, seed 0): ours
+How the 560m step went from 0.90x TRL to 1.97x. Before (commit 40640b2, one rep, seed 0): ours
 38.1 s (rollout 9.0, scoring 7.3, update 21.8; peak RSS 14.0 GB, start-up 22 s), TRL 34.3 s
 (11.0 / 3.0 / 20.3; 15.5 GB). ``py-spy record`` (20 Hz, with ``--native`` for the backward) of a
 train-ppo run, and what each finding became (each step re-measured, one rep, seed 0):

@@ -1,22 +1,23 @@
-"""BLOOM's vocabulary layers: Megatron-Core's word embedding and tied LM head with two CPU costs
-of a 250,880-token vocabulary taken out. ``BloomModel`` gives its ``embedding.word_embeddings``
-and ``output_layer`` these classes (parameters, sharding and checkpoint names are the parents').
+"""BLOOM's vocabulary layers: Megatron-Core's word embedding and tied LM head, with two CPU
+costs of a 250,880-token vocabulary taken out. ``BloomModel`` gives its
+``embedding.word_embeddings`` and ``output_layer`` these classes (parameters, sharding and
+checkpoint names are the parents').
 
 **Decode** (:func:`vocab_projection`): a few rows times the vocabulary, projected in slices.
 
-**Gradients straight into Megatron's gradient buffer.** Megatron-Core's DDP keeps every parameter's gradient in a preallocated buffer (``main_grad``)
-and adds each backward's ``param.grad`` into it. For the word embedding of BLOOM's 250,880-row
-vocabulary that means, per micro-batch and role: the embedding's backward allocates and zeroes
-a dense vocab x hidden tensor (1 GB at BLOOM-560m's width, fp32) to scatter a few hundred rows
-into, the tied LM head's weight gradient allocates another, autograd sums the two, and DDP adds
-the sum into ``main_grad``. On a CPU each fresh gigabyte is page-faulted in (0.3-0.4 s on the
-benchmarks' 2-core machine): at BLOOM-560m's shapes this was ~2.5 s of a 12 s PPO update.
-Megatron-Core's own cure, ``gradient_accumulation_fusion``, needs a CUDA extension and covers
-linears only.
+**Gradients straight into Megatron's gradient buffer.** Megatron-Core's DDP keeps every
+parameter's gradient in a preallocated buffer (``main_grad``) and adds each backward's
+``param.grad`` into it. For the word embedding of BLOOM's vocabulary that means, per
+micro-batch and role: the embedding's backward allocates and zeroes a dense vocab x hidden
+tensor (1 GB at BLOOM-560m's width, fp32) to scatter a few hundred rows into, the tied LM
+head's weight gradient allocates another, autograd sums the two, and DDP adds the sum into
+``main_grad``. On a CPU each fresh gigabyte is page-faulted in (0.3-0.4 s on the benchmarks'
+2-core machine): at BLOOM-560m's shapes this was ~5 s of a 12 s PPO update. Megatron-Core's
+own cure, ``gradient_accumulation_fusion``, needs a CUDA extension and covers linears only.
 
-Here, for a parameter that opts in (``TrainEngine`` marks its model's parameters, because its
-DDP never overlaps the gradient reduce with the backward, so no bucket waits on the gradient
-hook these skip):
+Here, for a parameter that opts in (``TrainEngine`` marks its model's parameters: its DDP never
+overlaps the gradient reduce with the backward, so no bucket waits on the gradient hook that
+these skip):
 
 - the embedding's backward ``index_add_``s the rows' gradients into ``main_grad``;
 - the LM head's weight gradient is one ``addmm_`` into ``main_grad`` (the input gradient as
@@ -24,9 +25,10 @@ hook these skip):
 
 Both return no gradient for the weight, so ``param.grad`` stays None and DDP adds nothing; the
 tied weight's ``main_grad`` receives both contributions. The sums are the ones autograd and DDP
-form, in another order (equal to rounding; the training tests compare against the unfused
-path and against float64). Used at tensor-parallel size 1 without sequence parallelism, where
-neither layer communicates; elsewhere Megatron-Core's layers run unchanged.
+form, in another order (equal to rounding: ``tests/test_bloom_units.py`` compares a step
+against Megatron-Core's own layers). Used at tensor-parallel size 1 without sequence
+parallelism, where neither layer communicates, and where ``main_grad`` has the weight's dtype
+(fp32 weights); elsewhere Megatron-Core's layers run unchanged.
 """
 
 from __future__ import annotations
