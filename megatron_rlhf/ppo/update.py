@@ -68,7 +68,7 @@ def actor_loss(
     means. The returned loss is multiplied by ``mb["loss_scale"]`` (microbatches x DP ranks) to
     undo the schedule's and DDP's averaging; the metrics are each microbatch's share.
     """
-    if "predicting" in mb:  # packed: logits of mb["output_positions"] only (_select_outputs)
+    if "predicting" in mb:  # packed: the logits of mb["output_positions"] only
         logprobs, entropy = packed_response_logprobs(logits, mb, temperature, tp_group)
     else:
         ppo_rows = mb["num_ppo_rows"]
