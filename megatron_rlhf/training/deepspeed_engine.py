@@ -24,6 +24,7 @@ uses for inference, is marked unavailable (:func:`_skip_cpu_only_op_builds`). bf
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -155,7 +156,7 @@ class DeepSpeedTrainEngine:
             raise ValueError(
                 f"{len(microbatches)} microbatches, DeepSpeed expects {self.num_microbatches}"
             )
-        per_microbatch = []
+        per_microbatch, optimizer_seconds = [], 0.0
         for microbatch in microbatches:
             microbatch = {
                 key: value.to(self.device) if torch.is_tensor(value) else value
@@ -172,7 +173,9 @@ class DeepSpeedTrainEngine:
                         "run stops before any update (lower optim.lr or check the data)"
                     )
                 self.engine.backward(loss)  # scaled by 1 / num_microbatches by DeepSpeed
+                start = time.perf_counter()
                 self.engine.step()  # the optimizer steps at the last microbatch only
+                optimizer_seconds += time.perf_counter() - start
         metrics = average_metrics(per_microbatch)
         if not forward_only:
             grad_norm = self.engine.get_global_grad_norm()
@@ -184,6 +187,7 @@ class DeepSpeedTrainEngine:
             self.scheduler.step(increment=1)
             self.steps_done += 1
             metrics["grad_norm"] = grad_norm
+            metrics["time/optimizer_s"] = optimizer_seconds  # as TrainEngine reports it
             metrics[UPDATE_SKIPPED] = 0.0  # a non-finite step raises above instead
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
