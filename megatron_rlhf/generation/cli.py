@@ -69,6 +69,13 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="> 0 (0: use --greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine",
+        choices=("megatron", "vllm"),
+        default="megatron",
+        help="megatron: our KV-cached decode; vllm: vLLM (pip install -e '.[vllm]'), the "
+        "weights copied to it in memory, at --tp (needs --pp 1)",
+    )
 
 
 def check_generation_arguments(args, max_sequence_length: int) -> int:
@@ -81,6 +88,8 @@ def check_generation_arguments(args, max_sequence_length: int) -> int:
             f"--max-new-tokens {args.max_new_tokens}: prompt + response must fit the model's "
             f"sequence length {max_sequence_length}; use at most {max_sequence_length - 1}"
         )
+    if getattr(args, "no_kv_cache", False) and args.engine == "vllm":
+        raise InputError("--no-kv-cache applies to --engine megatron only (vLLM always caches)")
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     if not args.greedy and args.temperature == 0:
@@ -204,7 +213,6 @@ def _generate(args) -> int:
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
     from megatron_rlhf.checkpoint.dist import check_tokenizer_matches
     from megatron_rlhf.distributed import ParallelConfig, initialize
-    from megatron_rlhf.generation.engine import generate
     from megatron_rlhf.training import run_lock
 
     parallel_from_args(args)  # args.tp, args.pp
@@ -222,6 +230,7 @@ def _generate(args) -> int:
         ParallelConfig(tp=args.tp, pp=args.pp), num_heads=arch.num_heads, num_layers=arch.num_layers
     )
     model = load_bloom(args.load, init_weights=False)
+    engine = build_engine(args, model, max(len(ids) for _, ids in records))
     dp_rank, dp_size = model.pg_collection.dp.rank(), model.pg_collection.dp.size()
     mine = list(range(dp_rank, len(records), dp_size))
     results: dict[int, dict] = {}
@@ -229,7 +238,7 @@ def _generate(args) -> int:
     batches = [mine[i : i + args.batch_size] for i in range(0, len(mine), args.batch_size)]
     for batch in tqdm(batches, desc="generate", disable=not is_rank0()):
         input_ids, mask = left_pad([records[i][1] for i in batch], sampling.pad_id)
-        out = generate(model, input_ids, mask, sampling)
+        out = engine.generate(input_ids, mask, sampling)
         for row, index in enumerate(batch):
             length = int(out.response_mask[row].sum())
             ids = out.response_ids[row, :length].tolist()
@@ -246,6 +255,7 @@ def _generate(args) -> int:
     dist.all_gather_object(gathered, results)
     totals = [None] * dist.get_world_size()
     dist.all_gather_object(totals, generated)
+    engine.close()  # vLLM's teardown also ends torch.distributed: after the last collective
     if is_rank0():
         merged = {index: rec for part in gathered for index, rec in part.items()}
         write_jsonl(args.output, (merged[i] for i in range(len(records))))
@@ -260,6 +270,26 @@ def _generate(args) -> int:
         output=args.output,
     )
     return 0
+
+
+def build_engine(args, model, longest_prompt: int, groups=None):
+    """The ``--engine`` generating with ``model`` on ``groups`` (default: the model's) as a
+    rollout engine (``ppo/rollout_engine.py``): vLLM gets the model's weights in memory before
+    the first batch. To generate with another model of the same shape: set ``engine.actor``,
+    then ``engine.refresh()``."""
+    from megatron_rlhf.ppo.rollout_engine import TrainingLayoutEngine, VLLMRolloutEngine
+
+    if args.engine == "megatron":
+        return TrainingLayoutEngine(model)
+    engine = VLLMRolloutEngine(
+        model,
+        groups or model.pg_collection,
+        max_model_len=longest_prompt + args.max_new_tokens,
+        max_rows=args.batch_size,
+        seed=args.seed,
+    )
+    engine.refresh()
+    return engine
 
 
 def _has_tokenizer(directory) -> bool:

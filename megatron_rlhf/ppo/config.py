@@ -59,6 +59,13 @@ class RolloutConfig:
     """Sampling temperature (> 0); log-probs of the update use the same one."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]; 1 samples from the whole vocabulary."""
+    engine: Literal["megatron", "vllm"] = "megatron"
+    """Who generates. megatron: our KV-cached decode over Megatron-Core layers, in the rollout
+    layout (``parallel.rollout``). vllm: vLLM (``pip install -e ".[vllm]"``; GPUs:
+    ``".[vllm-gpu]"``) at the rollout layout's TP, one replica per rollout DP rank, the
+    actor's weights copied to it in memory before every rollout (needs parallel.rollout.pp=1).
+    Sampled tokens differ between the two (their samplers draw differently); greedy tokens and
+    the log-probs of the same tokens agree."""
 
 
 @dataclass(kw_only=True)
@@ -108,8 +115,9 @@ class PPOConfig:
     fifth of a CPU PPO step). recompute: an actor forward over the finished sequences, as
     verl and OpenRLHF do; with bf16 weights a KV-cached decode and a full forward round
     differently (~1e-2 in a log-prob), so only recomputing makes the first ratio exactly 1.
-    auto: rollout when the weights are fp32 and rollout.temperature is 1 (the two then agree
-    to ~1e-6), else recompute."""
+    auto: rollout when the weights are fp32, rollout.temperature is 1 and rollout.engine is
+    megatron (the two then agree to ~1e-6), else recompute (vLLM's log-probs differ from a
+    Megatron forward by up to ~1e-3 on a trained model)."""
     clip_ratio: float = 0.2
     """epsilon of the clipped policy objective: ratios outside [1 - eps, 1 + eps] get no
     gradient."""

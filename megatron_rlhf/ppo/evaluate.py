@@ -271,8 +271,9 @@ def rank_batches(records: list, batch_size: int, pad_id: int, dp_rank: int, dp_s
     return batches
 
 
-def generate_sets(model, batches: dict, sampling, desc: str) -> dict:
-    """{set: [Experience per batch]}: one response per prompt of this rank's batches."""
+def generate_sets(engine, batches: dict, sampling, desc: str) -> dict:
+    """{set: [Experience per batch]}: one response per prompt of this rank's batches, from a
+    rollout engine (``ppo/rollout_engine.py``)."""
     from tqdm import tqdm
 
     from megatron_rlhf.ppo.rollout import rollout
@@ -282,7 +283,7 @@ def generate_sets(model, batches: dict, sampling, desc: str) -> dict:
         out[name] = []
         for batch in tqdm(set_batches, desc=f"{desc} {name}", disable=not is_rank0()):
             seed = sampling.seed + 1_000_003 * step  # same per batch for policy and SFT
-            out[name].append(rollout(model, batch, replace(sampling, seed=seed)))
+            out[name].append(rollout(engine, batch, replace(sampling, seed=seed)))
             step += 1
     return out
 
@@ -356,11 +357,13 @@ def run(args, plan: dict) -> int:
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.distributed import destroy, initialize_layouts
     from megatron_rlhf.distributed.groups import seed_layout
+    from megatron_rlhf.generation.cli import build_engine
 
     start = time.time()
     tokenizer, prompt_sets = plan["tokenizer"], plan["prompt_sets"]
     sampling = sampling_from_args(args, tokenizer)
     groups = initialize_layouts(plan["layouts"])
+    engine = None
     try:
         dtype = torch.bfloat16 if (args.bf16 and torch.cuda.is_available()) else torch.float32
         policy_groups = groups["policy"].pg_collection
@@ -371,14 +374,20 @@ def run(args, plan: dict) -> int:
             name: rank_batches(records, args.batch_size, sampling.pad_id, dp.rank(), dp.size())
             for name, records in prompt_sets.items()
         }
-        policy_out = generate_sets(policy, batches, sampling, "policy")
+        longest = max(len(ids) for records in prompt_sets.values() for _, ids in records)
+        engine = build_engine(args, policy, longest, policy_groups)
+        policy_out = generate_sets(engine, batches, sampling, "policy")
         del policy
         sft = load_bloom(
             args.sft, head="lm", params_dtype=dtype, init_weights=False,
             pg_collection=policy_groups,
         )  # fmt: skip
-        sft_out = generate_sets(sft, batches, sampling, "sft")
+        engine.actor = sft  # the same engine generates with the SFT model's weights
+        engine.refresh()
+        sft_out = generate_sets(engine, batches, sampling, "sft")
+        engine.close()  # before destroy(): vLLM's teardown takes torch.distributed with it
         del sft
+        engine = None
         if args.judge is None:
             for out in (policy_out, sft_out):
                 score_sets(out, None, args.judge_kind, plan["reward_fn"], args.batch_size)
@@ -395,6 +404,8 @@ def run(args, plan: dict) -> int:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)
     finally:
+        if engine is not None:
+            engine.close()
         destroy()
     merged = {(s["set"], s["index"]): s for part in gathered for s in part}
     samples = [merged[key] for key in sorted(merged, key=lambda k: (SET_NAMES.index(k[0]), k[1]))]

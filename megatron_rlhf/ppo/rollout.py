@@ -7,14 +7,14 @@ from dataclasses import replace
 import torch
 
 from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
-from megatron_rlhf.generation import GenerationOutput, SamplingConfig, generate
+from megatron_rlhf.generation import GenerationOutput, SamplingConfig
 from megatron_rlhf.ppo.experience import Experience
 
 
-def rollout(actor, prompts: dict, sampling: SamplingConfig) -> Experience:
-    """Generate one response per prompt (on the actor's groups); ``prompts`` is
-    ``collate_prompts`` output."""
-    out = generate(actor, prompts["input_ids"], prompts["attention_mask"], sampling)
+def rollout(engine, prompts: dict, sampling: SamplingConfig) -> Experience:
+    """One response per prompt of this rank's ``prompts`` (``collate_prompts`` output) from a
+    :class:`~megatron_rlhf.ppo.rollout_engine.RolloutEngine`."""
+    out = engine.generate(prompts["input_ids"], prompts["attention_mask"], sampling)
     return _experience(prompts, out.response_ids, out.response_mask, out.response_logprobs)
 
 

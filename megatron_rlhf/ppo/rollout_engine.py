@@ -12,24 +12,31 @@ rank (``distributed/handoff.py``). Two engines today:
   ``megatron.core.resharding.swap_model_weights(actor, copy, "gloo" | "nccl")`` (a reshard plan
   between the two models' ``pg_collection``s, built once and cached on the copy).
 
-Plugging in another engine (vLLM, Megatron-Core's inference engine; pipelined micro-batches at
-PP > 1 are already inside ``generate``):
-write a class with ``groups`` (the ``ProcessGroupCollection`` of the layout it generates in),
-``refresh()`` and ``generate(prompt_ids, prompt_mask, sampling) ->
-GenerationOutput`` with the contract of :func:`megatron_rlhf.generation.generate` (left-padded
-prompts of this rank's rows; every rank of a replica gets the same outputs; honour
-``sampling.row_seeds`` so that tokens do not depend on the layout), and return it from
+- :class:`VLLMRolloutEngine` (``rollout.engine=vllm``): vLLM serves the actor in the rollout
+  layout (vLLM's TP = the layout's TP, one vLLM data-parallel replica per DP rank), its
+  weights replaced in memory before each rollout (``generation/vllm_engine.py``).
+
+Plugging in another engine (Megatron-Core's inference engine, SGLang; pipelined micro-batches
+at PP > 1 are already inside ``generate``): write a class with ``groups`` (the
+``ProcessGroupCollection`` of the layout it generates in), ``refresh()`` (returns the seconds
+the weight sync took, or None), ``close()``, and ``generate(prompt_ids, prompt_mask, sampling)
+-> GenerationOutput`` with the contract of :func:`megatron_rlhf.generation.generate`
+(left-padded prompts of this rank's rows; every rank of a replica gets the same outputs;
+honour ``sampling.row_seeds`` so that tokens do not depend on the layout), and return it from
 :func:`build_rollout_engine`.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from megatron_rlhf.distributed.groups import LayoutGroups
 from megatron_rlhf.generation import GenerationOutput, SamplingConfig, generate
+from megatron_rlhf.utils import InputError
 
 
 class RolloutEngine(Protocol):
@@ -37,8 +44,12 @@ class RolloutEngine(Protocol):
     """The process groups (a ``ProcessGroupCollection``) the engine generates on; its DP ranks
     split the global prompts."""
 
-    def refresh(self) -> None:
-        """Make the generation weights equal the actor's current weights (collective)."""
+    def refresh(self) -> float | None:
+        """Make the generation weights equal the actor's current weights (collective); the
+        seconds a weight copy took, or None when the engine generates with the actor itself."""
+
+    def close(self) -> None:
+        """Release the engine (end of the run)."""
 
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig
@@ -53,6 +64,9 @@ class TrainingLayoutEngine:
         self.actor, self.groups = actor, actor.pg_collection
 
     def refresh(self) -> None:
+        return None
+
+    def close(self) -> None:
         pass
 
     def generate(self, prompt_ids, prompt_mask, sampling) -> GenerationOutput:
@@ -67,14 +81,77 @@ class ReshardedEngine:
         self.model.requires_grad_(False)
         self.copy_service = refit_copy_service()
 
-    def refresh(self) -> None:
+    def refresh(self) -> float:
         from megatron.core.resharding import swap_model_weights
 
+        start = time.perf_counter()
         with torch.no_grad():
             swap_model_weights(self.actor, self.model, self.copy_service)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        pass
 
     def generate(self, prompt_ids, prompt_mask, sampling) -> GenerationOutput:
         return generate(self.model, prompt_ids, prompt_mask, sampling)
+
+
+class VLLMRolloutEngine:
+    """vLLM generates; the actor's weights reach it in memory before each rollout.
+
+    The rollout layout must be PP = 1 (vLLM's external launcher has no pipeline parallelism)
+    with its TP groups on consecutive ranks (Megatron's rank order puts TP first), which is how
+    vLLM groups the ranks: one vLLM TP group per rollout TP group, one vLLM data-parallel
+    replica per rollout DP rank. The sync gathers every full HF tensor on every rank
+    (``checkpoint/hf_stream.py``) and vLLM keeps its TP shard of it."""
+
+    def __init__(self, actor, groups, *, max_model_len: int, max_rows: int, seed: int):
+        from megatron_rlhf.generation.vllm_engine import VLLMGenerator
+
+        self.actor, self.groups = actor, groups
+        check_vllm_layout(groups)
+        module = actor.module if hasattr(actor, "module") else actor
+        self.generator = VLLMGenerator(
+            module.arch,
+            tp=groups.tp.size(),
+            world_size=dist.get_world_size(),
+            dtype=module.config.params_dtype,
+            max_model_len=max_model_len,
+            max_rows=max_rows,
+            seed=seed,
+        )
+
+    def refresh(self) -> float:
+        from megatron_rlhf.checkpoint.hf_stream import hf_tensor_stream
+
+        with torch.no_grad():
+            return self.generator.load_weights(hf_tensor_stream(self.actor))
+
+    def close(self) -> None:
+        self.generator.close()
+
+    def generate(self, prompt_ids, prompt_mask, sampling) -> GenerationOutput:
+        out = self.generator.generate(prompt_ids, prompt_mask, sampling, self.groups.dp.rank())
+        self.generator.sleep()  # GPUs: free weights and KV cache for the update
+        return out
+
+
+def check_vllm_layout(groups) -> None:
+    """vLLM's external launcher puts ranks ``[i * tp, (i + 1) * tp)`` in one TP group and has
+    no pipeline stages: the rollout layout must agree."""
+    if groups.pp.size() != 1:
+        raise InputError(
+            f"rollout.engine=vllm needs a rollout layout without pipeline stages (it has "
+            f"{groups.pp.size()}); set parallel.rollout.pp=1 (vLLM's TP and data parallelism "
+            "serve the model instead)"
+        )
+    tp = groups.tp.size()
+    members = [dist.get_global_rank(groups.tp, i) for i in range(tp)]
+    if members != list(range(members[0], members[0] + tp)) or members[0] % tp:
+        raise InputError(
+            f"rollout.engine=vllm needs the rollout's TP groups on consecutive ranks; this "
+            f"rank's group is {members}"
+        )
 
 
 def refit_copy_service():
@@ -101,10 +178,19 @@ def refit_copy_service():
 
 
 def build_rollout_engine(
-    actor, actor_groups: LayoutGroups, rollout_groups: LayoutGroups, build_copy
+    actor,
+    actor_groups: LayoutGroups,
+    rollout_groups: LayoutGroups,
+    build_copy,
+    engine: str = "megatron",
+    vllm_settings: dict | None = None,
 ) -> RolloutEngine:
-    """The training-layout engine when the layouts agree, else a resharded copy of the actor
-    (a model); ``build_copy(rollout_groups)`` builds an unloaded actor model on those groups."""
+    """``engine="vllm"``: vLLM in the rollout layout (``vllm_settings``: max_model_len,
+    max_rows, seed). Else the training-layout engine when the layouts agree, or a resharded
+    copy of the actor (a model); ``build_copy(rollout_groups)`` builds an unloaded actor model
+    on those groups."""
+    if engine == "vllm":
+        return VLLMRolloutEngine(actor, rollout_groups.pg_collection, **(vllm_settings or {}))
     if rollout_groups is actor_groups:
         return TrainingLayoutEngine(actor)
     return ReshardedEngine(actor, build_copy(rollout_groups))

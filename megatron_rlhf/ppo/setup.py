@@ -132,6 +132,11 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
                 f" but data.prompts with {_tokenizer_identity(prompts_tokenizer)}; rebuild D_R with "
                 "the policy's tokenizer"
             )
+    if config.rollout.engine == "vllm" and layouts["rollout"].pp != 1:
+        raise InputError(
+            f"rollout.engine=vllm needs a rollout layout without pipeline stages (it resolves "
+            f"to pp={layouts['rollout'].pp}); set parallel.rollout.pp=1"
+        )
     check_batches(config, layouts)
     return PPOPlan(config=config, checkpoints=checkpoints, layouts=layouts)
 
@@ -290,7 +295,22 @@ def build_roles(plan: PPOPlan, groups: dict, seed: int) -> Roles:
             **common,
         )
 
-    rollout = build_rollout_engine(actor.model, groups["actor"], groups["rollout"], build_copy)
+    rollout_rows = config.rollout.prompts_per_step // plan.layouts["rollout"].dp
+    if config.ppo.algorithm == "rejection_sampling":
+        rollout_rows *= config.ppo.rejection_samples_per_prompt
+    vllm_settings = dict(
+        max_model_len=config.data.max_prompt_length + config.rollout.max_new_tokens,
+        max_rows=rollout_rows,
+        seed=seed,
+    )
+    rollout = build_rollout_engine(
+        actor.model,
+        groups["actor"],
+        groups["rollout"],
+        build_copy,
+        engine=config.rollout.engine,
+        vllm_settings=vllm_settings,
+    )
     return Roles(actor=actor, reference=reference, critic=critic, reward=reward, rollout=rollout)
 
 

@@ -117,7 +117,9 @@ class PPOTrainer:
             prompts = self.data.next_prompts()
             if config.ppo.algorithm == "rejection_sampling":
                 prompts = repeat_prompts(prompts, config.ppo.rejection_samples_per_prompt)
-            self.roles.rollout.refresh()
+            sync_s = self.roles.rollout.refresh()
+            if sync_s is not None:
+                timings["weight_sync"], t0 = sync_s, time.time()
             rows = prompts["input_ids"].shape[0]
             experience = rollout_global(
                 self.roles.rollout,
@@ -184,6 +186,7 @@ class PPOTrainer:
                 stopped_message("train-ppo", stopped_by, done, self.output_dir / f"step_{done:07d}")
                 break
         self.logger.close()
+        self.roles.rollout.close()
         destroy()
         print_summary(
             "train-ppo",
@@ -358,12 +361,14 @@ class PPOTrainer:
 
 
 def reuses_rollout_logprobs(config) -> bool:
-    """Whether log pi_old is the rollout's own (``ppo.old_logprobs``; auto: fp32 weights and
-    temperature 1, where a recomputing forward would agree to rounding)."""
+    """Whether log pi_old is the rollout's own (``ppo.old_logprobs``; auto: our engine with fp32
+    weights at temperature 1, where a recomputing forward agrees to rounding; vLLM's kernels
+    round differently, by up to ~1e-3 in a log-prob on a trained model, so auto recomputes)."""
     choice = config.ppo.old_logprobs
     if choice == "auto":
         fp32 = not use_bf16(config.train.bf16, "train.bf16")
-        return fp32 and config.rollout.temperature == 1.0
+        ours = config.rollout.engine == "megatron"
+        return ours and fp32 and config.rollout.temperature == 1.0
     return choice == "rollout"
 
 
