@@ -13,10 +13,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torchrun_harness import Harness
+from transformers import BloomForCausalLM
 
 harness = Harness(__doc__)
 harness.parser.add_argument("--work", type=Path, required=True)
+harness.parser.add_argument("--tp", type=int, default=1, help="of ours and of vLLM")
 STATE: dict = {}
 MAX_NEW = 12
 LOGPROB_TOL = 1e-4  # fp32, random weights: vLLM's CPU kernels and ours differ by ~1e-6
@@ -44,11 +47,15 @@ def _setup(args):
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
     from megatron_rlhf.ppo.rollout_engine import VLLMRolloutEngine
 
-    initialize(ParallelConfig())
+    initialize(ParallelConfig(tp=args.tp))
     arch = tiny_architecture(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2)
-    hf = save_random_hf_bloom(args.work / "hf", arch, seed=3).eval()
+    if dist.get_rank() == 0:
+        save_random_hf_bloom(args.work / "hf", arch, seed=3)
+    dist.barrier()
+    hf = BloomForCausalLM.from_pretrained(args.work / "hf").eval()
     model = load_bloom(args.work / "hf")
-    ids, mask = _prompts(8, arch.vocab_size, seed=0)
+    # each data-parallel replica (vLLM's too) serves its own prompts
+    ids, mask = _prompts(8, arch.vocab_size, seed=model.pg_collection.dp.rank())
     # EOS: the token row 0 emits third, so that some rows stop early and others do not
     probe = generate(
         model, ids, mask, SamplingConfig(max_new_tokens=MAX_NEW, greedy=True, eos_id=-1)
@@ -137,21 +144,19 @@ def rows_do_not_depend_on_the_batch(args) -> str:
 
 @harness.check
 def weights_synced_in_memory_after_updates(args) -> str:
-    """Three SGD steps change the actor's greedy tokens; the engine follows only after
-    ``refresh()``, and no weight file is written."""
+    """New actor weights (every tensor moved, TP shards each their own way, replicated tensors
+    the same on every TP rank) change its greedy tokens; the engine follows only after
+    ``refresh()``, and no weight file is written. (train-ppo's test checks the same after
+    real PPO updates: the rollout's log-probs against the updated actor's, every step.)"""
     s = _setup(args)
     model, engine = s["model"], s["engine"]
-    target, target_mask = _prompts(8, s["arch"].vocab_size, seed=7)
-    for _ in range(3):
-        logits = model(target, target_mask)
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), target[:, 1:].reshape(-1)
-        )
-        model.zero_grad()
-        loss.backward()
-        with torch.no_grad():
-            for param in model.parameters():
-                param -= 2.0 * param.grad
+    tp_rank = model.pg_collection.tp.rank()
+    with torch.no_grad():
+        for index, param in enumerate(model.parameters()):
+            sharded = getattr(param, "tensor_model_parallel", False)
+            seed = 1000 * index + (tp_rank if sharded else 0)
+            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))
+            param += 0.2 * noise
     ours = s["generate"](model, s["ids"], s["mask"], s["greedy"])
     stale = engine.generate(s["ids"], s["mask"], s["greedy"])
     assert not torch.equal(stale.response_ids, ours.response_ids), "the updates changed nothing"

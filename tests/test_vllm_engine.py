@@ -33,6 +33,25 @@ def results(tmp_path_factory):
     return run_checks(TESTS / "dist_vllm_worker.py", 1, root / "out", "--work", str(root))
 
 
+@pytest.fixture(scope="module")
+def results_tp2(tmp_path_factory):
+    """Two ranks, vLLM's external launcher: our TP2 layout and vLLM's TP2 on the same ranks."""
+    root = tmp_path_factory.mktemp("vllm_tp2")
+    checks = ["greedy_equals_megatron_and_transformers", "weights_synced_in_memory_after_updates"]
+    return run_checks(
+        TESTS / "dist_vllm_worker.py", 2, root / "out", "--work", str(root), "--tp", "2",
+        "--checks", *checks, "close_releases_the_engine",
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("check", CHECKS)
 def test_vllm_engine(results, check):
     assert_check(results, check)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "check", ["greedy_equals_megatron_and_transformers", "weights_synced_in_memory_after_updates"]
+)
+def test_vllm_engine_at_tp2(results_tp2, check):
+    assert_check(results_tp2, check)

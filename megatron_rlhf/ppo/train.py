@@ -259,6 +259,14 @@ class PPOTrainer:
             metrics["critic/explained_variance"] = explained_variance(
                 experience.values, experience.returns, mask
             )
+        recomputed = not self.reuse_rollout_logprobs and experience.logprobs is not None
+        if recomputed and self.config.rollout.temperature == 1.0:  # both at temperature 1
+            # How far the rollout's log-probs are from the actor's own forward over the same
+            # tokens: rounding (~1e-6 with our engine in fp32, ~1e-3 with vLLM on a sharp
+            # model); far more means the generating weights are not the actor's.
+            gap = (experience.rollout_logprobs - experience.logprobs).abs() * mask
+            metrics["rollout/logprob_diff_max"] = gap.max().item()
+            metrics["rollout/logprob_diff_mean"] = (gap.sum() / mask.sum().clamp(min=1)).item()
         metrics |= {f"time/{stage}_s": seconds for stage, seconds in timings.items()}
         metrics |= self.throughput(experience, sum(timings.values()))
         metrics |= self.data.per_cluster_rewards(experience)
