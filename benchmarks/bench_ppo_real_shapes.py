@@ -134,7 +134,7 @@ def build_inputs(root: Path, size: str, seed: int, steps: int) -> dict:
     return {"root": root, "seed": seed, "steps": steps}
 
 
-def ours_command(inputs: dict, output_dir: Path) -> list[str]:
+def ours_command(inputs: dict, output_dir: Path, engine: str = "megatron") -> list[str]:
     import yaml
 
     root = inputs["root"]
@@ -150,6 +150,7 @@ def ours_command(inputs: dict, output_dir: Path) -> list[str]:
             "prompts_per_step": PROMPTS_PER_STEP,
             "max_new_tokens": NEW_TOKENS,
             "temperature": 1.0,
+            "engine": engine,
         },
         "ppo": {
             "epochs": 1,
@@ -180,7 +181,8 @@ def ours_steps(output_dir: Path) -> list[dict]:
     return [
         {
             "step": r["time/step_s"],
-            "rollout": r["time/rollout_s"],
+            # with vLLM: the in-memory weight sync before the rollout, too
+            "rollout": r["time/rollout_s"] + r.get("time/weight_sync_s", 0.0),
             "scoring": r["time/score_s"],
             "update": r["time/update_s"] + r.get("time/advantages_s", 0.0),
             # one optimizer step per role (1 epoch x 1 minibatch)
@@ -335,6 +337,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="PPO steps per process (>= 2)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work-dir", help="keep inputs and logs here (default: a temp dir)")
+    parser.add_argument(
+        "--engines", nargs="+", choices=("megatron", "vllm"), default=["megatron"],
+        help="our train-ppo once per rollout.engine (vllm: the vllm extra)",
+    )  # fmt: skip
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -345,16 +351,19 @@ def main() -> None:
     if args.steps < 2:
         parser.error("--steps must be >= 2: step 1 is a warm-up")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_ppo_"))
-    sides = ["ours"] + (["trl"] if args.trl_python else [])
+    engines = {"ours" if e == "megatron" else f"ours ({e})": e for e in args.engines}
+    sides = list(engines) + (["trl"] if args.trl_python else [])
     results = {side: {seed: [] for seed in args.seeds} for side in sides}
     for seed in args.seeds:
         inputs = build_inputs(work / f"seed{seed}", args.size, seed, args.steps)
         for rep in range(args.reps):
             order = sides if rep % 2 == 0 else sides[::-1]
             for side in order:
-                output_dir = work / f"seed{seed}" / f"{side}_rep{rep}"
-                if side == "ours":
-                    command, steps_of = ours_command(inputs, output_dir), ours_steps
+                label = side.replace(" ", "_").replace("(", "").replace(")", "")
+                output_dir = work / f"seed{seed}" / f"{label}_rep{rep}"
+                if side in engines:
+                    command = ours_command(inputs, output_dir, engines[side])
+                    steps_of = ours_steps
                 else:
                     command = trl_command(inputs, output_dir, args.trl_python)
                     steps_of = _trl_steps
@@ -376,6 +385,10 @@ def main() -> None:
             row([r["startup"] for r in every], ".0f"),
         ]
         print(f"| {side} | " + " | ".join(cells) + " |")
+    if "ours" in sides and "ours (vllm)" in sides:
+        _print_ratio(
+            results, args.seeds, "ours", "ours (vllm)", "our step with megatron / with vLLM"
+        )
     if "trl" in sides:
         per_seed = [
             statistics.median(r["step"] for r in results["trl"][seed])
@@ -387,6 +400,19 @@ def main() -> None:
         print(f"\nTRL step / our step, medians: {trl / ours:.2f}x (per seed: "
               + ", ".join(f"{v:.2f}x" for v in per_seed) + ")")  # fmt: skip
     print(f"inputs and logs: {work}")
+
+
+def _print_ratio(results: dict, seeds, slow: str, fast: str, label: str) -> None:
+    """Ratio of the step-time medians ``slow / fast``, overall and per seed."""
+    per_seed = [
+        statistics.median(r["step"] for r in results[slow][seed])
+        / statistics.median(r["step"] for r in results[fast][seed])
+        for seed in seeds
+    ]
+    a = statistics.median(r["step"] for s in seeds for r in results[slow][s])
+    b = statistics.median(r["step"] for s in seeds for r in results[fast][s])
+    print(f"\n{label}, medians: {a / b:.2f}x (per seed: "
+          + ", ".join(f"{v:.2f}x" for v in per_seed) + ")")  # fmt: skip
 
 
 def _trl_steps(output_dir: Path) -> list[dict]:

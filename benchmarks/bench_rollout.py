@@ -61,7 +61,7 @@ SIZES = {
     "tiny 4x128": dict(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4),
     "base 12x768": dict(vocab_size=50_000, hidden_size=768, num_layers=12, num_heads=12),
 }
-PAD = 3
+PAD, EOS_ID = 3, 2
 
 
 def left_padded(batch: int, length: int, vocab: int, seed: int):
@@ -246,6 +246,167 @@ def pp_worker(args) -> None:
     dist.destroy_process_group()
 
 
+VLLM_SIZES = {
+    "tiny 4x128": dict(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4),
+    # BLOOM-560m's width, heads and vocabulary, 4 of its 24 layers (as bench_ppo_real_shapes)
+    "560m 4x1024": dict(vocab_size=250_880, hidden_size=1024, num_layers=4, num_heads=16),
+}
+
+
+def part_vllm(args, root: Path) -> list[dict]:
+    """Ours vs vLLM vs transformers: sampled rollouts (temperature 1, per-row seeds, as PPO
+    samples), B x new tokens, without and with early EOS (a model that ends
+    ``--early-fraction`` of its rows before the last token); the engines alternate inside every
+    repetition; tokens/s counts each engine's own generated tokens. Greedy tokens of ours and
+    vLLM are compared once per seed (B=8, 32 new, no EOS)."""
+    from bench_packing import eos_model, stop_probability
+
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.checkpoint.hf_stream import hf_tensor_stream
+    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.generation import SamplingConfig, generate
+    from megatron_rlhf.generation.vllm_engine import VLLMGenerator
+    from megatron_rlhf.models.bloom.config import BloomArchitecture
+
+    torch.set_num_threads(args.threads)
+    rows = []
+    for size in args.vllm_sizes:
+        name = next(n for n in VLLM_SIZES if n.startswith(size))
+        arch = BloomArchitecture(**VLLM_SIZES[name])
+        initialize(ParallelConfig())
+        # one engine per size; each seed's model reaches it through the in-memory sync
+        generator = VLLMGenerator(
+            arch, max_model_len=32 + max(args.new_tokens), max_rows=max(args.batches), seed=0
+        )
+        for new in args.new_tokens:
+            configs = [(b, eos) for b in args.batches for eos in (False, True)]
+            times = {(b, eos, e): [] for b, eos in configs for e in ("ours", "vllm", "hf")}
+            tokens = {key: [] for key in times}
+            greedy_same, greedy_rows, startup, sync = 0, 0, [], []
+            for seed in args.seeds:
+                hf_dir = root / f"vllm_{size}_{new}_{seed}"
+                packing_size = "tiny" if size == "tiny" else "real"  # the same shapes there
+                eos_model(hf_dir, packing_size, seed, stop_probability(args.early_fraction, new))
+                ours = load_bloom(hf_dir, init_weights=False).eval()
+                hf = _hf_model(hf_dir)
+                startup.append(generator.startup_s)
+                sync.append(generator.load_weights(hf_tensor_stream(ours)))
+                if new == min(args.new_tokens):
+                    ids, mask = left_padded(8, 32, arch.vocab_size, seed)
+                    greedy = SamplingConfig(max_new_tokens=new, greedy=True, eos_id=-1, pad_id=PAD)
+                    a = generate(ours, ids, mask, greedy).response_ids
+                    b = generator.generate(ids, mask, greedy).response_ids
+                    greedy_same += sum(torch.equal(x, y) for x, y in zip(a, b))
+                    greedy_rows += a.shape[0]
+                for batch, eos in configs:
+                    ids, mask = left_padded(batch, 32, arch.vocab_size, seed)
+                    sampling = SamplingConfig(
+                        max_new_tokens=new, eos_id=EOS_ID if eos else -1, pad_id=PAD,
+                        row_seeds=tuple(seed * 1000 + r for r in range(batch)),
+                    )  # fmt: skip
+                    with_hf = batch <= args.hf_max_batch
+                    sides = _sides(ours, generator, hf if with_hf else None, ids, mask, sampling)
+                    for side in sides.values():  # warm-up
+                        side()
+                    for rep in range(args.reps):
+                        order = list(sides) if rep % 2 == 0 else list(reversed(sides))
+                        for engine in order:
+                            start = time.perf_counter()
+                            with torch.no_grad():
+                                out = sides[engine]()
+                            times[(batch, eos, engine)].append(time.perf_counter() - start)
+                            tokens[(batch, eos, engine)].append(int(out.response_mask.sum()))
+            for batch, eos in configs:
+                row = {"size": name, "new": new, "batch": batch, "eos": eos}
+                for engine in ("ours", "vllm", "hf"):
+                    seconds = times[(batch, eos, engine)]
+                    if seconds:
+                        rates = [t / s for t, s in zip(tokens[(batch, eos, engine)], seconds)]
+                        row[engine] = {"min": min(rates), "median": statistics.median(rates),
+                                       "max": max(rates)}  # fmt: skip
+                        row[engine + "_per_seed"] = _per_seed_medians(rates, len(args.seeds))
+                row["mean_length"] = statistics.mean(tokens[(batch, eos, "ours")]) / batch
+                row["greedy"] = f"{greedy_same}/{greedy_rows}" if greedy_rows else "-"
+                row["startup_s"], row["sync_s"] = (
+                    statistics.median(startup),
+                    statistics.median(sync),
+                )
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        generator.close()  # vLLM's teardown also ends torch.distributed
+        destroy()
+    return rows
+
+
+def _sides(ours, generator, hf, ids, mask, sampling) -> dict:
+    """The engines' rollouts of one batch (transformers' only when ``hf`` is given)."""
+    from megatron_rlhf.generation import generate
+
+    sides = {
+        "ours": lambda: generate(ours, ids, mask, sampling),
+        "vllm": lambda: generator.generate(ids, mask, sampling),
+    }
+    if hf is not None:
+        sides["hf"] = lambda: _hf_sample(hf, ids, mask, sampling)
+    return sides
+
+
+def _per_seed_medians(rates: list[float], seeds: int) -> list[float]:
+    per = len(rates) // seeds
+    return [statistics.median(rates[i * per : (i + 1) * per]) for i in range(seeds)]
+
+
+def _hf_model(directory: Path):
+    from transformers import BloomForCausalLM
+
+    model = BloomForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _hf_sample(hf, ids, mask, sampling):
+    """transformers' sampling with its own RNG (one seed per call), EOS as ours; returns an
+    object with ``response_mask`` (its generated tokens: up to and including EOS)."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(sampling.row_seeds[0])
+    sequences = hf.generate(
+        input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, temperature=1.0,
+        max_new_tokens=sampling.max_new_tokens, pad_token_id=PAD,
+        eos_token_id=sampling.eos_id if sampling.eos_id >= 0 else None,
+    )[:, ids.shape[1] :]  # fmt: skip
+    if sampling.eos_id < 0:
+        return SimpleNamespace(response_mask=torch.ones_like(sequences))
+    ended = (sequences == sampling.eos_id).long().cumsum(1)
+    return SimpleNamespace(
+        response_mask=((ended - (sequences == sampling.eos_id).long()) == 0).long()
+    )
+
+
+def vllm_table(rows, args) -> str:
+    def fmt(s):
+        return f"{s['min']:.0f} / {s['median']:.0f} / {s['max']:.0f}" if s else "-"
+
+    lines = [
+        f"sampled, temperature 1, per-row seeds; {args.threads} threads; reps {args.reps} x seeds "
+        f"{args.seeds}; early EOS: {100 * args.early_fraction:.0f} % of rows end before the last "
+        "token (a model with a fixed per-step EOS probability)",
+        "",
+        "| model | B | new | early EOS | mean length | ours tok/s | vLLM tok/s | transformers tok/s "
+        "| vLLM / ours (per seed) | greedy rows equal | vLLM start-up s | sync s |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        ratio = r["vllm"]["median"] / r["ours"]["median"]
+        seeds = ", ".join(f"{v / o:.2f}" for v, o in zip(r["vllm_per_seed"], r["ours_per_seed"]))
+        lines.append(
+            f"| {r['size']} | {r['batch']} | {r['new']} | {'yes' if r['eos'] else 'no'} "
+            f"| {r['mean_length']:.1f} | {fmt(r['ours'])} | {fmt(r['vllm'])} | {fmt(r.get('hf'))} "
+            f"| {ratio:.2f}x ({seeds}) | {r['greedy']} | {r['startup_s']:.1f} | {r['sync_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(part1_rows, pp, args) -> str:
     def fmt(s):
         return f"{s['min']:.0f} / {s['median']:.0f} / {s['max']:.0f}"
@@ -295,6 +456,15 @@ def main() -> int:
     parser.add_argument("--pp-new-tokens", type=int, default=64, help="new tokens in part 2")
     parser.add_argument("--skip-pp", action="store_true", help="only part 1")
     parser.add_argument("--skip-single", action="store_true", help="only part 2")
+    parser.add_argument(
+        "--vllm", action="store_true", help="only part 3: ours vs vLLM vs transformers"
+    )
+    parser.add_argument("--vllm-sizes", nargs="+", default=["tiny", "560m"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--early-fraction", type=float, default=0.4)
+    parser.add_argument(
+        "--hf-max-batch", type=int, default=64, help="transformers only up to this batch"
+    )
     parser.add_argument("--pp-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hf", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -303,6 +473,12 @@ def main() -> int:
         pp_worker(args)
         return 0
     args.load_before = f"{os.getloadavg()[0]:.1f}"
+    if args.vllm:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = part_vllm(args, Path(tmp))
+        print()
+        print(vllm_table(rows, args))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         rows = [] if args.skip_single else part1(args, Path(tmp))
         pp = None if args.skip_pp else part2(args, Path(tmp))

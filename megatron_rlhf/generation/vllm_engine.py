@@ -278,7 +278,11 @@ class VLLMGenerator:
 
 
 def _repack_lm_head(model) -> None:
-    model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    head, embedding = model.lm_head, model.transformer.word_embeddings
+    if getattr(embedding, "cpu_linear", None) is not None and head.weight is embedding.weight:
+        head.cpu_linear = embedding.cpu_linear  # the reload packed the same (tied) weight
+    else:
+        head.quant_method.process_weights_after_loading(head)
 
 
 def _check_head_size(arch) -> None:
