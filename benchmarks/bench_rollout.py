@@ -39,6 +39,28 @@ the three equal; refit 0.75 / 0.82 / 0.88 s):
 
 On 2 CPU cores over gloo the pipelined ring is slower: half-size micro-batches cost more per
 token than the idle stage, and each token makes twice the sends.
+
+Part 3, ``--vllm`` (issue 23): ours vs vLLM (``generation/vllm_engine.py``, weights synced in
+memory) vs transformers, sampled at temperature 1 with per-row seeds (PPO's rollout), B x new
+tokens, without and with early EOS (``bench_packing.eos_model``: ~40 % of rows end early),
+each engine's own tokens counted; greedy tokens of ours and vLLM compared (B=8, the shortest
+length). Commands (idle 2-core VM, 2 threads, 3 reps x 2 seeds):
+
+    python benchmarks/bench_rollout.py --vllm --vllm-sizes tiny --new-tokens 32 128 --batches 8 64
+    python benchmarks/bench_rollout.py --vllm --vllm-sizes 560m --new-tokens 32 --batches 8 64 --hf-max-batch 8
+    python benchmarks/bench_rollout.py --vllm --vllm-sizes 560m --new-tokens 128 --batches 8 --hf-max-batch 0
+
+Measured (tok/s min / median / max; vLLM / ours, ratio of medians, per seed in brackets):
+
+    560m 4x1024, B=8,  32 new, no EOS   ours  41 /  47 /  54   vLLM 118 / 128 / 137   2.70x (2.75, 2.96)   transformers 27 / 31 / 31
+    560m 4x1024, B=8,  32 new, EOS      ours  29 /  36 /  45   vLLM 104 / 114 / 129   3.12x (3.32, 3.04)   transformers 20 / 21 / 23
+    560m 4x1024, B=64, 32 new, no EOS   ours 104 / 113 / 136   vLLM 198 / 210 / 216   1.86x (1.92, 1.61)
+    560m 4x1024, B=64, 32 new, EOS      ours  88 / 100 / 117   vLLM 176 / 193 / 209   1.93x (2.04, 1.82)
+    560m 4x1024, B=8, 128 new, no EOS   ours  38 /  43 /  53   vLLM 121 / 124 / 130   2.91x (3.01, 2.85)
+    560m 4x1024, B=8, 128 new, EOS      ours  31 /  39 /  44   vLLM  83 / 108 / 110   2.78x (2.76, 2.52)
+    tiny 4x128: 0.91x to 1.30x over B 8/64, 32/128 new, with and without EOS (README table)
+
+Greedy rows equal: 16/16 at both sizes. The tiny model is overhead-bound: there the engines tie.
 """
 
 from __future__ import annotations

@@ -236,6 +236,7 @@ def _generate(args) -> int:
     results: dict[int, dict] = {}
     start, generated = time.time(), 0
     batches = [mine[i : i + args.batch_size] for i in range(0, len(mine), args.batch_size)]
+    idle = engine.idle_calls(len(batches))
     for batch in tqdm(batches, desc="generate", disable=not is_rank0()):
         input_ids, mask = left_pad([records[i][1] for i in batch], sampling.pad_id)
         out = engine.generate(input_ids, mask, sampling)
@@ -251,6 +252,8 @@ def _generate(args) -> int:
             if args.output_logprobs:
                 result["response_logprobs"] = out.response_logprobs[row, :length].tolist()
             results[index] = result
+    for _ in range(idle):  # vLLM's replicas step together: as many calls as the busiest rank
+        engine.idle_call()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     totals = [None] * dist.get_world_size()

@@ -8,8 +8,9 @@ GPUs. Megatron-Core's own inference engines cannot run BLOOM (it has no ALiBi); 
 - **Built without a checkpoint.** vLLM reads the architecture from a ``config.json`` written to a
   private temporary folder (``BloomArchitecture.to_hf_dict``) and starts with dummy weights;
   :meth:`VLLMGenerator.load_weights` then hands it the real ones as ``(hf_name, tensor)``
-  pairs (``checkpoint/hf_stream.py``), through the model's own ``load_weights`` (which splits
-  them for vLLM's TP and repacks BLOOM's fused QKV). No weight file is written, ever.
+  pairs (``checkpoint/hf_stream.py``), through vLLM's in-place ``reload_weights`` (the model's
+  ``load_weights``, which splits them for vLLM's TP and repacks BLOOM's fused QKV, then each
+  layer's post-load processing). No weight file is written, ever.
 - **In process.** The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a
   weight sync is a copy, not a serialisation. With more than one rank, vLLM's
   ``external_launcher`` executor joins the existing ``torch.distributed`` world: vLLM's TP
@@ -20,7 +21,9 @@ GPUs. Megatron-Core's own inference engines cannot run BLOOM (it has no ALiBi); 
   ``raw_logprobs``, before temperature and top-p). Each row is its own request with its own
   seed (``row_seeds``, or seeds drawn from ``seed + dp_rank``), so a row's tokens do not depend
   on the batch. vLLM's sampler draws differently from ours, so sampled tokens differ between
-  the engines; greedy tokens agree (tested), and so do the log-probs of the same tokens.
+  the engines; greedy tokens agree (tested), and the log-probs of the same tokens agree to
+  vLLM's rounding (~1e-6 on a random model, up to ~1e-3 once attention is sharp: its CPU
+  attention is coarser than ours, which is ~1e-6 from float64).
 - **Memory.** The KV cache is sized for the rows it serves (``kv_cache_bytes``), not for the
   machine: on a GPU shared with training it takes no more. On GPUs the engine sleeps between
   rollouts (``sleep(level=2)``: weights and KV cache freed) and wakes before the next sync;

@@ -279,12 +279,15 @@ def generate_sets(engine, batches: dict, sampling, desc: str) -> dict:
     from megatron_rlhf.ppo.rollout import rollout
 
     out, step = {}, 0
+    idle = engine.idle_calls(sum(len(set_batches) for set_batches in batches.values()))
     for name, set_batches in batches.items():
         out[name] = []
         for batch in tqdm(set_batches, desc=f"{desc} {name}", disable=not is_rank0()):
             seed = sampling.seed + 1_000_003 * step  # same per batch for policy and SFT
             out[name].append(rollout(engine, batch, replace(sampling, seed=seed)))
             step += 1
+    for _ in range(idle):  # vLLM's replicas step together: as many calls as the busiest rank
+        engine.idle_call()
     return out
 
 

@@ -51,6 +51,14 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release the engine (end of the run)."""
 
+    def idle_calls(self, calls: int) -> int:
+        """Called by every rank before its first ``generate`` with how many it will make: how
+        many one-token ``idle_call()``s it must add after them (collective over
+        ``groups.dp``; 0 except for engines whose data-parallel replicas step together)."""
+
+    def idle_call(self) -> None:
+        """A one-token call that keeps this replica in step with the others."""
+
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig
     ) -> GenerationOutput:
@@ -67,6 +75,12 @@ class TrainingLayoutEngine:
         return None
 
     def close(self) -> None:
+        pass
+
+    def idle_calls(self, calls: int) -> int:
+        return 0
+
+    def idle_call(self) -> None:
         pass
 
     def generate(self, prompt_ids, prompt_mask, sampling) -> GenerationOutput:
@@ -90,6 +104,12 @@ class ReshardedEngine:
         return time.perf_counter() - start
 
     def close(self) -> None:
+        pass
+
+    def idle_calls(self, calls: int) -> int:
+        return 0
+
+    def idle_call(self) -> None:
         pass
 
     def generate(self, prompt_ids, prompt_mask, sampling) -> GenerationOutput:
@@ -129,6 +149,22 @@ class VLLMRolloutEngine:
 
     def close(self) -> None:
         self.generator.close()
+
+    def idle_calls(self, calls: int) -> int:
+        """vLLM's data-parallel replicas step in lockstep (a replica with nothing to do runs
+        dummy steps while another still generates), so every rank must call ``generate`` as
+        often as the rank with the most calls: agreed before the first call (an all-reduce
+        between two calls would wait on a replica that waits on vLLM's own all-reduce)."""
+        dp = self.groups.dp
+        if dp.size() == 1:
+            return 0
+        most = torch.tensor([calls])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=dp)
+        return int(most) - calls
+
+    def idle_call(self) -> None:
+        one = torch.ones((1, 1), dtype=torch.long)
+        self.generator.generate(one, one, SamplingConfig(max_new_tokens=1, greedy=True))
 
     def generate(self, prompt_ids, prompt_mask, sampling) -> GenerationOutput:
         out = self.generator.generate(prompt_ids, prompt_mask, sampling, self.groups.dp.rank())
