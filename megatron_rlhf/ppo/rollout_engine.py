@@ -65,14 +65,9 @@ class RolloutEngine(Protocol):
         """Responses of this rank's rows (collective over ``self.groups``)."""
 
 
-class TrainingLayoutEngine:
-    """The actor generates in its training layout."""
-
-    def __init__(self, actor):
-        self.actor, self.groups = actor, actor.pg_collection
-
-    def refresh(self) -> None:
-        return None
+class _OurDecode:
+    """Our engines' ``RolloutEngine`` parts that do nothing: nothing to release, and data-
+    parallel replicas that generate independently (no calls to keep in step)."""
 
     def close(self) -> None:
         pass
@@ -83,11 +78,21 @@ class TrainingLayoutEngine:
     def idle_call(self) -> None:
         pass
 
+
+class TrainingLayoutEngine(_OurDecode):
+    """The actor generates in its training layout."""
+
+    def __init__(self, actor):
+        self.actor, self.groups = actor, actor.pg_collection
+
+    def refresh(self) -> None:
+        return None
+
     def generate(self, prompt_ids, prompt_mask, sampling) -> GenerationOutput:
         return generate(self.actor, prompt_ids, prompt_mask, sampling)
 
 
-class ReshardedEngine:
+class ReshardedEngine(_OurDecode):
     """A copy of the actor in the rollout layout, refit from the actor before each rollout."""
 
     def __init__(self, actor, model):
@@ -102,15 +107,6 @@ class ReshardedEngine:
         with torch.no_grad():
             swap_model_weights(self.actor, self.model, self.copy_service)
         return time.perf_counter() - start
-
-    def close(self) -> None:
-        pass
-
-    def idle_calls(self, calls: int) -> int:
-        return 0
-
-    def idle_call(self) -> None:
-        pass
 
     def generate(self, prompt_ids, prompt_mask, sampling) -> GenerationOutput:
         return generate(self.model, prompt_ids, prompt_mask, sampling)
