@@ -24,19 +24,14 @@ import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.hf_io import stage_layer_offset
 from megatron_rlhf.checkpoint.hf_names import full_hf_name, mapping_for
-from megatron_rlhf.distributed.parallel import compute_device, model_groups, stage_rank
-
-
-def _unwrapped(model):
-    return model.module if hasattr(model, "module") else model
+from megatron_rlhf.distributed.parallel import compute_device, stage_rank
 
 
 def hf_tensor_stream(model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every HF tensor of ``model`` (a ``BloomModel``, DDP-wrapped or not), full-size, in
-    ``dtype`` (default: the parameters' own), on every rank of its layout (collective over its
-    TP and PP groups: every rank must drain the iterator)."""
-    model = _unwrapped(model)
-    groups = model_groups(model)
+    """Every HF tensor of ``model`` (a ``BloomModel``), full-size, in ``dtype`` (default: the
+    parameters' own), on every rank of its layout (collective over its TP and PP groups: every
+    rank must drain the iterator)."""
+    groups = model.pg_collection
     head, vocab_size = model.head, model.arch.vocab_size
     offset = stage_layer_offset(model)
     local = []

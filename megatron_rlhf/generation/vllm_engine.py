@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_rlhf.checkpoint.hf_names import full_hf_name, hf_names
 from megatron_rlhf.generation.decode import GenerationOutput, SamplingConfig
 from megatron_rlhf.utils import InputError
 
@@ -153,8 +154,9 @@ class VLLMGenerator:
         vllm = import_vllm()
         if world_size % tp:
             raise InputError(f"vLLM TP {tp} does not divide the {world_size} ranks")
-        self.arch, self.tp, self.dtype = arch, tp, dtype
         _check_head_size(arch)
+        # every tensor of a BloomForCausalLM, which each sync must deliver
+        self._expected = {full_hf_name(name) for name in hf_names(arch.num_layers, "lm")}
         self.max_model_len = max_model_len
         self.sleeps = torch.cuda.is_available()  # vLLM's CPU backend has no sleep mode
         self._config_dir = tempfile.TemporaryDirectory(prefix="vllm-bloom-config-")
@@ -196,7 +198,6 @@ class VLLMGenerator:
         start = time.perf_counter()
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
-        expected = self._expected_names()
         loaded = set()
 
         def counted():
@@ -211,10 +212,9 @@ class VLLMGenerator:
         )
         # vLLM's CPU backend packs the tied LM head's weight into its own GEMM buffer when the
         # model is built; the reload re-packs the word embedding only, so the head would keep
-        # computing with the first weights. Re-pack it (a no-op on GPUs, where it reads the
-        # shared parameter itself).
+        # computing with the first weights: point it at the embedding's new packing.
         self.llm.apply_model(_repack_lm_head)
-        missing = expected - loaded
+        missing = self._expected - loaded
         if missing:
             raise RuntimeError(f"weight sync to vLLM missed {sorted(missing)[:5]}")
         if self._asleep:
@@ -230,11 +230,6 @@ class VLLMGenerator:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
         self._config_dir.cleanup()
-
-    def _expected_names(self) -> set[str]:
-        from megatron_rlhf.checkpoint.hf_names import full_hf_name, hf_names
-
-        return {full_hf_name(name) for name in hf_names(self.arch.num_layers, "lm")}
 
     def sleep(self) -> None:
         """Free the weights and the KV cache until the next ``load_weights`` (GPUs only)."""
@@ -265,7 +260,14 @@ class VLLMGenerator:
             )
         params = [self._params(sampling, seed) for seed in _row_seeds(sampling, batch, dp_rank)]
         outputs = self.llm.generate(prompts, params, use_tqdm=False) if batch else []
-        return _to_generation_output(outputs, sampling, batch)
+        out = _to_generation_output(outputs, sampling, batch)
+        # on the prompts' device, as our engine's: the experience stays on the compute device
+        device = prompt_ids.device
+        return GenerationOutput(
+            response_ids=out.response_ids.to(device),
+            response_mask=out.response_mask.to(device),
+            response_logprobs=out.response_logprobs.to(device),
+        )
 
     def _params(self, sampling: SamplingConfig, seed: int):
         return self._sampling_params(

@@ -126,12 +126,11 @@ class VLLMRolloutEngine:
 
         self.actor, self.groups = actor, groups
         check_vllm_layout(groups)
-        module = actor.module if hasattr(actor, "module") else actor
         self.generator = VLLMGenerator(
-            module.arch,
+            actor.arch,
             tp=groups.tp.size(),
             world_size=dist.get_world_size(),
-            dtype=module.config.params_dtype,
+            dtype=actor.config.params_dtype,
             max_model_len=max_model_len,
             max_rows=max_rows,
             seed=seed,
