@@ -421,6 +421,78 @@ def test_ended_rows_leave_the_decode_batch_and_nothing_else_changes(
         assert diff <= 1e-5, (row, float(diff))
 
 
+def test_prefill_groups_minimise_tokens_plus_forwards_as_brute_force_does():
+    """The dynamic program's grouping costs what the best of every contiguous grouping costs."""
+    import itertools
+
+    from megatron_rlhf.generation.decode import PREFILL_FORWARD_COST_TOKENS as C
+    from megatron_rlhf.generation.decode import prefill_groups
+
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        n = 1 + trial % 9
+        top = (8, 60, 300)[trial % 3]
+        lengths = sorted(torch.randint(1, top, (n,), generator=generator).tolist(), reverse=True)
+        groups = prefill_groups(lengths)
+        assert [g.start for g, _ in groups] == [0] + [g.stop for g, _ in groups[:-1]]
+        assert groups[-1][0].stop == n and all(w == lengths[g.start] for g, w in groups)
+        cost = sum((g.stop - g.start) * w + C for g, w in groups)
+        best = min(
+            sum((b - a) * lengths[a] + C for a, b in zip((0, *cuts), (*cuts, n)))
+            for k in range(n)
+            for cuts in itertools.combinations(range(1, n), k)
+        )
+        assert cost == best, (lengths, groups)
+
+
+@pytest.mark.parametrize("use_kv_cache", [True, False], ids=["kv_cache", "no_cache"])
+def test_prompts_prefilled_without_padding_give_the_padded_prefills_outputs(
+    single_process, hf_dir, use_kv_cache, monkeypatch
+):
+    """``unpadded_prefill``: rows sorted by prompt length, prefilled in groups as wide as their
+    longest prompt (a column of padding in every row dropped too), give every row the tokens,
+    mask and log-probs of the left-padded prefill, in the caller's row order; and the prefill
+    computes fewer prompt positions than the padded batch holds."""
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.generation import SamplingConfig, generate, decode
+
+    from megatron.core.transformer.attention import Attention
+
+    monkeypatch.setattr(decode, "PREFILL_FORWARD_COST_TOKENS", 2)  # several groups at this size
+    allocate = Attention._allocate_memory  # a fresh KV cache holds NaNs, not lucky zeros
+    monkeypatch.setattr(
+        Attention, "_allocate_memory", lambda *a, **k: allocate(*a, **k).fill_(float("nan"))
+    )
+    model = load_bloom(hf_dir, init_weights=False).eval()
+    lengths = [3, 9, 1, 9, 5, 2, 6, 4]
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, lengths, seed=21)
+    ids = torch.cat([torch.full((8, 2), 3), ids], dim=1)  # 2 columns padding in every row
+    mask = torch.cat([torch.zeros(8, 2, dtype=torch.long), mask], dim=1)
+    sampling = SamplingConfig(
+        max_new_tokens=9, temperature=0.9, top_p=0.95, row_seeds=tuple(range(40, 48)),
+        use_kv_cache=use_kv_cache, unpadded_prefill=False,
+    )  # fmt: skip
+    padded = generate(model, ids, mask, sampling)
+    widths = []
+    hook = model.register_forward_pre_hook(lambda _, args: widths.append(tuple(args[0].shape)))
+    try:
+        sampling.unpadded_prefill = True
+        out = generate(model, ids, mask, sampling)
+    finally:
+        hook.remove()
+    assert torch.equal(out.response_ids, padded.response_ids)
+    assert torch.equal(out.response_mask, padded.response_mask)
+    diff = (out.response_logprobs - padded.response_logprobs).abs().max()
+    assert diff <= 1e-5, float(diff)
+    if use_kv_cache:
+        prefill = [w for w in widths if w[1] > 1]
+        assert len(prefill) >= 3, widths  # several groups, each as wide as its longest prompt
+        assert sum(b for b, _ in prefill) == 8
+        assert sum(b * w for b, w in prefill) < 8 * 9, prefill
+    else:  # every step recomputes the prefix: the shared padding columns are gone
+        assert widths[0] == (8, 9), widths
+
+
 def test_one_packed_row_runs_thd_attention_with_the_masked_paths_values_and_gradients(
     single_process, hf_dir
 ):

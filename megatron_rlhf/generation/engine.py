@@ -7,7 +7,10 @@ sampling, identical on every TP rank). Rows stop at EOS and leave the decode bat
 still decoding are moved to the front of their KV-cache slots (``MicroBatch.compact``, one copy
 of the live rows' cache after a step in which some row ended), so a decode step computes only
 them and a rollout costs about the sum of its rows' lengths, not batch x longest. The loop stops
-when every row has ended.
+when every row has ended. Nor is the prompts' left padding computed (``unpadded_prefill``):
+rows are sorted by prompt length and prefilled in groups, each as wide as its longest prompt
+(``decode.prefill_groups``), writing the same KV-cache columns the padded prefill would; the
+outputs come back in the caller's row order.
 ``response_logprobs`` are the log-probabilities of the chosen tokens under the model at
 temperature 1.
 
@@ -32,7 +35,9 @@ from megatron_rlhf.generation.decode import (
     SamplingConfig,
     choose_for,
     collect,
+    prefill_by_length,
     sampling_uniforms,
+    sort_prompts,
     stage_forward,
 )
 from megatron_rlhf.generation.pipelined import generate_pipelined
@@ -48,21 +53,37 @@ def generate(
     was_training = model.training
     model.eval()
     batch, prompt_length = prompt_ids.shape
-    max_length = prompt_length + sampling.max_new_tokens
+    max_length = prompt_length + sampling.max_new_tokens  # sort_prompts may only trim
     context = StaticInferenceContext(batch, max_length) if sampling.use_kv_cache else None
     device = compute_device()
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     try:
         groups = model_groups(model)
-        if groups.pp.size() > 1:
-            return generate_pipelined(model, prompt_ids, prompt_mask, sampling, context)
-        micro_batch = MicroBatch(slice(0, batch), prompt_ids, prompt_mask, sampling, device)
         uniforms = sampling_uniforms(sampling, batch, device, groups.dp.rank())
-        while not micro_batch.done:
-            logits = stage_forward(model, micro_batch, context)
-            micro_batch.append(*choose_for(micro_batch, logits, uniforms))
-            if not micro_batch.done:
-                micro_batch.compact(context)
-        return collect([micro_batch])
+        order = None
+        if sampling.unpadded_prefill:
+            prompt_ids, prompt_mask, order = sort_prompts(prompt_ids, prompt_mask)
+            uniforms = None if uniforms is None else uniforms[:, order]
+        if groups.pp.size() > 1:
+            out = generate_pipelined(model, prompt_ids, prompt_mask, sampling, context, uniforms)
+        else:
+            micro_batch = MicroBatch(slice(0, batch), prompt_ids, prompt_mask, sampling, device)
+            while not micro_batch.done:
+                if micro_batch.step == 0 and order is not None and context is not None:
+                    logits = prefill_by_length(model, micro_batch, context)
+                else:
+                    logits = stage_forward(model, micro_batch, context)
+                micro_batch.append(*choose_for(micro_batch, logits, uniforms))
+                if not micro_batch.done:
+                    micro_batch.compact(context)
+            out = collect([micro_batch])
+        if order is not None:  # back to the caller's row order
+            inverse = torch.argsort(order)
+            out = GenerationOutput(
+                response_ids=out.response_ids[inverse],
+                response_mask=out.response_mask[inverse],
+                response_logprobs=out.response_logprobs[inverse],
+            )
+        return out
     finally:
         model.train(was_training)

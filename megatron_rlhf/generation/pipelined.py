@@ -40,9 +40,9 @@ from megatron_rlhf.generation.decode import (
     MicroBatch,
     choose_for,
     collect,
-    sampling_uniforms,
     split_rows,
     stage_forward,
+    trim_left_padding,
 )
 
 _END = -1
@@ -104,21 +104,25 @@ class _Links:
             self.pending.popleft().wait()
 
 
-def generate_pipelined(model, prompt_ids, prompt_mask, sampling, context) -> GenerationOutput:
-    """Every stage of the pipeline calls this with the same prompts; see the module docstring."""
+def generate_pipelined(
+    model, prompt_ids, prompt_mask, sampling, context, uniforms
+) -> GenerationOutput:
+    """Every stage of the pipeline calls this with the same prompts and the (steps, B) sampling
+    uniforms of their rows (None: greedy); see the module docstring. With
+    ``sampling.unpadded_prefill`` the rows come sorted by length and each micro-batch drops the
+    padding columns all its rows share (its own prompt width and cache columns)."""
     device, groups = compute_device(), model_groups(model)
     parts = sampling.pipeline_micro_batches or groups.pp.size()
-    micro_batches = [
-        MicroBatch(rows, prompt_ids[rows], prompt_mask[rows], sampling, device)
-        for rows in split_rows(prompt_ids.shape[0], parts)
-    ]
+    micro_batches = []
+    for rows in split_rows(prompt_ids.shape[0], parts):
+        ids, mask = prompt_ids[rows], prompt_mask[rows]
+        if sampling.unpadded_prefill:
+            ids, mask = trim_left_padding(ids, mask)
+        micro_batches.append(MicroBatch(rows, ids, mask, sampling, device))
     links = _Links(max(mb.rows.stop - mb.rows.start for mb in micro_batches), groups)
     if is_first_stage(groups):
         _first_stage(model, micro_batches, context, links)
     else:
-        uniforms = None
-        if is_last_stage(groups):
-            uniforms = sampling_uniforms(sampling, prompt_ids.shape[0], device, groups.dp.rank())
         _later_stage(model, micro_batches, context, links, uniforms)
     links.drain()
     return _broadcast_from_last_stage(micro_batches, sampling, groups)
