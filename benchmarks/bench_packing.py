@@ -10,13 +10,17 @@ seed is a fresh random model and batch. Sizes: ``tiny`` 4 layers x 128, vocab 1,
 BLOOM-560m's width and vocabulary (hidden 1,024, 16 heads, vocab 250,880) with 4 layers, where
 the LM head is most of the work.
 
-rollout: B=16 (``--rollout-batch``) left-padded prompts of 32 down to 2 tokens, temperature-1 sampling with per-row
-seeds, ``--new-tokens`` at most. ``drop_ended_rows=True`` (the default: a row that emits EOS
-leaves the batch, its KV cache compacted away) against ``False`` (every step computes every
-row until the last one ends, the engine before). Tokens are compared row by row (log-probs on
-the identical rows): a smaller decode batch changes the matmuls' rounding, and at BLOOM's
-vocabulary with near-uniform sampling a 1e-7 change in a logit can move the sampled token (as
-pipelined micro-batches can); each side's tokens/s counts its own tokens.
+rollout: B=16 (``--rollout-batch``) left-padded prompts whose lengths are HH-RLHF dialogue
+histories (:func:`hh_rlhf_lengths`: the transcript less its last reply; x1/4 and clipped to 256
+at the real width, as the training steps), temperature-1 sampling with per-row seeds,
+``--new-tokens`` at most, three ways interleaved: "not padded" (the defaults: prompts prefilled
+without their padding, ``unpadded_prefill``, and a row that emits EOS leaving the batch, its
+KV cache compacted away, ``drop_ended_rows``), ended rows leaving only (a padded prefill), and
+"padded" (neither: the whole batch prefilled as wide as its longest prompt and every step
+computing every row until the last one ends, the engine before). Tokens are compared row by
+row (log-probs on the identical rows): a smaller batch changes the matmuls' rounding, and at
+BLOOM's vocabulary with near-uniform sampling a 1e-7 change in a logit can move the sampled
+token (as pipelined micro-batches can); each way's tokens/s counts its own tokens.
 Lengths follow a known distribution instead of a trained model's: the random BLOOM's final
 LayerNorm is scaled down (logits near 0, tokens near uniform) and its bias points along the EOS
 token's embedding, which gets a logit ``alpha`` above the rest, so each step ends a row with
@@ -40,13 +44,14 @@ a CPU, clipped to 512 / 256 tokens). The two losses are compared (max diff colum
 tokens/s = real tokens / s.
 
 min / median / max over reps x seeds, ratio of medians; a claim holds only if every seed shows
-it. Measured (defaults; idle 2-core VM; rollout rows at load 0.8 -> 1.8, the rest on
-2026-12-01 at load 1.5 -> 2.1):
+it. Measured (defaults; idle 2-core VM; rollout rows on 2026-12-02, load 1.2 -> 2.1 for the
+real rows, the tiny row while the load average of an ended test run still decayed (vmstat:
+idle); the rest on 2026-12-01 at load 1.5 -> 2.1):
 
     | part    | size | batch                                          | not padded            | padded               | ratio (per seed)     |
-    | rollout | tiny | 41 % end early, mean 47.9, 32/32 rows identical | 1986 / 3031 / 3432   | 1969 / 2818 / 3164   | 1.08x (1.06x, 1.25x) |
-    | rollout | real | 38 % end early, mean 47.5, 31/32 rows identical | 41.8 / 43.4 / 47.3   | 35.6 / 40.8 / 43.8   | 1.07x (1.06x, 1.13x) |
-    | rollout | real | B=64 (--rollout-batch 64), 40 % end early, mean 48.2, 128/128 identical | 77.2 / 78.9 / 85.2 | 64.2 / 69.4 / 81.4 | 1.14x (1.09x, 1.18x) |
+    | rollout | tiny | 41 % end early, prompts 38 % real, 32/32 rows identical | 953 / 1313 / 1682 | 665 / 951 / 1416 | 1.38x (1.43x, 1.47x) |
+    | rollout | real | B=64, HH-RLHF prompts (mean 156, longest 632; 26 % real), 40 % end early, 128/128 identical | 40.4 / 44.6 / 49.6 | 25.9 / 29.6 / 31.0 | 1.51x (1.45x, 1.57x) |
+    | rollout | real | B=64, prompts x1/4 (mean 39, longest 158; 26 % real), 40 % end early, 128/128 identical | 57.9 / 67.8 / 93.6 | 50.7 / 54.4 / 61.8 | 1.25x (1.15x, 1.28x) |
     | scoring | tiny | B=16, 34 % of the padded batch real | 6763 / 8252 / 9602   | 3458 / 4270 / 4593   | 1.93x (1.90x, 2.37x) |
     | scoring | real | B=8, 50 % of the padded batch real  | 134 / 141 / 155      | 59 / 72 / 97         | 1.95x (2.32x, 1.48x) |
     | update  | tiny | B=32, 39 % real                      | 3605 / 4705 / 5319   | 912 / 953 / 1056     | 4.94x (4.21x, 5.23x) |
@@ -56,9 +61,12 @@ it. Measured (defaults; idle 2-core VM; rollout rows at load 0.8 -> 1.8, the res
     | reward  | tiny | 32 pairs, 38 % real                  | 8379 / 9241 / 10108  | 1858 / 1982 / 2093   | 4.66x (4.11x, 5.13x) |
     | reward  | real | 8 pairs, 40 % real                   | 85.5 / 123.3 / 229.3 | 58.1 / 65.0 / 75.4   | 1.90x (1.79x, 2.90x) |
 
-At B=16 a CPU decode step is bound by reading the weights, not by rows, so dropping ended rows
-(26 % of the row-steps here) gains little; at B=64 it gains 1.14x of the 1.33x the saved
-row-steps allow. Packed scoring gains about the padding it skips; packed training at the real
+Rollout rows (2026-12-02; `--rollout-batch 64`, the first with `--rollout-prompt-scale 1`):
+most of the gain is the prompts' padding not computed. Ended rows leaving the batch alone give
+1.07x tiny, 1.10x (1.07x, 1.13x) at the real width with x1/4 prompts and 0.99x (0.97x, 0.93x)
+with full-length prompts: a CPU decode step costs ~0.09 s whatever its rows (reading the 1 GB
+LM head) plus ~5 ms a row, and each compaction copies the live rows' KV cache up to the filled
+length (~1.5 GB at 700 columns), as much as it saves there. Packed scoring gains about the padding it skips; packed training at the real
 width about the padding too, more at the tiny width, where padded attention dominates.
 """
 
@@ -83,15 +91,15 @@ SIZES = {
 PAD, EOS = 3, 2
 
 
-def prompts(seed: int, vocab: int, batch: int):
-    """``batch`` left-padded prompts of 32 down to 2 tokens (lengths cycle)."""
+def prompts(seed: int, vocab: int, lengths: list[int]):
+    """Random prompts of these lengths, left-padded to the longest."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.full((batch, 32), PAD, dtype=torch.long)
-    mask = torch.zeros((batch, 32), dtype=torch.long)
-    for row in range(batch):
-        real = 32 - 2 * (row % 16)
-        ids[row, 32 - real :] = torch.randint(4, vocab, (real,), generator=generator)
-        mask[row, 32 - real :] = 1
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, real in enumerate(lengths):
+        ids[row, width - real :] = torch.randint(4, vocab, (real,), generator=generator)
+        mask[row, width - real :] = 1
     return ids, mask
 
 
@@ -120,51 +128,82 @@ def stop_probability(early_fraction: float, new_tokens: int) -> float:
     return 1 - (1 - early_fraction) ** (1 / new_tokens)
 
 
+ROLLOUT_WAYS = {  # name: (unpadded_prefill, drop_ended_rows)
+    "not padded": (True, True),
+    "ended rows leave only": (False, True),
+    "padded": (False, False),
+}
+
+
 def rollout_part(size: str, args) -> dict:
+    """``generate`` three ways, interleaved: prompts prefilled without their padding and ended
+    rows leaving the batch (today's default), ended rows leaving only, and neither (the engine
+    before issue 21)."""
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.generation import SamplingConfig, generate
 
-    rates = {True: [], False: []}
-    lengths, per_seed, identical = [], {}, 0
+    scale, longest = (0.25, 256) if size == "real" else (1.0, 512)
+    if args.rollout_prompt_scale is not None:
+        scale, longest = args.rollout_prompt_scale, int(1024 * args.rollout_prompt_scale)
+    rates = {way: [] for way in ROLLOUT_WAYS}
+    lengths, prompt_lengths, per_seed, identical = [], [], {}, 0
     p = stop_probability(args.early_fraction, args.new_tokens)
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
             eos_model(Path(tmp), size, seed, p)
             model = load_bloom(tmp, init_weights=False).eval()
-        ids, mask = prompts(seed, SIZES[size]["vocab_size"], args.rollout_batch)
+        rows = [prompt for prompt, _ in hh_rlhf_lengths(seed, args.rollout_batch, scale, longest)]
+        prompt_lengths += rows
+        ids, mask = prompts(seed, SIZES[size]["vocab_size"], rows)
         row_seeds = tuple(seed * 1000 + row for row in range(args.rollout_batch))
-        seconds = {True: [], False: []}
+        seconds = {way: [] for way in ROLLOUT_WAYS}
         outputs = {}
         for _ in range(args.reps):
-            for drop in (True, False):
+            for way, (unpadded, drop) in ROLLOUT_WAYS.items():
                 sampling = SamplingConfig(
                     max_new_tokens=args.new_tokens, row_seeds=row_seeds, eos_id=EOS,
-                    pad_id=PAD, drop_ended_rows=drop,
+                    pad_id=PAD, drop_ended_rows=drop, unpadded_prefill=unpadded,
                 )  # fmt: skip
                 start = time.perf_counter()
-                outputs[drop] = generate(model, ids, mask, sampling)
-                seconds[drop].append(time.perf_counter() - start)
-        a, b = outputs[True], outputs[False]
+                outputs[way] = generate(model, ids, mask, sampling)
+                seconds[way].append(time.perf_counter() - start)
+        a, b = outputs["not padded"], outputs["padded"]
         same = [torch.equal(x, y) for x, y in zip(a.response_ids, b.response_ids)]
         identical += sum(same)
-        row_lengths = a.response_mask.sum(dim=1).tolist()
-        lengths += row_lengths
-        for drop, out in outputs.items():  # each side's own generated tokens
-            rates[drop] += [int(out.response_mask.sum()) / t for t in seconds[drop]]
-        rows = torch.tensor(same)
+        lengths += a.response_mask.sum(dim=1).tolist()
+        for way, out in outputs.items():  # each way's own generated tokens
+            rates[way] += [int(out.response_mask.sum()) / t for t in seconds[way]]
+        same = torch.tensor(same)
+        padded = statistics.median(seconds["padded"])
         per_seed[seed] = {
-            "ratio": statistics.median(seconds[False]) / statistics.median(seconds[True]),
-            "diff": float((a.response_logprobs - b.response_logprobs)[rows].abs().max())
-            if rows.any()
+            "ratio": padded / statistics.median(seconds["not padded"]),
+            "drop_only": padded / statistics.median(seconds["ended rows leave only"]),
+            "diff": float((a.response_logprobs - b.response_logprobs)[same].abs().max())
+            if same.any()
             else float("nan"),
         }
         del model
     early = sum(n < args.new_tokens for n in lengths) / len(lengths)
+    real = sum(prompt_lengths)
+    padded_prompts = sum(max(prompt_lengths[i : i + args.rollout_batch]) * args.rollout_batch
+                         for i in range(0, len(prompt_lengths), args.rollout_batch))  # fmt: skip
     shape = (
-        f"B={args.rollout_batch}, {100 * early:.0f} % end early, mean length {statistics.mean(lengths):.1f}, "
-        f"{identical}/{len(lengths)} rows token-identical"
+        f"B={args.rollout_batch}, prompts {100 * real / padded_prompts:.0f} % of the padded "
+        f"prompt batch real (mean {statistics.mean(prompt_lengths):.0f}, longest "
+        f"{max(prompt_lengths)}), {100 * early:.0f} % end early, mean length "
+        f"{statistics.mean(lengths):.1f} of {args.new_tokens}, {identical}/{len(lengths)} rows "
+        "token-identical"
     )
-    return {"rates": rates, "per_seed": per_seed, "shape": shape}
+    drop_only = ", ".join(f"{r['drop_only']:.2f}x" for r in per_seed.values())
+    extra = (
+        f"ended rows leave only (padded prefill): {stats(rates['ended rows leave only'])} tok/s, "
+        f"{statistics.median(rates['ended rows leave only']) / statistics.median(rates['padded']):.2f}x "
+        f"the padded medians (per seed {drop_only})"
+    )
+    return {
+        "rates": {True: rates["not padded"], False: rates["padded"]},
+        "per_seed": per_seed, "shape": shape, "extra": extra,
+    }  # fmt: skip
 
 
 def ragged_experience(seed: int, batch: int, vocab: int):
@@ -480,6 +519,9 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64, help="rollout length budget")
     parser.add_argument("--rollout-batch", type=int, default=16, help="rollout prompts")
     parser.add_argument("--early-fraction", type=float, default=0.4)
+    parser.add_argument("--rollout-prompt-scale", type=float,
+                        help="scale of the rollout's HH-RLHF prompt lengths (default: 1/4 at the "
+                             "real width, 1 tiny; transcripts clipped to 1024 x scale tokens)")  # fmt: skip
     args = parser.parse_args()
     if args.reps < 3 or len(args.seeds) < 2:
         parser.error("measure with >= 3 reps and >= 2 seeds")
@@ -504,6 +546,8 @@ def main() -> int:
                     f"{stats(rates[False])} | {ratio:.2f}x | {seeds} | {diff:.1e} |",
                     flush=True,
                 )
+                if "extra" in result:
+                    print(f"|   {part} | {size} | {result['extra']} |", flush=True)
     finally:
         destroy()
     print(f"load at the end {os.getloadavg()}")

@@ -217,7 +217,7 @@ def prefill_by_length(model, micro_batch: MicroBatch, context: StaticInferenceCo
     zeroed (never computed; masked, but 0 x garbage would be NaN), and every row's last
     position gives the (b, 1, V) logits of its first token. Single-stage models only."""
     total = micro_batch.prompt_length
-    lengths = micro_batch.mask[:, :total].ne(0).sum(dim=1).tolist()
+    lengths = micro_batch.mask[:, :total].ne(0).sum(dim=1).clamp(min=1).tolist()
     if lengths[0] != total:  # not sorted and trimmed (sort_prompts): the padded prefill
         return stage_forward(model, micro_batch, context)
     logits = []
