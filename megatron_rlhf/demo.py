@@ -34,7 +34,7 @@ from megatron_rlhf.utils import print_summary, write_jsonl
 STAGES = 7
 SIZES = {"sft": 60, "pref_train": 150, "pref_test": 24, "ppo_prompts": 32, "main_test": 6,
          "forget_test": 24}  # fmt: skip
-PPO = {"steps": 8, "prompts_per_step": 16, "max_new_tokens": 32, "micro_batch_size": 8,
+PPO = {"steps": 8, "prompts_per_step": 16, "micro_batch_size": 8,
        "num_minibatches": 2, "kl_coef": 0.02, "actor_lr": 1e-3, "critic_lr": 1e-3,
        "rehearsal_gamma": 0.01, "rehearsal_micro_batch_size": 2}  # fmt: skip
 ARMS = {"am_ppo_sr": ("am", True), "am_ppo": ("am", False), "rm_ppo": ("rm", False)}
@@ -129,7 +129,10 @@ def stage_data(demo: Demo) -> dict:
                        ("pref_test", "preference"), ("ppo_prompts", "prompt")):  # fmt: skip
         stages.preprocess(raw / f"{name}.jsonl", kind, tokenizer, indexed / name, 96)
     demo.done(started, f"indexed datasets in {indexed}")
-    return {"raw": raw, "indexed": indexed, "tokenizer": tokenizer}
+    # one generation budget above the longest demonstration of every family (PPO, D_R, eval)
+    budget = stages.generation_budget(tokenizer, records["sft"])["budget"]
+    return {"raw": raw, "indexed": indexed, "tokenizer": tokenizer, "budget": budget,
+            "eos_id": stages.eos_id_of(tokenizer)}  # fmt: skip
 
 
 def stage_sft(demo: Demo, data: dict) -> Path:
@@ -170,7 +173,8 @@ def stage_curation(demo: Demo, sft: Path, am: Path, data: dict) -> Path:
     work = demo.out / "rehearsal"
     work.mkdir()
     responses = stages.generate_responses(sft, data["raw"] / "ppo_prompts.jsonl",
-                                          work / "sft_responses.jsonl", 32, seed=0)  # fmt: skip
+                                          work / "sft_responses.jsonl", data["budget"],
+                                          seed=0)  # fmt: skip
     scored = stages.score_responses(am, responses, data["tokenizer"], work / "scored.jsonl")
     prefix = stages.build_rehearsal(scored, data["tokenizer"], work / "d_r", clusters=4,
                                     top_k=8, seed=0)  # fmt: skip
@@ -191,7 +195,8 @@ def stage_ppo(demo, sft: Path, rewards: dict, data: dict, rehearsal: Path, steps
     for arm, (reward, with_rehearsal) in ARMS.items():
         runs[arm] = train_policy(
             out=arm_dir(demo.out, arm), sft=sft, reward=rewards[reward], reward_kind=reward,
-            prompts=data["indexed"] / "ppo_prompts", settings={**PPO, "steps": steps}, seed=0,
+            prompts=data["indexed"] / "ppo_prompts", seed=0,
+            settings={**PPO, "steps": steps, "max_new_tokens": data["budget"]},
             rehearsal=rehearsal if with_rehearsal else None,
             clusters=rehearsal if with_rehearsal else None,
         )  # fmt: skip
@@ -211,8 +216,9 @@ def stage_evaluation(demo: Demo, runs: dict, sft: Path, rewards: dict, data: dic
         judgments = evaluate_policy(
             policy=run_dir, sft=sft, judge=rewards[reward], judge_kind=reward,
             main_test=data["raw"] / "main_test.jsonl",
-            forget_test=data["raw"] / "forget_test.jsonl", out=eval_dir, max_new_tokens=32,
-            seed=1000, tie_margin=TIE_MARGIN,
+            forget_test=data["raw"] / "forget_test.jsonl", out=eval_dir,
+            max_new_tokens=data["budget"], seed=1000, tie_margin=TIE_MARGIN,
+            eos_id=data["eos_id"],
         )  # fmt: skip
         write_jsonl(eval_dir / "judgments.jsonl", judgments)
         table[arm] = {}
@@ -230,8 +236,10 @@ def stage_evaluation(demo: Demo, runs: dict, sft: Path, rewards: dict, data: dic
 def gold_table(table: dict) -> str:
     lines = ["Each arm vs SFT, judged by the gold reward (percent; one seed, so noisy: see "
              "`study` for intervals). Hacking index = training-reward gain - gold gain (SFT-std "
-             "units).", "", "| arm | main W/T/L | main net | forget W/T/L | forget net | "
-             "hacking index (main) |", "|---|---|---:|---|---:|---:|"]  # fmt: skip
+             "units, per task, averaged). Cut: responses that reached the generation budget "
+             "without their EOS.", "", "| arm | main W/T/L | main net | forget W/T/L | "
+             "forget net | hacking index (main) | cut % (policy main / forget) |",
+             "|---|---|---:|---|---:|---:|---:|"]  # fmt: skip
     for arm, sets in table.items():
         cells = [arm]
         for set_name in ("main", "forget"):
@@ -239,5 +247,7 @@ def gold_table(table: dict) -> str:
             cells += [f"{row['win']:.0f}/{row['tie']:.0f}/{row['lose']:.0f}",
                       f"{row['net_win']:+.1f}"]  # fmt: skip
         cells.append(f"{sets['main']['hacking_index']:+.2f}")
+        cells.append(f"{sets['main']['truncated_policy']:.0f} / "
+                     f"{sets['forget']['truncated_policy']:.0f}")  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

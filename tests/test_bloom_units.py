@@ -453,10 +453,10 @@ def test_prompts_prefilled_without_padding_give_the_padded_prefills_outputs(
     longest prompt (a column of padding in every row dropped too), give every row the tokens,
     mask and log-probs of the left-padded prefill, in the caller's row order; and the prefill
     computes fewer prompt positions than the padded batch holds."""
-    from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.generation import SamplingConfig, generate, decode
-
     from megatron.core.transformer.attention import Attention
+
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.generation import SamplingConfig, decode, generate
 
     monkeypatch.setattr(decode, "PREFILL_FORWARD_COST_TOKENS", 2)  # several groups at this size
     allocate = Attention._allocate_memory  # a fresh KV cache holds NaNs, not lucky zeros

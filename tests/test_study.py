@@ -174,7 +174,216 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
     recomputed = json.loads(json.dumps(compute_results(out)))
     for key in ("table1", "table2", "reward_models", "arms", "per_task"):
         assert recomputed[key] == results[key]
+    check_sanity_bounds(out, results)
     report = (out / "report.md").read_text()
     assert "Table 1" in report and "Table 2" in report and "Fig. 6" in report
     for png in ("reliability", "per_task", "net_win", "cluster_sweep"):
         assert (out / f"{png}.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("margin", [1.5, 2.5, 4.0, 8.0])
+def test_am_confidence_cap_is_the_optimum_of_our_eq6_loss(margin):
+    """Minimising our Eq. 6 loss on one pair whose label never varies ends at score gap 2m/3,
+    the confidence ``stats.confidence_cap`` states (float64, from a start far off it)."""
+    import torch
+
+    from megatron_rlhf.reward.losses import advantage_model_loss
+
+    scores = torch.tensor([3.0, 1.0], dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([scores], max_iter=500, tolerance_grad=1e-14,
+                                  tolerance_change=1e-16, line_search_fn="strong_wolfe")  # fmt: skip
+
+    def closure():
+        optimizer.zero_grad()
+        loss, _ = advantage_model_loss(scores[:1], scores[1:], margin)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    gap = float(scores[0] - scores[1])
+    assert gap == pytest.approx(2 * margin / 3, abs=1e-6)
+    assert 1 / (1 + math.exp(-gap)) == pytest.approx(stats.confidence_cap(margin), abs=1e-7)
+
+
+def _pairs_with_truth(n: int, seed: int, sharpen: float = 1.0) -> list[dict]:
+    """Pairs with a known p_true, labels drawn from it, and a scorer whose gap is
+    ``sharpen`` x logit(p_true) in the label's orientation (1: calibrated)."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0.0, 1.5, n)
+    p = 1 / (1 + np.exp(-logits))
+    chosen_first = rng.random(n) < p  # the label picks response a with probability p
+    pairs = []
+    for logit, prob, first in zip(logits, p, chosen_first):
+        gap = sharpen * logit if first else -sharpen * logit
+        pairs.append({"chosen_score": gap, "rejected_score": 0.0,
+                      "p_true": prob if first else 1 - prob, "task": "qa"})  # fmt: skip
+    return pairs
+
+
+def test_overconfidence_is_the_signed_ece_and_has_the_right_sign():
+    from megatron_rlhf.reward.calibration import calibration_bins
+
+    for sharpen, sign in ((3.0, 1), (0.3, -1)):
+        pairs = _pairs_with_truth(2000, seed=4, sharpen=sharpen)
+        value = stats.overconfidence(pairs)
+        bins = calibration_bins([p["chosen_score"] for p in pairs], [0.0] * len(pairs))
+        signed = sum(b["count"] * (b["confidence"] - b["accuracy"]) for b in bins if b["count"])
+        assert value == pytest.approx(100 * signed / len(pairs), rel=1e-9)
+        assert np.sign(value) == sign, (sharpen, value)
+        idx = np.arange(len(pairs))
+        assert stats.pair_metric_statistics(pairs)["overconfidence"](idx) == pytest.approx(value)
+
+
+def test_ece_noise_floor_holds_a_calibrated_scorer_and_not_a_sharp_one():
+    pairs = _pairs_with_truth(800, seed=5)
+    floor = stats.calibrated_ece(pairs, draws=300, seed=1)
+    assert 0 < floor["low"] < floor["mean"] < floor["high"] < 10
+    inside = [stats.PAIR_METRICS["ece"](_pairs_with_truth(800, seed=s)) for s in range(20)]
+    share = np.mean([floor["low"] <= e <= floor["high"] for e in inside])
+    assert share >= 0.8, inside  # fresh label draws of a calibrated scorer: mostly inside
+    assert stats.PAIR_METRICS["ece"](_pairs_with_truth(800, seed=6, sharpen=3.0)) > floor["high"]
+
+
+def test_holm_paired_tests_and_seeds_needed_against_scipy():
+    from scipy import stats as sp
+
+    from megatron_rlhf.study import claims
+
+    assert claims.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert claims.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # monotone: never below 1.0
+    assert claims.holm([0.02, 0.3]) == pytest.approx([0.04, 0.3])
+    rng = np.random.default_rng(2)
+    diffs = rng.normal(0.7, 1.0, 9)
+    test = claims.paired_test(diffs)
+    assert test["p"] == pytest.approx(sp.ttest_1samp(diffs, 0.0).pvalue, rel=1e-9)
+    shifted = claims.paired_test(diffs, -1.0)  # non-inferiority: against -margin
+    assert shifted["p"] == pytest.approx(sp.ttest_1samp(diffs, -1.0).pvalue, rel=1e-9)
+    low, high = sp.t.interval(0.95, 8, loc=diffs.mean(), scale=sp.sem(diffs))
+    assert (test["ci_low"], test["ci_high"]) == pytest.approx((low, high))
+    n = claims.seeds_needed(0.5, 1.0)
+    half = lambda k: sp.t.ppf(0.975, k - 1) / math.sqrt(k)  # noqa: E731
+    assert half(n) < 0.5 <= half(n - 1)
+    assert claims.seeds_needed(0.0, 1.0) is None
+
+
+def _fake_results(better: dict, seeds: int = 6) -> dict:
+    """results.json with per-seed values only where the claims read them: every arm's net win
+    0 +- 1 and every scorer's metrics 50 +- 1, plus ``better`` {path: shift}."""
+    rng = np.random.default_rng(0)
+    noise = lambda center: {"per_seed": list(center + rng.normal(0, 1, seeds))}  # noqa: E731
+    arms = ("rm_ppo", "rm_ppo_ma", "am_ppo", "am_ppo_sr", "am_ppo_rr", "rm_ppo_sr")
+    metrics = ("accuracy", "ece", "brier", "overconfidence")
+    models = ("rm", "am", "rm_long", "am_long", "am_m1.5", "am_m4", "am_m8")
+    results = {
+        "table2": {a: {s: noise(0.0) for s in ("main", "forget")} for a in arms},
+        "reward_models": {m: {k: noise(50.0) for k in metrics} for m in models},
+        "arms": {a: {"main": {"hacking_index": noise(0.0), "because_code": noise(0.0)}}
+                 for a in arms},
+    }  # fmt: skip
+    for path, shift in better.items():
+        cell = results
+        for key in path:
+            cell = cell[key]
+        cell["per_seed"] = [v + shift for v in cell["per_seed"]]
+    return results
+
+
+def test_claims_are_decided_by_holm_on_the_papers_side():
+    from megatron_rlhf.study import claims
+
+    rows = {r["text"]: r for r in claims.evaluate_claims(_fake_results({}))}
+    assert len({r["family"] for r in rows.values()}) == 3
+    assert all(r["verdict"] == "inconclusive" for r in rows.values() if r["margin"] == 0)
+    ni = next(r for r in rows.values() if r["kind"] == "non-inferiority")
+    assert ni["margin"] == claims.ACCURACY_NI_MARGIN
+    # AM's ECE far lower (better), AM-PPO far below RM-PPO on main (the paper's side reversed)
+    results = _fake_results({("reward_models", "am", "ece"): -10.0,
+                             ("table2", "am_ppo", "main"): -10.0})  # fmt: skip
+    rows = {r["text"]: r for r in claims.evaluate_claims(results)}
+    assert rows["AM is better calibrated than RM (ECE lower)"]["verdict"] == "reproduced"
+    main = rows["AM-PPO beats RM-PPO on the main set (net win vs SFT)"]
+    assert main["verdict"] == "contradicted" and main["p_holm"] >= main["p"]
+    paper = [r for r in rows.values() if r["family"] == "paper" and r["p"] is not None]
+    adjusted = claims.holm([r["p"] for r in paper])
+    assert [r["p_holm"] for r in paper] == pytest.approx(adjusted)
+    # a missing arm drops its claims, nothing else
+    del results["table2"]["am_ppo_rr"]
+    texts = {r["text"] for r in claims.evaluate_claims(results)}
+    assert not any("random rehearsal" in t for t in texts) and len(texts) == len(rows) - 1
+
+
+def test_hacking_index_is_per_task_so_offsets_do_not_inflate_it():
+    """Two tasks whose gold rewards sit at different offsets: pooled, the SFT std would include
+    the offset gap; per task it does not, and the index is the mean of the tasks'."""
+    rng = np.random.default_rng(3)
+    judgments = []
+    for task, offset in (("qa", 0.0), ("code", 10.0)):
+        for _ in range(400):
+            sft = offset + rng.normal()
+            judgments.append({"task": task, "gold_sft": sft, "gold_policy": sft + 0.5,
+                              "train_sft": rng.normal(), "train_policy": rng.normal() + 1.0,
+                              "because_sft": False, "because_policy": task == "code",
+                              "truncated_sft": False, "truncated_policy": task == "qa"})  # fmt: skip
+    g = stats.gains(judgments)
+    for task in ("qa", "code"):
+        rows = [j for j in judgments if j["task"] == task]
+        gold = np.array([[j["gold_policy"], j["gold_sft"]] for j in rows])
+        train = np.array([[j["train_policy"], j["train_sft"]] for j in rows])
+        expect = (train[:, 0].mean() - train[:, 1].mean()) / train[:, 1].std() - (
+            gold[:, 0].mean() - gold[:, 1].mean()
+        ) / gold[:, 1].std()
+        assert g[f"hacking_{task}"] == pytest.approx(expect)
+    assert g["hacking_index"] == pytest.approx((g["hacking_qa"] + g["hacking_code"]) / 2)
+    assert g["gold_gain_z"] == pytest.approx(0.5, abs=0.1)  # pooled it would be ~0.1
+    assert g["because_code"] == 100.0 and g["because_qa"] == 0.0
+    assert g["truncated_policy"] == 50.0 and g["truncated_sft"] == 0.0
+
+
+def check_sanity_bounds(out, results: dict) -> None:
+    """Bounds a broken pipeline breaks, on the quick run's own records (not a recomputation
+    with the same code): scorers above chance and not above the oracle, the AM inside its
+    confidence cap, a budget that cuts no SFT response, the null arm all ties, and labels
+    swapped making every scorer worse than chance."""
+    from megatron_rlhf.study.stages import load_records
+
+    oracle = results["oracle_accuracy"]["mean"]
+    for model in ("rm", "am"):
+        for accuracy in results["table1"][model]["accuracy"]["per_seed"]:
+            assert 50.0 < accuracy < oracle + 5.0, (model, accuracy, oracle)
+    cap = results["am_confidence_cap"]["2.5"]["cap"]
+    for seen in results["max_confidence"]["am"]["per_seed"]:
+        assert seen <= cap + 0.02, (seen, cap)
+    for set_name in ("main", "forget"):
+        assert results["table2"]["null"][set_name]["tie"] == 100.0
+        for arm in results["arms"].values():
+            assert arm[set_name]["truncated_sft"]["mean"] < 5.0
+    budget = results["settings"]["data"]["generation_budget"]
+    assert budget["budget"] > max(budget["longest"].values())
+    assert results["settings"]["ppo"]["max_new_tokens"] == budget["budget"]
+    pairs, judgments = load_records(out)
+    swapped = {
+        model: {seed: [{**p, "chosen_score": p["rejected_score"],
+                        "rejected_score": p["chosen_score"]} for p in rows]
+                for seed, rows in by_seed.items()}
+        for model, by_seed in pairs.items()
+    }  # fmt: skip
+    flipped = stats.results_from_records(swapped, judgments)
+    for model in ("rm", "am"):
+        assert max(flipped["table1"][model]["accuracy"]["per_seed"]) < 45.0
+
+
+def test_generation_budget_is_above_every_demonstration(tmp_path):
+    from megatron_rlhf.data.tokenizer import load_tokenizer
+    from megatron_rlhf.study import stages
+
+    sets = world.split_prompts({"sft": dict.fromkeys(world.TASK_SPECS, 40)}, seed=0)
+    records = world.sft_records(sets["sft"], seed=1, style=world.ResponseStyle())
+    tokenizer = stages.build_tokenizer([r["prompt"] + r["response"] for r in records],
+                                       tmp_path / "tok", 600)  # fmt: skip
+    budget = stages.generation_budget(tokenizer, records)
+    assert set(budget["longest"]) == set(world.TASK_SPECS)
+    tok = load_tokenizer(tokenizer)
+    lengths = [len(tok(r["response"], add_special_tokens=False)["input_ids"]) for r in records]
+    assert max(budget["longest"].values()) == max(lengths) + 1  # EOS included
+    assert budget["budget"] >= 1.25 * (max(lengths) + 1) and budget["budget"] % 8 == 0
+    assert budget["longest"]["story"] > 32  # the family the old fixed budget of 32 cut

@@ -38,7 +38,7 @@ class Preset:
     """Epochs of the over-trained RM and AM (where an RM becomes over-confident)."""
     reward_lr: float = 1e-3
     reward_batch: int = 32
-    margins: tuple[float, ...] = (1.5, 4.0)
+    margins: tuple[float, ...] = (1.5, 4.0, 8.0)
     """Extra AM margins m (the Table 1 AM uses the paper's 2.5)."""
     clusters: int = 4
     """c of the main AM-PPO-SR arm."""
@@ -49,11 +49,13 @@ class Preset:
     sweep_seeds: int = 3
     """How many of the seeds run the Fig. 6 sweep."""
     ppo: dict = field(default_factory=lambda: {
-        "steps": 10, "prompts_per_step": 32, "max_new_tokens": 32, "micro_batch_size": 16,
+        "steps": 10, "prompts_per_step": 32, "max_new_tokens": None, "micro_batch_size": 16,
         "num_minibatches": 2, "kl_coef": 0.02, "actor_lr": 1e-3, "critic_lr": 1e-3,
         "rehearsal_gamma": 0.01, "rehearsal_micro_batch_size": 4, "rejection_samples": 4,
     })  # fmt: skip
-    """What every PPO arm shares (same beta, learning rate and steps)."""
+    """What every PPO arm shares (same beta, learning rate and steps). ``max_new_tokens``
+    None: the data's generation budget (``stages.generation_budget``: above the longest SFT
+    demonstration of every family), for PPO, D_R's SFT responses and evaluation alike."""
     tie_margin: float = 0.1
     """Gold judge: |g(policy) - g(SFT)| <= tie_margin * scale_t is a tie."""
     max_length: int = 96

@@ -1,8 +1,8 @@
 """``DIR/report.md`` and the PNGs of a study, from results.json and the raw records.
 
-Each of the paper's claims is checked on paired per-seed differences (same seed, two settings):
-the 95 % t-interval of the difference decides "reproduced" (it excludes 0 in the paper's
-direction), "contradicted" (it excludes 0 the other way) or "inconclusive" (it holds 0).
+The claims, their families, margins and the decision rule are declared in
+``study/claims.py`` (before any run): paired per-seed differences in the paper's direction,
+Holm-corrected within each family.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_rlhf.study.claims import ACCURACY_NI_MARGIN, evaluate_claims
 from megatron_rlhf.study.stages import load_records
-from megatron_rlhf.study.stats import t_interval
 from megatron_rlhf.utils import atomic_output
 
 PAPER_TABLE1 = {  # Table 1: accuracy, ECE (HH-RLHF; proprietary)
@@ -30,6 +30,7 @@ ARM_LABELS = {
     "am_ppo_sr": "AM-PPO-SR", "rm_ppo_sr": "RM-PPO-SR (ablation)",
     "rejection_sampling": "Rejection sampling (AM, Eqs. 3-4)",
     "am_ppo_rr": "AM-PPO + random rehearsal (control)",
+    "null": "Null arm (0 PPO steps: SFT vs itself)",
 }  # fmt: skip
 
 
@@ -40,66 +41,66 @@ def fmt(cell: dict, digits: int = 2) -> str:
     return f"{cell['mean']:.{digits}f} [{cell['ci_low']:.{digits}f}, {cell['ci_high']:.{digits}f}]"
 
 
-def paired_claim(better: list[float], worse: list[float], digits: int = 2) -> tuple[str, str]:
-    """(verdict, "mean diff [ci]") for the claim ``better > worse`` on paired seeds."""
-    diffs = [b - w for b, w in zip(better, worse)]
-    mean, low, high = t_interval(diffs)
-    if low is None:
-        verdict = "direction only (1 seed)" + (" ✓" if mean > 0 else " ✗")
-        return verdict, f"{mean:+.{digits}f}"
-    verdict = "reproduced" if low > 0 else "contradicted" if high < 0 else "inconclusive"
-    return verdict, f"{mean:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+def _signed(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:+.{digits}f}"
 
 
-def claims(results: dict) -> list[tuple[str, str, str]]:
-    t1, t2, arms = results["table1"], results["table2"], results["arms"]
-    rows = []
+def _p(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}" if value >= 0.001 else "<0.001"
 
-    def add(text, better, worse, digits=2):
-        rows.append((text, *paired_claim(better, worse, digits)))
 
-    neg = lambda values: [-v for v in values]  # noqa: E731  (lower is better)
-    add("AM is better calibrated than RM (ECE lower)", neg(t1["am"]["ece"]["per_seed"]),
-        neg(t1["rm"]["ece"]["per_seed"]))  # fmt: skip
-    add("AM is closer to the true preference probability (Brier lower)",
-        neg(t1["am"]["brier"]["per_seed"]), neg(t1["rm"]["brier"]["per_seed"]), 4)  # fmt: skip
-    add("AM keeps RM's ranking accuracy (AM - RM accuracy > 0)",
-        t1["am"]["accuracy"]["per_seed"], t1["rm"]["accuracy"]["per_seed"])  # fmt: skip
-    models = results["reward_models"]
-    if "rm_long" in models:
-        add("Over-training makes the RM over-confident (ECE rises)",
-            models["rm_long"]["ece"]["per_seed"], models["rm"]["ece"]["per_seed"])  # fmt: skip
-        if "am_long" in models:
-            add("Over-trained, the AM stays better calibrated than the RM",
-                neg(models["am_long"]["ece"]["per_seed"]),
-                neg(models["rm_long"]["ece"]["per_seed"]))  # fmt: skip
-    nets = {arm: {s: t2[arm][s]["per_seed"] for s in ("main", "forget")} for arm in t2}
-    add("AM-PPO beats RM-PPO on the main set (net win vs SFT)", nets["am_ppo"]["main"],
-        nets["rm_ppo"]["main"])  # fmt: skip
-    add("AM-PPO forgets less than RM-PPO (forget-set net win)", nets["am_ppo"]["forget"],
-        nets["rm_ppo"]["forget"])  # fmt: skip
-    add("Selective Rehearsal helps AM-PPO on the forget set", nets["am_ppo_sr"]["forget"],
-        nets["am_ppo"]["forget"])  # fmt: skip
-    add("Selective Rehearsal helps AM-PPO on the main set", nets["am_ppo_sr"]["main"],
-        nets["am_ppo"]["main"])  # fmt: skip
-    add("Selection beats random rehearsal (forget-set net win)", nets["am_ppo_sr"]["forget"],
-        nets["am_ppo_rr"]["forget"])  # fmt: skip
-    add("RM-PPO hacks its reward more than AM-PPO (hacking index)",
-        arms["rm_ppo"]["main"]["hacking_index"]["per_seed"],
-        arms["am_ppo"]["main"]["hacking_index"]["per_seed"])  # fmt: skip
-    add("Moving-average normalisation helps RM-PPO (main net win)", nets["rm_ppo_ma"]["main"],
-        nets["rm_ppo"]["main"])  # fmt: skip
-    add("Rehearsal helps RM-PPO too (forget-set net win, the missing ablation)",
-        nets["rm_ppo_sr"]["forget"], nets["rm_ppo"]["forget"])  # fmt: skip
-    return rows
+def claims_md(rows: list[dict], family: str) -> list[str]:
+    lines = ["| claim (paper's direction) | verdict | difference [95 % CI] | p | p (Holm) | "
+             "seeds needed |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for row in rows:
+        if row["family"] != family:
+            continue
+        digits = row["digits"]
+        interval = _signed(row["mean"], digits)
+        if row["ci_low"] is not None:
+            interval += f" [{row['ci_low']:+.{digits}f}, {row['ci_high']:+.{digits}f}]"
+        if row["units"]:
+            interval += f" {row['units']}"
+        needed = row["seeds_needed"]
+        needed = "> 1000" if needed is None else str(needed)
+        lines.append(f"| {row['text']} | {row['verdict']} | {interval} | {_p(row['p'])} | "
+                     f"{_p(row['p_holm'])} | {needed} |")  # fmt: skip
+    return lines
+
+
+def calibration_md(results: dict) -> list[str]:
+    """The AM's confidence cap per margin and the ECE noise floor of the test set."""
+    floor, caps = results["ece_noise_floor"], results["am_confidence_cap"]
+    lines = [
+        f"ECE noise floor: a perfectly calibrated scorer on these held-out pairs (its score gap "
+        f"logit(p_true), labels redrawn from p_true) gets ECE {floor['mean']:.2f} on average "
+        f"(95 % of draws in [{floor['low']:.2f}, {floor['high']:.2f}]); an ECE in that range "
+        "cannot be told from perfect calibration here.",
+        "",
+        "The AM's confidence cap: Eq. 6 per pair, even for a label that never varies, is "
+        "minimised at a_c = -a_r = m/3, so the AM's score gap is at most 2m/3 and its "
+        "confidence at most σ(2m/3) (`stats.confidence_cap`). Pairs whose true confidence "
+        "max(p, 1 - p) exceeds the cap can only be under-called by the AM:",
+        "",
+        "| m | cap σ(2m/3) | held-out pairs above the cap % | highest AM confidence (any seed) |",
+        "|---:|---:|---:|---:|",
+    ]
+    names = {"2.5": "am"} | {m: f"am_m{m}" for m in caps if m != "2.5"}
+    for m, cap in caps.items():
+        seen = results["max_confidence"].get(names[m])
+        seen = f"{max(seen['per_seed']):.3f}" if seen else "-"
+        lines.append(f"| {m} | {cap['cap']:.3f} | {cap['pairs_above']:.1f} | {seen} |")
+    return lines
 
 
 def table1_md(results: dict) -> list[str]:
-    lines = ["| scorer | accuracy % ↑ | ECE ↓ | Brier vs p_true ↓ | paper accuracy (HH; prop.) "
-             "| paper ECE (HH; prop.) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| scorer | accuracy % ↑ | ECE ↓ | over-confidence (signed) | Brier vs p_true ↓ | "
+             "paper accuracy (HH; prop.) | paper ECE (HH; prop.) |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for model, row in results["reward_models"].items():
         paper = PAPER_TABLE1.get(model)
-        cells = [f"{model}", fmt(row["accuracy"]), fmt(row["ece"]), fmt(row["brier"], 4)]
+        cells = [f"{model}", fmt(row["accuracy"]), fmt(row["ece"]), fmt(row["overconfidence"]),
+                 fmt(row["brier"], 4)]  # fmt: skip
         cells += [", ".join(f"{v:.2f}" for v in paper[k]) if paper else "-"
                   for k in ("accuracy", "ece")]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -112,21 +113,22 @@ def table1_md(results: dict) -> list[str]:
 def per_task_md(results: dict) -> list[str]:
     models = [m for m in ("rm", "am", "rm_long", "am_long") if m in results["per_task"]]
     tasks = sorted(results["per_task"][models[0]])
-    lines = ["| task | " + " | ".join(f"{m} mean | {m} std" for m in models) + " |",
-             "|---|" + "---|---|" * len(models)]  # fmt: skip
+    lines = ["| task | " + " | ".join(f"{m} mean | {m} std | {m} std / scale" for m in models)
+             + " |", "|---|" + "---|---|---|" * len(models)]  # fmt: skip
     for task in tasks:
         cells = []
         for model in models:
             stats = results["per_task"][model][task]
-            cells += [fmt(stats["mean"]), fmt(stats["std"])]
+            cells += [fmt(stats["mean"]), fmt(stats["std"]), fmt(stats["std_scaled"])]
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
     return lines
 
 
 def table2_md(results: dict, arms: list[str]) -> list[str]:
     lines = ["| arm | main win / tie / lose % | main net win % [95 % CI] | forget win / tie / "
-             "lose % | forget net win % [95 % CI] | hacking index (main) | paper main W/L/T; "
-             "forget W/L/T |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "lose % | forget net win % [95 % CI] | hacking index (main) | cut by the budget % "
+             "(policy main / forget; SFT main / forget) | paper main W/L/T; forget W/L/T |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for arm in arms:
         row, extras = results["table2"][arm], results["arms"][arm]
         cells = [ARM_LABELS.get(arm, arm)]
@@ -135,10 +137,37 @@ def table2_md(results: dict, arms: list[str]) -> list[str]:
             cells.append(f"{cell['win']:.1f} / {cell['tie']:.1f} / {cell['lose']:.1f}")
             cells.append(fmt({"mean": cell["net_win"], **cell}, 1))
         cells.append(fmt(extras["main"]["hacking_index"]))
+        cells.append(truncation_cell(extras))
         paper = PAPER_TABLE2.get(arm)
         cells.append("; ".join(" / ".join(f"{v:.1f}" for v in paper[i:i + 3]) for i in (0, 3))
                      if paper else "-")  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def truncation_cell(extras: dict) -> str:
+    """Seed-mean share of responses cut by the generation budget, policy then SFT."""
+    if "truncated_policy" not in extras["main"]:
+        return "-"
+    cells = [f"{extras[s][f'truncated_{who}']['mean']:.1f}" for who in ("policy", "sft")
+             for s in ("main", "forget")]  # fmt: skip
+    return f"{cells[0]} / {cells[1]}; {cells[2]} / {cells[3]}"
+
+
+def hacking_md(results: dict, arms: list[str]) -> list[str]:
+    """Per task on the main set: the hacking index and the planted feature's rate change."""
+    tasks = sorted(key.removeprefix("hacking_") for key in results["arms"][arms[0]]["main"]
+                   if key.startswith("hacking_") and key != "hacking_index")  # fmt: skip
+    if not tasks:
+        return []
+    lines = ["| arm | " + " | ".join(f"{t}: hacking / 'because' Δ%" for t in tasks) + " |",
+             "|---|" + "---|" * len(tasks)]  # fmt: skip
+    for arm in arms:
+        main = results["arms"][arm]["main"]
+        cells = [f"{main[f'hacking_{t}']['mean']:+.2f} / "
+                 + (f"{main[f'because_{t}']['mean']:+.1f}" if f"because_{t}" in main else "-")
+                 for t in tasks]  # fmt: skip
+        lines.append(f"| {ARM_LABELS.get(arm, arm)} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -171,11 +200,11 @@ def sweep_md(results: dict, settings: dict) -> list[str]:
     return lines
 
 
-def verdict_summary(checked: list[tuple[str, str, str]]) -> list[str]:
-    """One line per verdict: which claims reproduced, which the study contradicts."""
+def verdict_summary(rows: list[dict]) -> list[str]:
+    """One line per verdict of the paper's claims (Holm-corrected)."""
     lines = []
     for verdict in ("reproduced", "contradicted", "inconclusive"):
-        texts = [text for text, v, _ in checked if v == verdict]
+        texts = [r["text"] for r in rows if r["family"] == "paper" and r["verdict"] == verdict]
         if texts:
             lines.append(f"- **{verdict.capitalize()}** ({len(texts)}): " + "; ".join(texts) + ".")
     return lines
@@ -195,9 +224,11 @@ def write_report(out: Path, results: dict) -> None:
     settings = results["settings"]
     write_plots(out, results)
     main_arms = [a for a in ("rm_ppo", "rm_ppo_ma", "am_ppo", "am_ppo_sr", "rm_ppo_sr",
-                             "rejection_sampling", "am_ppo_rr") if a in results["table2"]]  # fmt: skip
+                             "rejection_sampling", "am_ppo_rr", "null")
+                 if a in results["table2"]]  # fmt: skip
     data = settings["data"]
-    checked = claims(results)
+    checked = evaluate_claims(results)
+    budget = data.get("generation_budget")
     lines = [
         f"# Study: the paper's claims measured (preset `{settings['preset']}`, "
         f"{settings['seeds']} seeds)",
@@ -223,14 +254,21 @@ def write_report(out: Path, results: dict) -> None:
         "",
         "## Claims",
         "",
-        "Paired per-seed differences, 95 % t-interval (units: accuracy/net win in points, ECE "
-        "×100, Brier, hacking index in SFT-std units).",
+        "Declared in `megatron_rlhf/study/claims.py` before the run. Paired per-seed "
+        "differences in the paper's direction with their 95 % t-interval; p: two-sided paired "
+        "t-test against 0 (non-inferiority: against -margin, here the AM may lose "
+        f"{ACCURACY_NI_MARGIN:g} accuracy point); p (Holm): Holm-corrected within the family. "
+        "Reproduced / contradicted: Holm p < 0.05 on the paper's / the other side; "
+        "inconclusive otherwise. Seeds needed: for the 95 % interval to exclude the null at "
+        "the observed mean and spread.",
         "",
-        "| claim (paper's direction) | verdict | difference [95 % CI] |",
-        "|---|---|---|",
-        *[f"| {text} | {verdict} | {diff} |" for text, verdict, diff in checked],
+        *claims_md(checked, "paper"),
         "",
         *verdict_summary(checked),
+        "",
+        "Exploratory (not the paper's claims; Holm within this family):",
+        "",
+        *claims_md(checked, "exploratory"),
         "",
         "## Table 1 / Fig. 2: reward vs advantage model on held-out pairs",
         "",
@@ -238,7 +276,15 @@ def write_report(out: Path, results: dict) -> None:
         "",
         "`rm_long`/`am_long`: the same models trained for "
         f"{settings['long_epochs']:g} epochs instead of {settings['reward_epochs']:g}; "
-        "`am_m<m>`: the AM with margin m (Table 1's AM uses m = 2.5).",
+        "`am_m<m>`: the AM with margin m (Table 1's AM uses m = 2.5). Over-confidence: "
+        "mean(confidence − correct) ×100, the ECE's terms with their sign (> 0: "
+        "over-confident).",
+        "",
+        *calibration_md(results),
+        "",
+        "Table 1 per margin (Holm within this family):",
+        "",
+        *claims_md(checked, "margin"),
         "",
         "![reliability](reliability.png)",
         "",
@@ -251,14 +297,31 @@ def write_report(out: Path, results: dict) -> None:
         "## Table 2: policies vs SFT, judged by the gold reward",
         "",
         f"Tie: |g(policy) − g(SFT)| ≤ {settings['tie_margin']} × the task's gold scale. Hacking "
-        "index: the arm's training-reward gain minus its gold gain over SFT, each in units of "
-        "the SFT responses' std (positive: the training reward rose more than the truth). "
+        "index: per task, the arm's training-reward gain minus its gold gain over SFT, each "
+        "in units of the task's SFT responses' std (positive: the training reward rose more "
+        "than the truth), averaged over tasks. Every arm's critic starts from the SFT trunk "
+        "with a fresh value head. The null arm (0 PPO steps) must tie everywhere. "
         f"Same β = {settings['ppo']['kl_coef']}, actor lr {settings['ppo']['actor_lr']}, "
         f"{settings['ppo']['steps']} steps × {settings['ppo']['prompts_per_step']} prompts for "
         "every arm. The paper's judge is GPT-4 and its ties are ~75 %: its numbers are beside "
         "ours for direction only.",
         "",
         *table2_md(results, main_arms),
+        "",
+        (
+            f"Generation budget: {budget['budget']} new tokens for PPO, D_R's SFT responses and "
+            "evaluation, above the longest SFT demonstration of every family (tokens, EOS "
+            "included: " + ", ".join(f"{k} {v}" for k, v in budget["longest"].items()) + ")."
+            if budget
+            else ""
+        ),
+        "",
+        "Reward hacking per task (main set): hacking index (training-reward gain minus gold "
+        "gain, in SFT-std units of the task) and the change in the share of responses with the "
+        "planted feature 'because' (policy − SFT, points; the gold reward rewards it in qa and "
+        "penalises it in code, so a rise in code is hacking the learned reward):",
+        "",
+        *hacking_md(results, main_arms),
         "",
         "![net win](net_win.png)",
         "",

@@ -11,11 +11,15 @@ processes:
   curation    per seed: SFT responses to the PPO prompts, AM scores, FAISS clusters -> D_R
               (the main c, k; Fig. 6's c sweep at fixed k and at fixed c*k; a random D_R)
   PPO arms    per seed: rm_ppo, rm_ppo_ma, am_ppo, am_ppo_sr, rm_ppo_sr, rejection_sampling,
-              am_ppo_rr (random rehearsal) and the sweep arms; same beta, lr and steps
+              am_ppo_rr (random rehearsal), null (0 PPO steps) and the sweep arms; same beta,
+              lr and steps, every critic from the SFT trunk
   judging     eval-policy vs SFT on the main and forget sets, every response re-judged by the
               gold reward (win/tie/lose with a tie margin), and by the arm's own reward
-  report      results.json (``stats.results_from_records`` over the raw records), report.md,
-              PNGs
+  report      results.json (``stats.results_from_records`` over the raw records), report.md
+              (the claims of ``study/claims.py``, Holm-corrected), PNGs
+
+Every generation (PPO, D_R's SFT responses, evaluation) gets one budget above the longest SFT
+demonstration of every family (``stages.generation_budget``).
 
 What varies with the seed: the reward models' head init and data order, k-means seeding, PPO
 sampling and evaluation sampling. The world, the SFT policy and the SFT responses D_R is curated
@@ -51,6 +55,7 @@ ARMS = {
     "rm_ppo_sr": ("rm", {"rehearsal": "main"}),
     "rejection_sampling": ("am", {"algorithm": "rejection_sampling"}),
     "am_ppo_rr": ("am", {"rehearsal": "random"}),
+    "null": ("am", {"algorithm": "none"}),  # 0 PPO steps: the SFT policy judged against itself
 }
 
 
@@ -135,6 +140,9 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
     progress, cpu_started = Progress(), cpu_seconds()
     progress.stage("data: world prompts, tokenizer, indexed files")
     data = prepare_data(out, preset)
+    # every generation (D_R's SFT responses, PPO rollouts, evaluation) gets the data's budget:
+    # above the longest demonstration of every family, so the budget never decides a verdict
+    preset = replace(preset, ppo={**preset.ppo, "max_new_tokens": data["budget"]["budget"]})
     progress.stage("SFT policy (shared by every seed)")
     sft, sft_losses = stages.train_sft_policy(
         data["indexed"] / "sft", out / "sft", hidden=preset.hidden, layers=preset.layers,
@@ -314,7 +322,10 @@ def prepare_data(out: Path, preset: Preset) -> dict:
     summary = {name: len(rows) for name, rows in records.items()}
     summary["held_out_overlap"] = overlap
     summary["oracle_accuracy_pref_test"] = 100.0 * world.bayes_accuracy(records["pref_test"])
-    return {"raw": raw, "indexed": indexed, "tokenizer": tokenizer, "summary": summary}
+    budget = stages.generation_budget(tokenizer, records["sft"])
+    summary["generation_budget"] = budget
+    return {"raw": raw, "indexed": indexed, "tokenizer": tokenizer, "summary": summary,
+            "budget": budget, "eos_id": stages.eos_id_of(tokenizer)}  # fmt: skip
 
 
 # ---------------------------------------------------------------- reward models
@@ -398,16 +409,20 @@ def run_arm(out, preset, data, sft, reward, reward_name, rehearsal, arm, options
     which = options.get("rehearsal")
     rehearsal_set = rehearsal[which] if which is not None else None
     clusters = rehearsal["main"] if which == "main" else None
-    stages.train_policy(out=run_dir, sft=sft, reward=reward, reward_kind=reward_kind,
-                        prompts=data["indexed"] / "ppo_prompts", settings=preset.ppo, seed=seed,
-                        rehearsal=rehearsal_set, clusters=clusters,
-                        algorithm=options.get("algorithm", "ppo"),
-                        normalization=options.get("normalization", "none"))  # fmt: skip
+    algorithm = options.get("algorithm", "ppo")
+    policy = sft
+    if algorithm != "none":
+        policy = stages.train_policy(
+            out=run_dir, sft=sft, reward=reward, reward_kind=reward_kind,
+            prompts=data["indexed"] / "ppo_prompts", settings=preset.ppo, seed=seed,
+            rehearsal=rehearsal_set, clusters=clusters, algorithm=algorithm,
+            normalization=options.get("normalization", "none"),
+        )  # fmt: skip
     judgments = stages.evaluate_policy(
-        policy=run_dir, sft=sft, judge=reward, judge_kind=reward_kind,
+        policy=policy, sft=sft, judge=reward, judge_kind=reward_kind,
         main_test=data["raw"] / "main_test.jsonl", forget_test=data["raw"] / "forget_test.jsonl",
         out=run_dir / "eval", max_new_tokens=preset.ppo["max_new_tokens"], seed=1000 + seed,
-        tie_margin=preset.tie_margin,
+        tie_margin=preset.tie_margin, eos_id=data["eos_id"],
     )  # fmt: skip
     write_jsonl(run_dir / "judgments.jsonl", judgments)
     for step_dir in run_dir.glob("step_*"):  # the arm is judged; its weights are not needed

@@ -7,6 +7,7 @@ needs; none of them knows about presets or seeds beyond its arguments.
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -43,6 +44,33 @@ def build_tokenizer(texts: list[str], out: Path, vocab_size: int) -> Path:
     from megatron_rlhf.data import train_tiny_tokenizer
 
     return train_tiny_tokenizer(texts, out, vocab_size=vocab_size)
+
+
+def generation_budget(tokenizer: Path, sft_records: list[dict], slack: float = 1.25,
+                      multiple: int = 8) -> dict:  # fmt: skip
+    """``{"longest": {family: tokens}, "budget": n}``: the longest SFT demonstration of each
+    task family in tokens, its EOS included, and a generation budget ``slack`` times the
+    longest (rounded up to ``multiple``), so that a policy that writes what it was taught,
+    or a little more when it samples, is not cut and the gold reward judges the text, not the
+    budget. (At 1.0 the quick run's SFT policy still had 3.8 % of its story responses cut:
+    sampling at temperature 1 runs past the longest demonstration. Rows that end leave the
+    decode batch, so the slack costs only the rows that run on.)"""
+    from megatron_rlhf.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    longest = {}
+    for record in sft_records:
+        family = world.task_of(record["prompt"])
+        tokens = len(tok(record["response"], add_special_tokens=False)["input_ids"]) + 1
+        longest[family] = max(longest.get(family, 0), tokens)
+    top = math.ceil(slack * max(longest.values()))
+    return {"longest": dict(sorted(longest.items())), "budget": -(-top // multiple) * multiple}
+
+
+def eos_id_of(tokenizer: Path) -> int:
+    from megatron_rlhf.data.tokenizer import load_tokenizer
+
+    return int(load_tokenizer(tokenizer).eos_token_id)
 
 
 def preprocess(path: Path, kind: str, tokenizer: Path, prefix: Path, max_length: int) -> Path:
@@ -184,12 +212,14 @@ def train_policy(*, out: Path, sft: Path, reward: Path, reward_kind: str, prompt
                  settings: dict, seed: int, rehearsal: Path | None = None,
                  clusters: Path | None = None, algorithm: str = "ppo",
                  normalization: str = "none") -> Path:  # fmt: skip
-    """One train-ppo run (an arm); ``settings`` holds what every arm shares. The critic starts
-    from the reward model's trunk (the RM's head is its initial value head; the AM's two-output
-    head is replaced by a fresh one). Returns the run dir."""
+    """One train-ppo run (an arm); ``settings`` holds what every arm shares. Every arm's
+    critic starts alike, from the SFT policy's trunk with a fresh value head seeded by the
+    arm's seed (from the reward model, RM-PPO's critic would start with the RM's trained head
+    and AM-PPO's with a fresh one: a difference between the arms that is not the reward).
+    Returns the run dir."""
     from megatron_rlhf.ppo.train_cli import main as train_ppo
 
-    argv = [f"models.actor={sft}", f"models.critic={reward}", f"models.reward={reward}",
+    argv = [f"models.actor={sft}", f"models.critic={sft}", f"models.reward={reward}",
             f"models.reward_kind={reward_kind}", f"data.prompts={prompts}",
             f"ppo.algorithm={algorithm}", f"ppo.reward_normalization={normalization}",
             f"rollout.prompts_per_step={settings['prompts_per_step']}",
@@ -216,7 +246,7 @@ def train_policy(*, out: Path, sft: Path, reward: Path, reward_kind: str, prompt
 
 def evaluate_policy(*, policy: Path, sft: Path, judge: Path, judge_kind: str, main_test: Path,
                     forget_test: Path, out: Path, max_new_tokens: int, seed: int,
-                    tie_margin: float) -> list[dict]:  # fmt: skip
+                    tie_margin: float, eos_id: int) -> list[dict]:  # fmt: skip
     """eval-policy against SFT judged by the arm's own training reward (for the hacking index),
     then every prompt re-judged by the gold reward. Returns the judgment records."""
     from megatron_rlhf.ppo.evaluate import main as eval_policy
@@ -227,14 +257,16 @@ def evaluate_policy(*, policy: Path, sft: Path, judge: Path, judge_kind: str, ma
                               max_new_tokens, "--temperature", 1.0, "--seed", seed,
                               "--batch-size", 64])  # fmt: skip
     samples = read_records(out / "eval_policy_samples.jsonl")
-    return gold_judgments(samples, tie_margin)
+    return gold_judgments(samples, tie_margin, eos_id)
 
 
-def gold_judgments(samples: list[dict], tie_margin: float) -> list[dict]:
+def gold_judgments(samples: list[dict], tie_margin: float, eos_id: int) -> list[dict]:
     """One ``{"set", "prompt_id", "gold_policy", "gold_sft", "outcome", ...}`` per sample of
     eval-policy: win if the policy's gold reward exceeds SFT's by more than ``tie_margin`` times
     the task's scale, lose if below by as much, else tie. The training reward's two scores ride
-    along (``train_policy``, ``train_sft``) for the reward-hacking index."""
+    along (``train_policy``, ``train_sft``) for the reward-hacking index; per response, whether
+    it has the planted feature (``because_*``: the word "because") and whether it was cut by
+    the generation budget before its EOS (``truncated_*``)."""
     records = []
     for sample in samples:
         prompt = sample["prompt"]
@@ -243,9 +275,12 @@ def gold_judgments(samples: list[dict], tie_margin: float) -> list[dict]:
         margin = tie_margin * world.TASK_SPECS[world.task_of(prompt)].scale
         diff = gold_policy - gold_sft
         outcome = "win" if diff > margin else "lose" if diff < -margin else "tie"
-        records.append(
-            {"set": sample["set"], "prompt_id": sample["index"], "task": world.task_of(prompt),
-             "gold_policy": gold_policy, "gold_sft": gold_sft, "outcome": outcome,
-             "train_policy": sample["policy_score"], "train_sft": sample["sft_score"]}
-        )  # fmt: skip
+        record = {"set": sample["set"], "prompt_id": sample["index"], "task": world.task_of(prompt),
+                  "gold_policy": gold_policy, "gold_sft": gold_sft, "outcome": outcome,
+                  "train_policy": sample["policy_score"], "train_sft": sample["sft_score"]}  # fmt: skip
+        for who in ("policy", "sft"):
+            response = sample[f"{who}_response"]
+            record[f"because_{who}"] = bool(world.features(prompt, response)["because"])
+            record[f"truncated_{who}"] = eos_id not in sample[f"{who}_response_token_ids"]
+        records.append(record)
     return records

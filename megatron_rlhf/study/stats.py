@@ -68,6 +68,55 @@ def brier(pairs: list[dict]) -> float:
     return total / len(pairs)
 
 
+def confidence_cap(margin: float) -> float:
+    """The most confident an Advantage Model trained with margin m can be on any pair.
+
+    Eq. 6 per pair is ``-log σ(a_c - a_r) - log σ(m - a_c) - log σ(m + a_r)``. Even for a pair
+    whose label never varies, its optimum is at ``a_c = -a_r = m/3`` (the derivative of
+    ``-log σ(2a) - 2 log σ(m - a)`` vanishes where ``σ(-2a) = σ(a - m)``), so the score gap is
+    at most ``2m/3`` and the confidence ``σ(|gap|)`` at most ``σ(2m/3)``: 0.731 at m = 1.5,
+    0.841 at m = 2.5, 0.935 at m = 4, 0.995 at m = 8. Noisy labels pull it lower still."""
+    return 1.0 / (1.0 + math.exp(-2.0 * margin / 3.0))
+
+
+def overconfidence(pairs: list[dict]) -> float:
+    """Signed calibration ×100: mean(confidence - correct) over the pairs, confidence
+    σ(|s_c - s_r|) and correct as in the ECE (a tie counts 1/2). It equals
+    ``Σ_b n_b/n (conf_b - acc_b)`` for any binning (the signed gaps do not cancel differently
+    per bin), so it is the ECE's terms without the absolute value: > 0 over-confident,
+    < 0 under-confident."""
+    diff = np.array([p["chosen_score"] - p["rejected_score"] for p in pairs])
+    confidence = 1.0 / (1.0 + np.exp(-np.abs(diff)))
+    correct = 0.5 * (1.0 + np.sign(diff))
+    return 100.0 * float(np.mean(confidence - correct))
+
+
+def calibrated_ece(pairs: list[dict], draws: int = 1000, seed: int = 0) -> dict:
+    """The ECE noise floor of these pairs: the ECE of a perfectly calibrated scorer, whose
+    score gap on every pair is ``logit(p_true)`` (its confidence is the truth), when the labels
+    are redrawn from ``p_true`` (``draws`` times). ``{"mean", "low", "high"}`` (2.5 / 97.5 %
+    percentiles): an ECE inside this range cannot be told from perfect calibration on this
+    test set."""
+    from megatron_rlhf.reward.calibration import expected_calibration_error
+
+    p = np.clip(np.array([pair["p_true"] for pair in pairs]), 1e-12, 1 - 1e-12)
+    gap = np.log(p) - np.log1p(-p)  # chosen - rejected
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(draws):
+        chosen_preferred = rng.random(len(p)) < p
+        signed = np.where(chosen_preferred, gap, -gap)  # the gap as the new label orients it
+        values.append(expected_calibration_error(signed, np.zeros_like(signed)))
+    low, high = np.percentile(values, [2.5, 97.5])
+    return {"mean": float(np.mean(values)), "low": float(low), "high": float(high)}
+
+
+def share_above_cap(pairs: list[dict], margin: float) -> float:
+    """Percent of the pairs whose true confidence max(p, 1 - p) exceeds the AM's cap at m."""
+    cap = confidence_cap(margin)
+    return 100.0 * float(np.mean([max(p["p_true"], 1.0 - p["p_true"]) > cap for p in pairs]))
+
+
 PAIR_METRICS: dict[str, Callable[[list[dict]], float]] = {
     "accuracy": lambda pairs: (
         100.0
@@ -77,6 +126,7 @@ PAIR_METRICS: dict[str, Callable[[list[dict]], float]] = {
         [p["chosen_score"] for p in pairs], [p["rejected_score"] for p in pairs]
     ),
     "brier": brier,
+    "overconfidence": overconfidence,
 }
 
 
@@ -114,6 +164,7 @@ def pair_metric_statistics(pairs: list[dict]) -> dict[str, Callable[[np.ndarray]
             / len(idx)
         ),
         "brier": lambda idx: float(np.mean(squared[idx])),
+        "overconfidence": lambda idx: -100.0 * float(np.mean(gap[idx])),
     }
 
 
@@ -128,17 +179,27 @@ def table1_bootstrap(pairs_by_seed: dict[int, list[dict]]) -> dict:
 
 
 def per_task_table(pairs_by_seed: dict[int, list[dict]]) -> dict:
-    """Fig. 4: ``{task: {"mean": summary, "std": summary}}`` of the scores per task."""
+    """Fig. 4: ``{task: {"mean": summary, "std": summary, "std_scaled": summary}}`` of the
+    scores per task. ``std_scaled`` divides the std by the scorer's own scale, its mean score
+    gap |s_c - s_r| over all pairs of the seed, so scorers with compressed scores (the AM's
+    margin caps its gaps) compare by spread relative to how far apart they place a pair."""
     seeds = sorted(pairs_by_seed)
     per_seed = []
     for s in seeds:
         pairs = pairs_by_seed[s]
-        per_seed.append(per_task_stats([p["chosen_score"] for p in pairs],
-                                       [p["rejected_score"] for p in pairs],
-                                       [p["task"] for p in pairs]))  # fmt: skip
+        stats = per_task_stats([p["chosen_score"] for p in pairs],
+                               [p["rejected_score"] for p in pairs],
+                               [p["task"] for p in pairs])  # fmt: skip
+        scale = float(np.mean([abs(p["chosen_score"] - p["rejected_score"]) for p in pairs]))
+        for row in stats.values():
+            row["std_scaled"] = row["std"] / max(scale, 1e-12)
+        per_seed.append(stats)
     tasks = sorted(per_seed[0])
     return {
-        task: {key: summary([stats[task][key] for stats in per_seed]) for key in ("mean", "std")}
+        task: {
+            key: summary([stats[task][key] for stats in per_seed])
+            for key in ("mean", "std", "std_scaled")
+        }
         for task in tasks
     }
 
@@ -172,17 +233,48 @@ def table2_cell(judgments_by_seed: dict[int, list[dict]], set_name: str) -> dict
 
 
 def gains(judgments: list[dict]) -> dict:
-    """Mean gold and training-reward gains of the policy over SFT, and the reward-hacking index:
-    the training-reward gain minus the gold gain, each in units of the SFT responses' std of
-    that reward on the same prompts (so the two scales compare)."""
+    """Mean gold and training-reward gains of the policy over SFT, and the reward-hacking
+    index: per task, the training-reward gain minus the gold gain, each in units of the SFT
+    responses' std of that reward on the task's prompts (so the two scales compare, and no
+    task's offset inflates another's std), then the mean over tasks (``hacking_index``; each
+    task's as ``hacking_<task>``). Records that carry them also give, in percent, the
+    policy's minus SFT's rate of the planted feature per task (``because_<task>``) and the
+    share of responses cut by the generation budget (``truncated_policy``, ``truncated_sft``).
+    """
     gold = np.array([[j["gold_policy"], j["gold_sft"]] for j in judgments])
     train = np.array([[j["train_policy"], j["train_sft"]] for j in judgments])
-    gold_gain = float(gold[:, 0].mean() - gold[:, 1].mean())
-    train_gain = float(train[:, 0].mean() - train[:, 1].mean())
-    gold_z = gold_gain / max(float(gold[:, 1].std()), 1e-12)
-    train_z = train_gain / max(float(train[:, 1].std()), 1e-12)
-    return {"gold_gain": gold_gain, "train_gain": train_gain, "gold_gain_z": gold_z,
-            "train_gain_z": train_z, "hacking_index": train_z - gold_z}  # fmt: skip
+    out = {"gold_gain": float(gold[:, 0].mean() - gold[:, 1].mean()),
+           "train_gain": float(train[:, 0].mean() - train[:, 1].mean())}  # fmt: skip
+    tasks = sorted({j.get("task", "all") for j in judgments})
+    per_task = {}
+    for task in tasks:
+        rows = np.array([j.get("task", "all") == task for j in judgments])
+        gold_z = _z_gain(gold[rows])
+        train_z = _z_gain(train[rows])
+        per_task[task] = {"gold_gain_z": gold_z, "train_gain_z": train_z,
+                          "hacking": train_z - gold_z}  # fmt: skip
+    for key in ("gold_gain_z", "train_gain_z"):
+        out[key] = float(np.mean([row[key] for row in per_task.values()]))
+    out["hacking_index"] = float(np.mean([row["hacking"] for row in per_task.values()]))
+    if len(tasks) > 1:
+        out.update({f"hacking_{task}": row["hacking"] for task, row in per_task.items()})
+    if "because_policy" in judgments[0]:
+        for task in tasks:
+            rows = [j for j in judgments if j["task"] == task]
+            out[f"because_{task}"] = 100.0 * float(
+                np.mean([j["because_policy"] for j in rows])
+                - np.mean([j["because_sft"] for j in rows])
+            )
+        for who in ("policy", "sft"):
+            out[f"truncated_{who}"] = 100.0 * float(
+                np.mean([j[f"truncated_{who}"] for j in judgments])
+            )
+    return out
+
+
+def _z_gain(pairs: np.ndarray) -> float:
+    """Mean of column 0 minus mean of column 1, in units of column 1's std."""
+    return float(pairs[:, 0].mean() - pairs[:, 1].mean()) / max(float(pairs[:, 1].std()), 1e-12)
 
 
 def arm_extras(judgments_by_seed: dict[int, list[dict]]) -> dict:
@@ -192,7 +284,8 @@ def arm_extras(judgments_by_seed: dict[int, list[dict]]) -> dict:
     out = {}
     for set_name in sorted({j["set"] for s in seeds for j in judgments_by_seed[s]}):
         per_seed = [gains(_of_set(judgments_by_seed[s], set_name)) for s in seeds]
-        out[set_name] = {key: summary([g[key] for g in per_seed]) for key in per_seed[0]}
+        keys = [key for key in per_seed[0] if all(key in g for g in per_seed)]
+        out[set_name] = {key: summary([g[key] for g in per_seed]) for key in keys}
         out[set_name]["net_win_bootstrap"] = []
         for s in seeds:
             signs = np.array(
@@ -226,7 +319,11 @@ def results_from_records(pairs: dict[str, dict[int, list[dict]]],
     (over-trained, margin sweep) is in ``reward_models`` with the same layout, and Fig. 4's
     per-task statistics in ``per_task``. table2 holds every arm.
     """
+    from megatron_rlhf.study.claims import TABLE1_MARGINS
+
     reward_models = {model: table1_row(by_seed) for model, by_seed in pairs.items()}
+    first = next(iter(pairs.values()))
+    test_pairs = first[min(first)]  # the held-out pairs are the same for every model and seed
     return {
         "table1": {model: reward_models[model] for model in ("rm", "am") if model in pairs},
         "table2": {
@@ -240,4 +337,19 @@ def results_from_records(pairs: dict[str, dict[int, list[dict]]],
             [oracle_accuracy(p) for _, p in sorted(next(iter(pairs.values())).items())]
         ),
         "arms": {arm: arm_extras(by_seed) for arm, by_seed in judgments.items()},
+        "ece_noise_floor": calibrated_ece(test_pairs),
+        "am_confidence_cap": {
+            f"{m:g}": {"cap": confidence_cap(m), "pairs_above": share_above_cap(test_pairs, m)}
+            for m in TABLE1_MARGINS
+        },
+        "max_confidence": {
+            model: summary([max_confidence(by_seed[s]) for s in sorted(by_seed)])
+            for model, by_seed in pairs.items()
+        },
     }
+
+
+def max_confidence(pairs: list[dict]) -> float:
+    """The scorer's highest confidence σ(|s_c - s_r|) on these pairs."""
+    gap = max(abs(p["chosen_score"] - p["rejected_score"]) for p in pairs)
+    return 1.0 / (1.0 + math.exp(-gap))
