@@ -387,3 +387,28 @@ def test_generation_budget_is_above_every_demonstration(tmp_path):
     assert max(budget["longest"].values()) == max(lengths) + 1  # EOS included
     assert budget["budget"] >= 1.25 * (max(lengths) + 1) and budget["budget"] % 8 == 0
     assert budget["longest"]["story"] > 32  # the family the old fixed budget of 32 cut
+
+
+def test_study_cli_takes_development_seeds_and_ppo_overrides(tmp_path, capsys):
+    """--first-seed moves every per-seed task (the sweep stays on the first seeds); --ppo
+    overrides a shared PPO setting with its type; bad values stop before anything is built."""
+    from dataclasses import replace
+
+    from megatron_rlhf.study import run
+    from megatron_rlhf.study.presets import PRESETS
+
+    preset = replace(PRESETS["quick"], first_seed=100, seeds=2)
+    tasks = run.seed_tasks(preset)
+    assert {seed for _, seed, _ in tasks} == {100, 101}
+    sweep = {seed for kind, seed, name in tasks if name.startswith("am_ppo_sr_c")}
+    assert sweep == {100}  # quick sweeps one seed: the first
+    ppo = run.ppo_overrides(preset.ppo, ["actor_lr=3e-4", "steps=20", "max_new_tokens=48"])
+    assert (ppo["actor_lr"], ppo["steps"], ppo["max_new_tokens"]) == (3e-4, 20, 48)
+    assert isinstance(ppo["steps"], int) and preset.ppo["steps"] == 8  # a copy
+    assert run.ppo_overrides(ppo, ["max_new_tokens=none"])["max_new_tokens"] is None
+    for bad, says in (("bogus=1", "KEY one of"), ("steps=2.5", "not a valid int"),
+                      ("actor_lr", "KEY=VALUE")):  # fmt: skip
+        out = tmp_path / "never"
+        assert run.main(["--output-dir", str(out), "--ppo", bad]) == 2
+        assert says in capsys.readouterr().err and not out.exists()
+    assert run.main(["--output-dir", str(tmp_path / "x"), "--first-seed", "-1"]) == 2

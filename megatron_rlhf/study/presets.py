@@ -12,6 +12,9 @@ class Preset:
 
     seeds: int = 3
     """Seeds: reward-model init and data order, PPO sampling and evaluation sampling."""
+    first_seed: int = 0
+    """The seeds are first_seed .. first_seed + seeds - 1: a development set for choosing
+    settings (e.g. ``--first-seed 100``) never overlaps the reporting seeds 0 .. seeds - 1."""
     sft_per_task: int = 300
     """SFT demonstrations per task family (five families, the forget family included)."""
     pref_train_per_task: int = 300
@@ -47,7 +50,7 @@ class Preset:
     sweep_clusters: tuple[int, ...] = (2, 4, 8, 16)
     """Fig. 6: cluster counts, at fixed k and at fixed c*k (empty: no sweep)."""
     sweep_seeds: int = 3
-    """How many of the seeds run the Fig. 6 sweep."""
+    """How many of the seeds (the first ones) run the Fig. 6 sweep."""
     ppo: dict = field(default_factory=lambda: {
         "steps": 10, "prompts_per_step": 32, "max_new_tokens": None, "micro_batch_size": 16,
         "num_minibatches": 2, "kl_coef": 0.02, "actor_lr": 1e-3, "critic_lr": 1e-3,
@@ -62,6 +65,15 @@ class Preset:
     """Longest prompt + response in tokens (SFT and preference data)."""
     threads: int = 1
     """torch intra-op threads (one is fastest for these tiny models)."""
+
+
+def seed_range(preset: Preset) -> range:
+    return range(preset.first_seed, preset.first_seed + preset.seeds)
+
+
+def runs_sweep(preset: Preset, seed: int) -> bool:
+    """Whether ``seed`` is one of the first ``sweep_seeds`` seeds and the preset sweeps."""
+    return seed - preset.first_seed < preset.sweep_seeds and bool(preset.sweep_clusters)
 
 
 PRESETS = {

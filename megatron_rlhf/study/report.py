@@ -231,7 +231,13 @@ def write_report(out: Path, results: dict) -> None:
     budget = data.get("generation_budget")
     lines = [
         f"# Study: the paper's claims measured (preset `{settings['preset']}`, "
-        f"{settings['seeds']} seeds)",
+        f"{settings['seeds']} seeds"
+        + (
+            f", {settings['first_seed']} to {settings['first_seed'] + settings['seeds'] - 1}"
+            if settings.get("first_seed")
+            else ""
+        )
+        + ")",
         "",
         "A text world with a known gold reward (`megatron_rlhf/study/world.py`): four PPO task "
         "families (qa, code, chat, advice) and a forget family (story: in the SFT data, never a "

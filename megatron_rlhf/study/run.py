@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from megatron_rlhf.study import stages, world
-from megatron_rlhf.study.presets import PRESETS, Preset
+from megatron_rlhf.study.presets import PRESETS, Preset, runs_sweep, seed_range
 from megatron_rlhf.utils import print_summary, write_json, write_jsonl
 
 DEFAULT_MARGIN = 2.5
@@ -65,6 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--output-dir", required=True, help="where everything goes")
     parser.add_argument("--seeds", type=int, help="number of seeds (default: the preset's, 3)")
+    parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="seeds are FIRST .. FIRST + N - 1 (a development set that does not "
+        "overlap the reporting seeds 0 .. N - 1: e.g. 100)",
+    )
+    parser.add_argument("--ppo", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one of the PPO settings every arm shares (repeatable; "
+                             "e.g. --ppo actor_lr=3e-4 --ppo steps=20); the keys are the "
+                             "preset's ppo keys")  # fmt: skip
     parser.add_argument("--jobs", type=int,
                         help="worker processes for the per-seed stages (default: min(seeds, "
                              "CPUs)); the results do not depend on it")  # fmt: skip
@@ -80,6 +91,15 @@ def main(argv: list[str]) -> int:
             print("study: error: --seeds must be >= 1", file=sys.stderr)
             return 2
         preset = replace(preset, seeds=args.seeds, sweep_seeds=min(preset.sweep_seeds, args.seeds))
+    if args.first_seed < 0:
+        print("study: error: --first-seed must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        ppo = ppo_overrides(preset.ppo, args.ppo)
+    except ValueError as err:
+        print(f"study: error: {err}", file=sys.stderr)
+        return 2
+    preset = replace(preset, first_seed=args.first_seed, ppo=ppo)
     jobs = args.jobs if args.jobs is not None else min(preset.seeds, os.cpu_count() or 1)
     if jobs < 1:
         print("study: error: --jobs must be >= 1", file=sys.stderr)
@@ -112,6 +132,26 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def ppo_overrides(settings: dict, items: list[str]) -> dict:
+    """``settings`` with each ``KEY=VALUE`` of ``--ppo`` applied, the value parsed as the
+    setting's type (int or float; ``max_new_tokens``: an int, or ``none`` for the data's
+    budget). Raises ValueError naming the flag for an unknown key or a bad value."""
+    settings = dict(settings)
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or key not in settings:
+            raise ValueError(f"--ppo {item!r}: expected KEY=VALUE with KEY one of "
+                             f"{', '.join(sorted(settings))}")  # fmt: skip
+        kind = int if key == "max_new_tokens" else type(settings[key])
+        try:
+            settings[key] = (
+                None if key == "max_new_tokens" and text.lower() == "none" else kind(text)
+            )
+        except ValueError:
+            raise ValueError(f"--ppo {item!r}: {text!r} is not a valid {kind.__name__}") from None
+    return settings
+
+
 def set_threads(threads: int) -> None:
     """Tiny models run faster on one intra-op thread: their ops are too small to split, and
     on a shared machine idle OpenMP workers spin (measured: 10x less CPU per SFT step)."""
@@ -142,7 +182,8 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
     data = prepare_data(out, preset)
     # every generation (D_R's SFT responses, PPO rollouts, evaluation) gets the data's budget:
     # above the longest demonstration of every family, so the budget never decides a verdict
-    preset = replace(preset, ppo={**preset.ppo, "max_new_tokens": data["budget"]["budget"]})
+    if preset.ppo["max_new_tokens"] is None:  # unless --ppo max_new_tokens=N chose one
+        preset = replace(preset, ppo={**preset.ppo, "max_new_tokens": data["budget"]["budget"]})
     progress.stage("SFT policy (shared by every seed)")
     sft, sft_losses = stages.train_sft_policy(
         data["indexed"] / "sft", out / "sft", hidden=preset.hidden, layers=preset.layers,
@@ -189,7 +230,7 @@ class Shared:
 def seed_tasks(preset: Preset) -> dict[Task, tuple[Task, ...]]:
     """Every per-seed task -> the tasks whose results it needs, in an order that runs."""
     tasks = {}
-    for seed in range(preset.seeds):
+    for seed in seed_range(preset):
         for name in reward_models(preset):
             tasks[("reward", seed, name)] = ()
         tasks[("curation", seed, "")] = (("reward", seed, "am"),)
@@ -373,7 +414,7 @@ def curation_stage(out: Path, preset: Preset, data: dict, sft_responses: Path, a
                                            **build)}  # fmt: skip
     sets["random"] = stages.build_random_rehearsal(scored, data["tokenizer"], work / "random",
                                                    c * k, seed)  # fmt: skip
-    if seed < preset.sweep_seeds and preset.sweep_clusters:
+    if runs_sweep(preset, seed):
         others = [count for count in preset.sweep_clusters if count != c]
         fixed_k = stages.build_rehearsal(scored, prefix=work / "fixed_k", clusters=others,
                                          top_k=k, **build)  # fmt: skip
@@ -393,7 +434,7 @@ def sweep_arm(clusters: int, top_k: int) -> str:
 
 def arms_of(preset: Preset, seed: int) -> dict:
     arms = dict(ARMS)
-    if seed < preset.sweep_seeds and preset.sweep_clusters:
+    if runs_sweep(preset, seed):
         c, k = preset.clusters, preset.top_k
         for count in preset.sweep_clusters:
             if count != c:
