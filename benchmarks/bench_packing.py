@@ -93,14 +93,11 @@ PAD, EOS = 3, 2
 
 def prompts(seed: int, vocab: int, lengths: list[int]):
     """Random prompts of these lengths, left-padded to the longest."""
+    from megatron_rlhf.generation.cli import left_pad
+
     generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
-    mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for row, real in enumerate(lengths):
-        ids[row, width - real :] = torch.randint(4, vocab, (real,), generator=generator)
-        mask[row, width - real :] = 1
-    return ids, mask
+    rows = [torch.randint(4, vocab, (n,), generator=generator).tolist() for n in lengths]
+    return left_pad(rows, PAD)
 
 
 def eos_model(directory: Path, size: str, seed: int, stop_probability: float) -> None:

@@ -139,21 +139,21 @@ def holm(pvalues: list[float]) -> list[float]:
 
 
 def paired_test(diffs: list[float], null: float = 0.0) -> dict:
-    """Mean difference, its 95 % t-interval and the two-sided p-value against ``null``
-    (None where fewer than 2 seeds or no spread leave them undefined)."""
+    """Mean difference, its 95 % t-interval (``stats.t_interval``) and the two-sided p-value
+    against ``null`` (None where fewer than 2 seeds leave them undefined)."""
     from scipy import stats
 
-    diffs = np.asarray(diffs, dtype=np.float64)
-    n, mean = len(diffs), float(np.mean(diffs))
-    if n < 2:
+    from megatron_rlhf.study.stats import t_interval
+
+    mean, low, high = t_interval(diffs)
+    if low is None:
         return {"mean": mean, "ci_low": None, "ci_high": None, "p": None, "sd": None}
-    sd = float(np.std(diffs, ddof=1))
-    half = stats.t.ppf(1 - ALPHA / 2, n - 1) * sd / math.sqrt(n)
+    n, sd = len(diffs), float(np.std(diffs, ddof=1))
     if sd == 0.0:
         p = 0.0 if mean != null else 1.0
     else:
         p = float(2 * stats.t.sf(abs(mean - null) / (sd / math.sqrt(n)), n - 1))
-    return {"mean": mean, "ci_low": mean - half, "ci_high": mean + half, "p": p, "sd": sd}
+    return {"mean": mean, "ci_low": low, "ci_high": high, "p": p, "sd": sd}
 
 
 def seeds_needed(effect: float, sd: float | None, limit: int = 1000) -> int | None:

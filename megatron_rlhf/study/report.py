@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_rlhf.study.claims import ACCURACY_NI_MARGIN, evaluate_claims
+from megatron_rlhf.study.claims import ACCURACY_NI_MARGIN, TABLE1_MARGINS, evaluate_claims
 from megatron_rlhf.study.stages import load_records
 from megatron_rlhf.utils import atomic_output
 
@@ -85,11 +85,10 @@ def calibration_md(results: dict) -> list[str]:
         "| m | cap σ(2m/3) | held-out pairs above the cap % | highest AM confidence (any seed) |",
         "|---:|---:|---:|---:|",
     ]
-    names = {"2.5": "am"} | {m: f"am_m{m}" for m in caps if m != "2.5"}
-    for m, cap in caps.items():
-        seen = results["max_confidence"].get(names[m])
+    for m, model in TABLE1_MARGINS.items():
+        cap, seen = caps[f"{m:g}"], results["max_confidence"].get(model)
         seen = f"{max(seen['per_seed']):.3f}" if seen else "-"
-        lines.append(f"| {m} | {cap['cap']:.3f} | {cap['pairs_above']:.1f} | {seen} |")
+        lines.append(f"| {m:g} | {cap['cap']:.3f} | {cap['pairs_above']:.1f} | {seen} |")
     return lines
 
 

@@ -85,10 +85,12 @@ def overconfidence(pairs: list[dict]) -> float:
     ``Σ_b n_b/n (conf_b - acc_b)`` for any binning (the signed gaps do not cancel differently
     per bin), so it is the ECE's terms without the absolute value: > 0 over-confident,
     < 0 under-confident."""
-    diff = np.array([p["chosen_score"] - p["rejected_score"] for p in pairs])
-    confidence = 1.0 / (1.0 + np.exp(-np.abs(diff)))
-    correct = 0.5 * (1.0 + np.sign(diff))
-    return 100.0 * float(np.mean(confidence - correct))
+    from megatron_rlhf.reward.calibration import pair_correctness
+
+    chosen = np.array([p["chosen_score"] for p in pairs])
+    rejected = np.array([p["rejected_score"] for p in pairs])
+    confidence = 1.0 / (1.0 + np.exp(-np.abs(chosen - rejected)))
+    return 100.0 * float(np.mean(confidence - pair_correctness(chosen, rejected).numpy()))
 
 
 def calibrated_ece(pairs: list[dict], draws: int = 1000, seed: int = 0) -> dict:
