@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_rlhf.study.presets import TABLE1_MARGINS
+
 ALPHA = 0.05
 ACCURACY_NI_MARGIN = 1.0
 """Points of ranking accuracy the AM may lose to the RM and still "keep" its accuracy."""
-TABLE1_MARGINS = {1.5: "am_m1.5", 2.5: "am", 4.0: "am_m4", 8.0: "am_m8"}
-"""AM margin m -> the study's reward-model name (Table 1's AM uses the paper's m = 2.5)."""
 
 
 @dataclass(frozen=True)

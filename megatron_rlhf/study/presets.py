@@ -67,6 +67,10 @@ class Preset:
     """torch intra-op threads (one is fastest for these tiny models)."""
 
 
+TABLE1_MARGINS = {1.5: "am_m1.5", 2.5: "am", 4.0: "am_m4", 8.0: "am_m8"}
+"""AM margin m -> the study's reward-model name (Table 1's AM uses the paper's m = 2.5)."""
+
+
 def seed_range(preset: Preset) -> range:
     return range(preset.first_seed, preset.first_seed + preset.seeds)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_rlhf.study.claims import ACCURACY_NI_MARGIN, TABLE1_MARGINS, evaluate_claims
+from megatron_rlhf.study.claims import ACCURACY_NI_MARGIN, evaluate_claims
+from megatron_rlhf.study.presets import TABLE1_MARGINS
 from megatron_rlhf.study.stages import load_records
 from megatron_rlhf.utils import atomic_output
 

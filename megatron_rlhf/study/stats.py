@@ -321,7 +321,7 @@ def results_from_records(pairs: dict[str, dict[int, list[dict]]],
     (over-trained, margin sweep) is in ``reward_models`` with the same layout, and Fig. 4's
     per-task statistics in ``per_task``. table2 holds every arm.
     """
-    from megatron_rlhf.study.claims import TABLE1_MARGINS
+    from megatron_rlhf.study.presets import TABLE1_MARGINS
 
     reward_models = {model: table1_row(by_seed) for model, by_seed in pairs.items()}
     first = next(iter(pairs.values()))
