@@ -139,6 +139,7 @@ def test_table_math_against_direct_computation():
 
 @pytest.mark.slow
 def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
+    from megatron_rlhf.study import run
     from megatron_rlhf.study.run import compute_results
 
     out = tmp_path / "study"
@@ -174,6 +175,13 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
     recomputed = json.loads(json.dumps(compute_results(out)))
     for key in ("table1", "table2", "reward_models", "arms", "per_task"):
         assert recomputed[key] == results[key]
+    # the published form: one archive of records and settings gives every output back
+    again = tmp_path / "from_records"
+    assert (
+        run.main(["--from-records", str(out / "records.jsonl.gz"), "--output-dir", str(again)]) == 0
+    )
+    assert json.loads((again / "results.json").read_text()) == results
+    assert (again / "report.md").read_text() == (out / "report.md").read_text()
     check_sanity_bounds(out, results)
     report = (out / "report.md").read_text()
     assert "Table 1" in report and "Table 2" in report and "Fig. 6" in report
@@ -402,6 +410,9 @@ def test_study_cli_takes_development_seeds_and_ppo_overrides(tmp_path, capsys):
     assert {seed for _, seed, _ in tasks} == {100, 101}
     sweep = {seed for kind, seed, name in tasks if name.startswith("am_ppo_sr_c")}
     assert sweep == {100}  # quick sweeps one seed: the first
+    no_sweep = run.seed_tasks(replace(preset, sweep_seeds=0))  # --sweep-seeds 0
+    assert not [name for _, _, name in no_sweep if name.startswith("am_ppo_sr_c")]
+    assert len(no_sweep) < len(tasks) and "am_ppo_sr" in {name for _, _, name in no_sweep}
     ppo = run.ppo_overrides(preset.ppo, ["actor_lr=3e-4", "steps=20", "max_new_tokens=48"])
     assert (ppo["actor_lr"], ppo["steps"], ppo["max_new_tokens"]) == (3e-4, 20, 48)
     assert isinstance(ppo["steps"], int) and preset.ppo["steps"] == 8  # a copy
@@ -412,3 +423,54 @@ def test_study_cli_takes_development_seeds_and_ppo_overrides(tmp_path, capsys):
         assert run.main(["--output-dir", str(out), "--ppo", bad]) == 2
         assert says in capsys.readouterr().err and not out.exists()
     assert run.main(["--output-dir", str(tmp_path / "x"), "--first-seed", "-1"]) == 2
+    assert run.main(["--output-dir", str(tmp_path / "x"), "--sweep-seeds", "-1"]) == 2
+    assert "--sweep-seeds" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_records_archive_round_trips_and_bad_archives_name_the_line(tmp_path, capsys):
+    """pack -> unpack gives load_records' tables and the settings back, byte-identical on a
+    second pack; a damaged archive is an error naming the file (and line), never a partial
+    result."""
+    import gzip
+
+    from megatron_rlhf.study import run, stages
+    from megatron_rlhf.utils import InputError
+
+    rng = random.Random(5)
+    out = tmp_path / "study"
+    for kind, names, file in (("reward", ("rm", "am_m1.5"), "pairs.jsonl"),
+                              ("ppo", ("am_ppo", "null"), "judgments.jsonl")):  # fmt: skip
+        for name in names:
+            for seed in (0, 3):
+                rows = [
+                    {"x": rng.random(), "task": rng.choice("ab")} for _ in range(rng.randint(1, 5))
+                ]
+                path = out / kind / name / f"seed{seed}" / file
+                path.parent.mkdir(parents=True)
+                path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = {"seeds": 2, "first_seed": 0, "note": "é"}
+    archive = tmp_path / "records.jsonl.gz"
+    stages.pack_records(out, settings, archive)
+    assert stages.unpack_records(archive) == (settings, *stages.load_records(out))
+    second = tmp_path / "again.jsonl.gz"
+    stages.pack_records(out, settings, second)
+    assert second.read_bytes() == archive.read_bytes()
+
+    lines = gzip.decompress(archive.read_bytes()).decode().splitlines()
+    cases = {
+        "not JSON": lines[:2] + ["{oops"],
+        "given twice": lines[:2] + lines[1:2],
+        "integer seed": lines[:1] + [json.dumps({**json.loads(lines[1]), "seed": "0"})],
+        "settings": lines[1:],
+    }
+    for says, body in cases.items():
+        bad = tmp_path / "bad.jsonl.gz"
+        bad.write_bytes(gzip.compress(("\n".join(body) + "\n").encode()))
+        with pytest.raises(InputError, match=says):
+            stages.unpack_records(bad)
+    bad.write_bytes(archive.read_bytes()[:-20])  # cut short
+    with pytest.raises(InputError, match="bad.jsonl.gz"):
+        stages.unpack_records(bad)
+    target = tmp_path / "never"
+    assert run.main(["--from-records", str(bad), "--output-dir", str(target)]) == 2
+    assert "bad.jsonl.gz" in capsys.readouterr().err and not target.exists()

@@ -16,7 +16,9 @@ processes:
   judging     eval-policy vs SFT on the main and forget sets, every response re-judged by the
               gold reward (win/tie/lose with a tie margin), and by the arm's own reward
   report      results.json (``stats.results_from_records`` over the raw records), report.md
-              (the claims of ``study/claims.py``, Holm-corrected), PNGs
+              (the claims of ``study/claims.py``, Holm-corrected), PNGs, and records.jsonl.gz:
+              every raw record the tables come from, with the settings; ``--from-records``
+              recomputes every table from that file alone
 
 Every generation (PPO, D_R's SFT responses, evaluation) gets one budget above the longest SFT
 demonstration of every family (``stages.generation_budget``).
@@ -43,7 +45,8 @@ from pathlib import Path
 
 from megatron_rlhf.study import stages, world
 from megatron_rlhf.study.presets import PRESETS, Preset, runs_sweep, seed_range
-from megatron_rlhf.utils import print_summary, write_json, write_jsonl
+from megatron_rlhf.study.stages import RECORDS_ARCHIVE
+from megatron_rlhf.utils import InputError, print_summary, write_json, write_jsonl
 
 DEFAULT_MARGIN = 2.5
 # arm -> (reward model, PPO options); rehearsal: "main" | "random" | (c, k)
@@ -76,9 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override one of the PPO settings every arm shares (repeatable; "
                              "e.g. --ppo actor_lr=3e-4 --ppo steps=20); the keys are the "
                              "preset's ppo keys")  # fmt: skip
+    parser.add_argument("--sweep-seeds", type=int,
+                        help="how many of the seeds run Fig. 6's cluster sweep (default: the "
+                             "preset's; 0 skips it, e.g. on development seeds)")  # fmt: skip
     parser.add_argument("--jobs", type=int,
                         help="worker processes for the per-seed stages (default: min(seeds, "
                              "CPUs)); the results do not depend on it")  # fmt: skip
+    parser.add_argument("--from-records", metavar="ARCHIVE",
+                        help="run nothing: recompute results.json, report.md and the PNGs in "
+                             f"--output-dir from a study's raw records (its {RECORDS_ARCHIVE}, "
+                             "e.g. docs/paper_study's)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace --output-dir")
     return parser
 
@@ -100,6 +110,11 @@ def main(argv: list[str]) -> int:
         print(f"study: error: {err}", file=sys.stderr)
         return 2
     preset = replace(preset, first_seed=args.first_seed, ppo=ppo)
+    if args.sweep_seeds is not None:
+        if args.sweep_seeds < 0:
+            print("study: error: --sweep-seeds must be >= 0", file=sys.stderr)
+            return 2
+        preset = replace(preset, sweep_seeds=min(args.sweep_seeds, preset.seeds))
     jobs = args.jobs if args.jobs is not None else min(preset.seeds, os.cpu_count() or 1)
     if jobs < 1:
         print("study: error: --jobs must be >= 1", file=sys.stderr)
@@ -111,6 +126,8 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         shutil.rmtree(out)
+    if args.from_records:
+        return recompute(Path(args.from_records), out)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     set_threads(preset.threads)
     started, cpu_started = time.time(), cpu_seconds()
@@ -129,6 +146,25 @@ def main(argv: list[str]) -> int:
         jobs=jobs,
         report=str(out / "report.md"),
     )
+    return 0
+
+
+def recompute(archive: Path, out: Path) -> int:
+    """results.json, report.md and the PNGs from ``archive``'s records and settings alone."""
+    from megatron_rlhf.study.report import write_report
+    from megatron_rlhf.study.stats import results_from_records
+
+    try:
+        settings, pairs, judgments = stages.unpack_records(archive)
+    except InputError as err:
+        print(f"study: error: {err}", file=sys.stderr)
+        return 2
+    results = {**results_from_records(pairs, judgments), "settings": settings}
+    out.mkdir(parents=True)
+    write_json(out / "results.json", results)
+    write_report(out, results)
+    print_summary("study", recomputed_from=str(archive), seeds=settings["seeds"],
+                  models=len(pairs), arms=len(judgments), report=str(out / "report.md"))  # fmt: skip
     return 0
 
 
@@ -205,6 +241,7 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
                            "cpu_seconds": cpu_seconds() - cpu_started}  # fmt: skip
     write_json(out / "results.json", results)
     write_report(out, results)
+    stages.pack_records(out, results["settings"], out / RECORDS_ARCHIVE)
     return results
 
 

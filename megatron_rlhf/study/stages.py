@@ -7,12 +7,14 @@ needs; none of them knows about presets or seeds beyond its arguments.
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 import random
 from pathlib import Path
 
 from megatron_rlhf.study import world
-from megatron_rlhf.utils import read_jsonl, write_jsonl
+from megatron_rlhf.utils import InputError, atomic_output, read_jsonl, write_jsonl
 
 
 def run_command(command_main, argv: list) -> None:
@@ -35,6 +37,61 @@ def load_records(out: Path) -> tuple[dict, dict]:
             seed = int(path.parent.name.removeprefix("seed"))
             table.setdefault(path.parent.parent.name, {})[seed] = read_records(path)
     return pairs, judgments
+
+
+RECORDS_ARCHIVE = "records.jsonl.gz"
+"""The study's raw records in one file: what every table of results.json is computed from."""
+
+
+def pack_records(out: Path, settings: dict, path: Path) -> None:
+    """Write ``settings`` and every raw record under ``out`` (``load_records``) to ``path``,
+    gzipped JSON lines: a ``{"settings": ...}`` line, then one ``{"kind", "name", "seed",
+    "rows"}`` line per reward model and seed (held-out pairs) and per arm and seed (gold
+    judgments). Byte-identical for identical records (gzip's timestamp 0, no file name)."""
+    pairs, judgments = load_records(out)
+    lines = [{"settings": settings}]
+    for kind, table in (("pairs", pairs), ("judgments", judgments)):
+        for name in sorted(table):
+            for seed in sorted(table[name]):
+                lines.append({"kind": kind, "name": name, "seed": seed, "rows": table[name][seed]})
+    with atomic_output(path) as tmp, open(tmp, "wb") as raw:
+        with gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as handle:
+            for obj in lines:
+                handle.write((json.dumps(obj, allow_nan=False) + "\n").encode())
+
+
+def unpack_records(path: Path) -> tuple[dict, dict, dict]:
+    """``(settings, pairs, judgments)`` from a ``pack_records`` file, the tables shaped as
+    ``load_records``'. Errors name the file and line. Nothing in it is a path or code."""
+    settings, tables = None, {"pairs": {}, "judgments": {}}
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as handle:
+            for number, text in enumerate(handle, start=1):
+                where = f"{path}:{number}"
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as err:
+                    raise InputError(f"{where}: not JSON ({err.msg})") from None
+                if number == 1:
+                    if not isinstance(obj, dict) or not isinstance(obj.get("settings"), dict):
+                        raise InputError(f'{where}: expected the {{"settings": ...}} line')
+                    settings = obj["settings"]
+                    continue
+                kind, name, seed = obj.get("kind"), obj.get("name"), obj.get("seed")
+                if (kind not in tables or not isinstance(name, str) or type(seed) is not int
+                        or not isinstance(obj.get("rows"), list)):  # fmt: skip
+                    raise InputError(f"{where}: expected kind pairs|judgments, a name, an "
+                                     "integer seed and a list of rows")  # fmt: skip
+                if seed in tables[kind].get(name, {}):
+                    raise InputError(f"{where}: {kind} of {name} seed {seed} given twice")
+                tables[kind].setdefault(name, {})[seed] = obj["rows"]
+    except (OSError, EOFError, UnicodeDecodeError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise InputError(f"{path}: no such file") from None
+        raise InputError(f"{path}: not a readable gzip of JSON lines ({err})") from None
+    if settings is None:
+        raise InputError(f"{path}: empty; expected a records archive written by the study")
+    return settings, tables["pairs"], tables["judgments"]
 
 
 # ---------------------------------------------------------------- data and SFT
