@@ -141,6 +141,7 @@ def test_table_math_against_direct_computation():
 def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
     from megatron_rlhf.study import run
     from megatron_rlhf.study.run import compute_results
+    from megatron_rlhf.study.stages import load_records
 
     out = tmp_path / "study"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
@@ -172,7 +173,7 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
     assert any(arm.startswith("am_ppo_sr_c") for arm in results["table2"])
     assert results["settings"]["jobs"] == 2
     assert results["settings"]["data"]["held_out_overlap"] == {"main_test": 0, "forget_test": 0}
-    recomputed = json.loads(json.dumps(compute_results(out)))
+    recomputed = json.loads(json.dumps(compute_results(*load_records(out))))
     for key in ("table1", "table2", "reward_models", "arms", "per_task"):
         assert recomputed[key] == results[key]
     # the published form: one archive of records and settings gives every output back

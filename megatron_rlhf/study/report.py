@@ -14,7 +14,6 @@ import numpy as np
 
 from megatron_rlhf.study.claims import ACCURACY_NI_MARGIN, evaluate_claims
 from megatron_rlhf.study.presets import TABLE1_MARGINS
-from megatron_rlhf.study.stages import load_records
 from megatron_rlhf.utils import atomic_output
 
 PAPER_TABLE1 = {  # Table 1: accuracy, ECE (HH-RLHF; proprietary)
@@ -220,9 +219,11 @@ def run_time(settings: dict) -> list[str]:
             "machine takes).", ""]  # fmt: skip
 
 
-def write_report(out: Path, results: dict) -> None:
+def write_report(out: Path, results: dict, pairs: dict) -> None:
+    """report.md and the PNGs in ``out`` from ``results`` and the held-out ``pairs``
+    (``pairs[model][seed]``, the reliability and per-task figures' records)."""
     settings = results["settings"]
-    write_plots(out, results)
+    write_plots(out, results, pairs)
     main_arms = [a for a in ("rm_ppo", "rm_ppo_ma", "am_ppo", "am_ppo_sr", "rm_ppo_sr",
                              "rejection_sampling", "am_ppo_rr", "null")
                  if a in results["table2"]]  # fmt: skip
@@ -356,11 +357,10 @@ def write_report(out: Path, results: dict) -> None:
 # ---------------------------------------------------------------- plots
 
 
-def write_plots(out: Path, results: dict) -> None:
+def write_plots(out: Path, results: dict, pairs: dict) -> None:
     from megatron_rlhf.reward.calibration import per_task_stats, reliability_curve
     from megatron_rlhf.reward.plots import plot_calibration, plot_task_stats
 
-    pairs, _ = load_records(out)
     curves, tasks = {}, {}
     for model in ("rm", "am", "rm_long", "am_long"):
         if model not in pairs:

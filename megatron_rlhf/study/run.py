@@ -152,17 +152,16 @@ def main(argv: list[str]) -> int:
 def recompute(archive: Path, out: Path) -> int:
     """results.json, report.md and the PNGs from ``archive``'s records and settings alone."""
     from megatron_rlhf.study.report import write_report
-    from megatron_rlhf.study.stats import results_from_records
 
     try:
         settings, pairs, judgments = stages.unpack_records(archive)
     except InputError as err:
         print(f"study: error: {err}", file=sys.stderr)
         return 2
-    results = {**results_from_records(pairs, judgments), "settings": settings}
+    results = {**compute_results(pairs, judgments), "settings": settings}
     out.mkdir(parents=True)
     write_json(out / "results.json", results)
-    write_report(out, results)
+    write_report(out, results, pairs)
     print_summary("study", recomputed_from=str(archive), seeds=settings["seeds"],
                   models=len(pairs), arms=len(judgments), report=str(out / "report.md"))  # fmt: skip
     return 0
@@ -234,13 +233,14 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
                     started=progress.started)  # fmt: skip
     run_tasks(shared, seed_tasks(preset), jobs)
     progress.stage("report")
-    results = compute_results(out)
+    pairs, judgments = stages.load_records(out)
+    results = compute_results(pairs, judgments)
     results["settings"] = {"preset": preset_name, **asdict(preset), "sft_losses": sft_losses,
                            "data": data["summary"], "jobs": jobs,
                            "seconds": time.time() - progress.started,
                            "cpu_seconds": cpu_seconds() - cpu_started}  # fmt: skip
     write_json(out / "results.json", results)
-    write_report(out, results)
+    write_report(out, results, pairs)
     stages.pack_records(out, results["settings"], out / RECORDS_ARCHIVE)
     return results
 
@@ -510,7 +510,7 @@ def run_arm(out, preset, data, sft, reward, reward_name, rehearsal, arm, options
 # ---------------------------------------------------------------- results
 
 
-def compute_results(out: Path) -> dict:
+def compute_results(pairs: dict, judgments: dict) -> dict:
     from megatron_rlhf.study.stats import results_from_records
 
-    return results_from_records(*stages.load_records(out))
+    return results_from_records(pairs, judgments)
