@@ -52,13 +52,22 @@ class Preset:
     sweep_seeds: int = 3
     """How many of the seeds (the first ones) run the Fig. 6 sweep."""
     ppo: dict = field(default_factory=lambda: {
-        "steps": 10, "prompts_per_step": 32, "max_new_tokens": None, "micro_batch_size": 16,
-        "num_minibatches": 2, "kl_coef": 0.02, "actor_lr": 1e-3, "critic_lr": 1e-3,
+        "steps": 20, "prompts_per_step": 32, "max_new_tokens": None, "micro_batch_size": 16,
+        "num_minibatches": 2, "kl_coef": 0.02, "actor_lr": 1e-4, "critic_lr": 1e-3,
         "rehearsal_gamma": 0.01, "rehearsal_micro_batch_size": 4, "rejection_samples": 4,
     })  # fmt: skip
     """What every PPO arm shares (same beta, learning rate and steps). ``max_new_tokens``
     None: the data's generation budget (``stages.generation_budget``: above the longest SFT
-    demonstration of every family), for PPO, D_R's SFT responses and evaluation alike."""
+    demonstration of every family), for PPO, D_R's SFT responses and evaluation alike.
+
+    Actor lr 1e-4 and 20 steps were chosen on development seeds and frozen before the
+    reporting run (issue 20): ``study --preset full --seeds 2 --first-seed 100 --sweep-seeds 0
+    --ppo ...`` for four settings, the rule declared before their results were read: among
+    the settings whose RM-PPO and AM-PPO raise their own reward on every development seed,
+    the highest mean gold net win of RM-PPO and AM-PPO over both sets (symmetric in RM and
+    AM; no rehearsal arm enters the choice). Mean gold net win: lr 1e-3 / 10 steps (the old
+    setting, seed outcomes bimodal) -35.1; 3e-4 / 10 steps +3.1; 3e-4 / 10 steps / beta 0.1
+    +5.0; 1e-4 / 20 steps +6.0 (README, "How the PPO setting was chosen")."""
     tie_margin: float = 0.1
     """Gold judge: |g(policy) - g(SFT)| <= tie_margin * scale_t is a tie."""
     max_length: int = 96
@@ -81,9 +90,9 @@ def runs_sweep(preset: Preset, seed: int) -> bool:
 
 
 PRESETS = {
-    # CI: SFT's loss is flat from ~150 steps, and the reward models (two thirds of the CPU time)
-    # train on 200 pairs per task with the over-trained pair at 3 epochs; the held-out sets keep
-    # the issue's 300 prompts each.
+    # CI: SFT's loss is flat from ~150 steps, PPO runs 8 of the frozen setting's 20 steps, and
+    # the reward models (two thirds of the CPU time) train on 200 pairs per task with the
+    # over-trained pair at 3 epochs; the held-out sets keep the issue's 300 prompts each.
     "quick": Preset(
         seeds=3,
         sft_steps=160,
@@ -93,7 +102,7 @@ PRESETS = {
         ppo={**Preset().ppo, "steps": 8},
     ),
     "full": Preset(
-        seeds=5,
+        seeds=15,
         sft_per_task=500,
         pref_train_per_task=500,
         pref_test_per_task=200,

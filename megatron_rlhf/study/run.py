@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--output-dir", required=True, help="where everything goes")
-    parser.add_argument("--seeds", type=int, help="number of seeds (default: the preset's, 3)")
+    parser.add_argument(
+        "--seeds", type=int, help="number of seeds (default: the preset's: quick 3, full 15)"
+    )
     parser.add_argument(
         "--first-seed",
         type=int,
