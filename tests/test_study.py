@@ -475,3 +475,19 @@ def test_records_archive_round_trips_and_bad_archives_name_the_line(tmp_path, ca
     target = tmp_path / "never"
     assert run.main(["--from-records", str(bad), "--output-dir", str(target)]) == 2
     assert "bad.jsonl.gz" in capsys.readouterr().err and not target.exists()
+
+
+def test_published_study_recomputes_from_its_records(tmp_path):
+    """docs/paper_study's results.json and report.md are exactly what its published records
+    (records.jsonl.gz) give with today's code: a change to the statistics or the report that
+    moves a published number fails here until the study is republished."""
+    from megatron_rlhf.study import run
+
+    published = REPO / "docs" / "paper_study"
+    again = tmp_path / "again"
+    archive = published / "records.jsonl.gz"
+    assert run.main(["--from-records", str(archive), "--output-dir", str(again)]) == 0
+    results = json.loads((published / "results.json").read_text())
+    assert json.loads((again / "results.json").read_text()) == results
+    assert (again / "report.md").read_text() == (published / "report.md").read_text()
+    assert results["settings"]["preset"] == "full" and results["settings"]["seeds"] >= 15

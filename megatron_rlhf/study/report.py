@@ -310,7 +310,9 @@ def write_report(out: Path, results: dict, pairs: dict) -> None:
         "with a fresh value head. The null arm (0 PPO steps) must tie everywhere. "
         f"Same β = {settings['ppo']['kl_coef']}, actor lr {settings['ppo']['actor_lr']}, "
         f"{settings['ppo']['steps']} steps × {settings['ppo']['prompts_per_step']} prompts for "
-        "every arm. The paper's judge is GPT-4 and its ties are ~75 %: its numbers are beside "
+        "every arm (the full preset's lr and steps were chosen on development seeds 100-101 and "
+        "frozen before the reporting run: `Preset.ppo` in `megatron_rlhf/study/presets.py`). "
+        "The paper's judge is GPT-4 and its ties are ~75 %: its numbers are beside "
         "ours for direction only.",
         "",
         *table2_md(results, main_arms),
