@@ -62,7 +62,8 @@ class Preset:
 
     Actor lr 1e-4 and 20 steps were chosen on development seeds and frozen before the
     reporting run (issue 20): ``study --preset full --seeds 2 --first-seed 100 --sweep-seeds 0
-    --ppo ...`` for four settings, the rule declared before their results were read: among
+    --ppo ...`` for four settings, the rule declared before the three new settings' results
+    were read (the old one's were read first): among
     the settings whose RM-PPO and AM-PPO raise their own reward on every development seed,
     the highest mean gold net win of RM-PPO and AM-PPO over both sets (symmetric in RM and
     AM; no rehearsal arm enters the choice). Mean gold net win: lr 1e-3 / 10 steps (the old
