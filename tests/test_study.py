@@ -475,6 +475,11 @@ def test_records_archive_round_trips_and_bad_archives_name_the_line(tmp_path, ca
     target = tmp_path / "never"
     assert run.main(["--from-records", str(bad), "--output-dir", str(target)]) == 2
     assert "bad.jsonl.gz" in capsys.readouterr().err and not target.exists()
+    # well-formed JSON whose rows lack the study's fields: an error, and no half-built output
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert run.main(["--from-records", str(archive), "--output-dir", str(target)]) == 2
+    assert "does not have the study's fields" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_published_study_recomputes_from_its_records(tmp_path):

@@ -152,7 +152,8 @@ def main(argv: list[str]) -> int:
 
 
 def recompute(archive: Path, out: Path) -> int:
-    """results.json, report.md and the PNGs from ``archive``'s records and settings alone."""
+    """results.json, report.md and the PNGs from ``archive``'s records and settings alone,
+    built in a temporary directory that becomes ``out`` only when everything is written."""
     from megatron_rlhf.study.report import write_report
 
     try:
@@ -160,10 +161,21 @@ def recompute(archive: Path, out: Path) -> int:
     except InputError as err:
         print(f"study: error: {err}", file=sys.stderr)
         return 2
-    results = {**compute_results(pairs, judgments), "settings": settings}
-    out.mkdir(parents=True)
-    write_json(out / "results.json", results)
-    write_report(out, results, pairs)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    try:
+        results = {**compute_results(pairs, judgments), "settings": settings}
+        write_json(tmp / "results.json", results)
+        write_report(tmp, results, pairs)
+    except (KeyError, TypeError, ValueError) as err:  # a field missing or of the wrong type
+        print(f"study: error: {archive}: a record or the settings line does not have the "
+              f"study's fields ({type(err).__name__}: {err}); recompute only from an archive "
+              "that `study` wrote", file=sys.stderr)  # fmt: skip
+        return 2
+    finally:
+        if not (tmp / "report.md").exists():
+            shutil.rmtree(tmp)
+    os.replace(tmp, out)
     print_summary("study", recomputed_from=str(archive), seeds=settings["seeds"],
                   models=len(pairs), arms=len(judgments), report=str(out / "report.md"))  # fmt: skip
     return 0
