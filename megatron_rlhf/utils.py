@@ -8,6 +8,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -153,7 +154,8 @@ def check_writable_parent(path: Path, flag: str) -> None:
 def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds.
 
-    A crash or an exception leaves no half-written file that looks complete.
+    The block may write a file or make a directory there. A crash or an exception leaves no
+    half-written file or directory that looks complete.
     """
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +164,9 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, final)
     finally:
-        if tmp.exists():
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp)
+        elif tmp.exists() or tmp.is_symlink():
             tmp.unlink()
 
 

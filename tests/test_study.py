@@ -140,7 +140,6 @@ def test_table_math_against_direct_computation():
 @pytest.mark.slow
 def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
     from megatron_rlhf.study import run
-    from megatron_rlhf.study.run import compute_results
     from megatron_rlhf.study.stages import load_records
 
     out = tmp_path / "study"
@@ -173,7 +172,7 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
     assert any(arm.startswith("am_ppo_sr_c") for arm in results["table2"])
     assert results["settings"]["jobs"] == 2
     assert results["settings"]["data"]["held_out_overlap"] == {"main_test": 0, "forget_test": 0}
-    recomputed = json.loads(json.dumps(compute_results(*load_records(out))))
+    recomputed = json.loads(json.dumps(stats.results_from_records(*load_records(out))))
     for key in ("table1", "table2", "reward_models", "arms", "per_task"):
         assert recomputed[key] == results[key]
     # the published form: one archive of records and settings gives every output back
@@ -451,10 +450,11 @@ def test_records_archive_round_trips_and_bad_archives_name_the_line(tmp_path, ca
                 path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     settings = {"seeds": 2, "first_seed": 0, "note": "é"}
     archive = tmp_path / "records.jsonl.gz"
-    stages.pack_records(out, settings, archive)
-    assert stages.unpack_records(archive) == (settings, *stages.load_records(out))
+    tables = stages.load_records(out)
+    stages.pack_records(settings, *tables, archive)
+    assert stages.unpack_records(archive) == (settings, *tables)
     second = tmp_path / "again.jsonl.gz"
-    stages.pack_records(out, settings, second)
+    stages.pack_records(settings, *tables, second)
     assert second.read_bytes() == archive.read_bytes()
 
     lines = gzip.decompress(archive.read_bytes()).decode().splitlines()

@@ -46,7 +46,7 @@ from pathlib import Path
 from megatron_rlhf.study import stages, world
 from megatron_rlhf.study.presets import PRESETS, Preset, runs_sweep, seed_range
 from megatron_rlhf.study.stages import RECORDS_ARCHIVE
-from megatron_rlhf.utils import InputError, print_summary, write_json, write_jsonl
+from megatron_rlhf.utils import InputError, atomic_output, print_summary, write_json, write_jsonl
 
 DEFAULT_MARGIN = 2.5
 # arm -> (reward model, PPO options); rehearsal: "main" | "random" | (c, k)
@@ -155,27 +155,23 @@ def recompute(archive: Path, out: Path) -> int:
     """results.json, report.md and the PNGs from ``archive``'s records and settings alone,
     built in a temporary directory that becomes ``out`` only when everything is written."""
     from megatron_rlhf.study.report import write_report
+    from megatron_rlhf.study.stats import results_from_records
 
     try:
         settings, pairs, judgments = stages.unpack_records(archive)
+        with atomic_output(out) as tmp:
+            tmp.mkdir()
+            results = {**results_from_records(pairs, judgments), "settings": settings}
+            write_json(tmp / "results.json", results)
+            write_report(tmp, results, pairs)
     except InputError as err:
         print(f"study: error: {err}", file=sys.stderr)
         return 2
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True)
-    try:
-        results = {**compute_results(pairs, judgments), "settings": settings}
-        write_json(tmp / "results.json", results)
-        write_report(tmp, results, pairs)
     except (KeyError, TypeError, ValueError) as err:  # a field missing or of the wrong type
         print(f"study: error: {archive}: a record or the settings line does not have the "
               f"study's fields ({type(err).__name__}: {err}); recompute only from an archive "
               "that `study` wrote", file=sys.stderr)  # fmt: skip
         return 2
-    finally:
-        if not (tmp / "report.md").exists():
-            shutil.rmtree(tmp)
-    os.replace(tmp, out)
     print_summary("study", recomputed_from=str(archive), seeds=settings["seeds"],
                   models=len(pairs), arms=len(judgments), report=str(out / "report.md"))  # fmt: skip
     return 0
@@ -225,6 +221,7 @@ class Progress:
 
 def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dict:
     from megatron_rlhf.study.report import write_report
+    from megatron_rlhf.study.stats import results_from_records
 
     progress, cpu_started = Progress(), cpu_seconds()
     progress.stage("data: world prompts, tokenizer, indexed files")
@@ -248,14 +245,14 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
     run_tasks(shared, seed_tasks(preset), jobs)
     progress.stage("report")
     pairs, judgments = stages.load_records(out)
-    results = compute_results(pairs, judgments)
+    results = results_from_records(pairs, judgments)
     results["settings"] = {"preset": preset_name, **asdict(preset), "sft_losses": sft_losses,
                            "data": data["summary"], "jobs": jobs,
                            "seconds": time.time() - progress.started,
                            "cpu_seconds": cpu_seconds() - cpu_started}  # fmt: skip
     write_json(out / "results.json", results)
     write_report(out, results, pairs)
-    stages.pack_records(out, results["settings"], out / RECORDS_ARCHIVE)
+    stages.pack_records(results["settings"], pairs, judgments, out / RECORDS_ARCHIVE)
     return results
 
 
@@ -522,9 +519,3 @@ def run_arm(out, preset, data, sft, reward, reward_name, rehearsal, arm, options
 
 
 # ---------------------------------------------------------------- results
-
-
-def compute_results(pairs: dict, judgments: dict) -> dict:
-    from megatron_rlhf.study.stats import results_from_records
-
-    return results_from_records(pairs, judgments)

@@ -43,12 +43,11 @@ RECORDS_ARCHIVE = "records.jsonl.gz"
 """The study's raw records in one file: what every table of results.json is computed from."""
 
 
-def pack_records(out: Path, settings: dict, path: Path) -> None:
-    """Write ``settings`` and every raw record under ``out`` (``load_records``) to ``path``,
+def pack_records(settings: dict, pairs: dict, judgments: dict, path: Path) -> None:
+    """Write ``settings`` and the raw records (``load_records``' tables) to ``path``,
     gzipped JSON lines: a ``{"settings": ...}`` line, then one ``{"kind", "name", "seed",
     "rows"}`` line per reward model and seed (held-out pairs) and per arm and seed (gold
     judgments). Byte-identical for identical records (gzip's timestamp 0, no file name)."""
-    pairs, judgments = load_records(out)
     lines = [{"settings": settings}]
     for kind, table in (("pairs", pairs), ("judgments", judgments)):
         for name in sorted(table):
