@@ -272,3 +272,113 @@ def test_te_alibi_cache_is_refreshed_when_another_models_slopes_are_in_it(monkey
         module(q, q, q, mask)
     assert seen == [True, False, True, False, True]
     assert te_module._alibi_cache["_alibi_slopes"] is first.slopes
+
+
+def _recording_optimizers(engine, calls: list) -> None:
+    """Record the keyword arguments each inner Megatron optimizer's ``sharded_state_dict``
+    receives (the distributed optimizer on a GPU, the FP32 one here)."""
+    for inner in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        real = inner.sharded_state_dict
+
+        def recorded(model_state, is_loading=False, _real=real, **kwargs):
+            calls.append((is_loading, kwargs.get("metadata")))
+            return _real(model_state, is_loading, **kwargs)
+
+        inner.sharded_state_dict = recorded
+
+
+@pytest.mark.parametrize("saved_as", ["fully_reshardable", "dp_reshardable"])
+def test_training_checkpoints_pass_the_distributed_optimizer_a_format_it_can_save(
+    tmp_path, saved_as
+):
+    """Without ``distrib_optim_sharding_type`` Megatron-Core 0.16.1's distributed optimizer (GPU
+    only) builds ``fully_sharded_model_space`` tensors that its own validation refuses
+    ("ShardedTensor.flattened_range is not supported"): every GPU save raised. The format is
+    passed on save and on load, recorded in the checkpoint, and a resume reads the recorded one
+    whatever the resuming run is configured with."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_rlhf.checkpoint import dist as dist_ckpt
+    from megatron_rlhf.models.bloom import BloomModel
+    from megatron_rlhf.training import TrainEngine
+    from megatron_rlhf.training.checkpointing import (
+        OPTIMIZER_SHARDING_KEY,
+        load_training_checkpoint,
+        save_training_checkpoint,
+    )
+    from megatron_rlhf.training.engine import OPTIMIZER_CHECKPOINT_SHARDINGS, OptimConfig
+
+    assert "fully_sharded_model_space" not in OPTIMIZER_CHECKPOINT_SHARDINGS
+    assert set(OPTIMIZER_CHECKPOINT_SHARDINGS) <= {
+        "fully_reshardable",
+        "dp_reshardable",
+    }  # the formats DistributedOptimizer.sharded_state_dict builds without flattened_range
+    assert hasattr(DistributedOptimizer, "load_parameter_state_from_fully_reshardable")
+    assert hasattr(DistributedOptimizer, "load_parameter_state_from_dp_reshardable")
+    torch.manual_seed(0)
+    saver = TrainEngine(
+        BloomModel(ARCH_A, head="scalar"), OptimConfig(checkpoint_sharding=saved_as), 2
+    )
+    ids = torch.randint(4, ARCH_A.vocab_size, (2, 7))
+    batch = [{"input_ids": ids, "padding_mask": torch.ones_like(ids)}]
+    saver.step(batch, lambda output, mb: (output.float().pow(2).mean(), {}))  # Adam state exists
+    saved_calls, loaded_calls = [], []
+    _recording_optimizers(saver, saved_calls)
+    save_training_checkpoint(
+        tmp_path, 1, {"critic": saver}, dist_ckpt.model_metadata(saver.module), {}
+    )
+    assert saved_calls == [(False, {"distrib_optim_sharding_type": saved_as})]
+    step = tmp_path / "step_0000001"
+    assert dist_ckpt.read_metadata(step)[OPTIMIZER_SHARDING_KEY] == {"critic": saved_as}
+
+    other = "dp_reshardable" if saved_as == "fully_reshardable" else "fully_reshardable"
+    loader = TrainEngine(
+        BloomModel(ARCH_A, head="scalar"), OptimConfig(checkpoint_sharding=other), 2
+    )
+    _recording_optimizers(loader, loaded_calls)
+    load_training_checkpoint(step, {"critic": loader})
+    assert loaded_calls == [(True, {"distrib_optim_sharding_type": saved_as})]
+    for a, b in zip(saver.module.parameters(), loader.module.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_optimizer_checkpoint_sharding_is_validated():
+    from megatron_rlhf.training.engine import OptimConfig, optim_problems
+
+    assert optim_problems(OptimConfig(), "train.optim") == []
+    problems = optim_problems(OptimConfig(checkpoint_sharding="fully_sharded_model_space"), "x")
+    assert problems == [
+        "x.checkpoint_sharding='fully_sharded_model_space' must be one of fully_reshardable, "
+        "dp_reshardable"
+    ]
+
+
+def test_vllm_replicas_agree_on_calls_with_a_tensor_on_the_collective_device(monkeypatch):
+    """vLLM with rollout DP > 1 on NCCL all-reduced a CPU tensor ("No backend type associated
+    with device type cpu"). The tensor must be on the collective's device: pointed at ``meta``
+    here, a CPU tensor is caught."""
+    import megatron_rlhf.distributed.parallel as parallel
+    from megatron_rlhf.ppo.rollout_engine import VLLMRolloutEngine
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def all_reduce(tensor, op=None, group=None):
+        seen.append((tensor.device, group))
+        raise Stop
+
+    class TwoRanks:
+        def size(self):
+            return 2
+
+    dp = TwoRanks()
+    monkeypatch.setattr(parallel, "collective_device", lambda group=None: META)
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(parallel.dist, "all_reduce", all_reduce)
+    engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)  # no vLLM: only the agreement runs
+    engine.groups = type("Groups", (), {"dp": dp})()
+    with pytest.raises(Stop):
+        engine.idle_calls(3)
+    assert seen == [(META, dp)]

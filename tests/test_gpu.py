@@ -164,6 +164,13 @@ def _loss(output, microbatch):
 def test_distributed_optimizer_resume_is_exact(single_gpu, tmp_path, monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)  # bitwise-repeatable steps
+    try:
+        _resume_is_exact(tmp_path)
+    finally:  # the tests after this one run in the default mode
+        torch.use_deterministic_algorithms(False)
+
+
+def _resume_is_exact(tmp_path):
     from megatron_rlhf.models.bloom.config import BloomArchitecture
     from megatron_rlhf.training.checkpointing import (
         load_training_checkpoint,
@@ -187,7 +194,6 @@ def test_distributed_optimizer_resume_is_exact(single_gpu, tmp_path, monkeypatch
     assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
     for (name, a), b in zip(straight.module.named_parameters(), resumed.module.parameters()):
         assert torch.equal(a, b), name
-    torch.use_deterministic_algorithms(False)
 
 
 def test_bf16_bloom_logits_match_transformers(single_gpu, tmp_path):

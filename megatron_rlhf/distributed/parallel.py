@@ -71,15 +71,27 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
-def world_max(value: int) -> int:
-    """The largest ``value`` over every rank of the world (collective when distributed; one
-    all-reduce of one integer, on the GPU under NCCL, which reduces CUDA tensors only)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def collective_device(group=None) -> torch.device:
+    """Where a tensor for a collective over ``group`` must live: this process's GPU under NCCL
+    (which reduces CUDA tensors only), else the CPU (gloo)."""
+    if torch.cuda.is_available() and dist.get_backend(group) == "nccl":
+        return compute_device()
+    return torch.device("cpu")
+
+
+def group_max(value: int, group=None) -> int:
+    """The largest ``value`` over the ranks of ``group`` (the world by default; collective when
+    distributed: one all-reduce of one integer on :func:`collective_device`)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return value
-    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    flag = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return int(flag.item())
+
+
+def world_max(value: int) -> int:
+    """The largest ``value`` over every rank of the world."""
+    return group_max(value)
 
 
 def current_groups():

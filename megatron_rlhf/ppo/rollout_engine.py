@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.distributed.groups import LayoutGroups
+from megatron_rlhf.distributed.parallel import group_max
 from megatron_rlhf.generation import GenerationOutput, SamplingConfig, generate
 from megatron_rlhf.utils import InputError
 
@@ -150,12 +151,7 @@ class VLLMRolloutEngine:
         dummy steps while another still generates), so every rank must call ``generate`` as
         often as the rank with the most calls: agreed before the first call (an all-reduce
         between two calls would wait on a replica that waits on vLLM's own all-reduce)."""
-        dp = self.groups.dp
-        if dp.size() == 1:
-            return 0
-        most = torch.tensor([calls])
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=dp)
-        return int(most) - calls
+        return group_max(calls, self.groups.dp) - calls
 
     def idle_call(self) -> None:
         one = torch.ones((1, 1), dtype=torch.long)

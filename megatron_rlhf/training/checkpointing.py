@@ -25,6 +25,7 @@ from megatron_rlhf.checkpoint.containment import require_inside
 from megatron_rlhf.utils import InputError
 
 LATEST_FILE = "latest_checkpoint.txt"
+OPTIMIZER_SHARDING_KEY = "optimizer_checkpoint_sharding"
 
 
 def rng_state() -> dict:
@@ -69,8 +70,13 @@ def save_training_checkpoint(
     tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Save ``engines`` ({role: TrainEngine}) and ``trainer_state`` as ``run_dir/step_{step}``,
-    then point ``run_dir/latest_checkpoint.txt`` at it (written atomically)."""
+    then point ``run_dir/latest_checkpoint.txt`` at it (written atomically). The metadata
+    records each role's optimizer checkpoint format, which a resume reads back."""
     sharded = {role: engine.sharded_state_dict() for role, engine in engines.items()}
+    metadata = {
+        **metadata,
+        OPTIMIZER_SHARDING_KEY: {r: e.checkpoint_sharding for r, e in engines.items()},
+    }
     rank_state = {
         "rng": rng_state(),
         "schedulers": {role: engine.scheduler_state() for role, engine in engines.items()},
@@ -149,8 +155,23 @@ def _say(message: str) -> None:
 
 
 def load_training_checkpoint(directory: str | Path, engines: dict) -> dict:
-    """Restore ``engines`` and the RNG from ``directory``; return the trainer state."""
-    sharded = {role: engine.sharded_state_dict(is_loading=True) for role, engine in engines.items()}
+    """Restore ``engines`` and the RNG from ``directory``; return the trainer state. Each role's
+    optimizer state is read in the format it was saved in (older checkpoints, which do not
+    record it, in the engine's configured one)."""
+    from megatron_rlhf.training.engine import OPTIMIZER_CHECKPOINT_SHARDINGS
+
+    saved = dist_ckpt.read_metadata(directory).get(OPTIMIZER_SHARDING_KEY, {})
+    for role, sharding in saved.items():
+        if sharding not in OPTIMIZER_CHECKPOINT_SHARDINGS:
+            raise InputError(
+                f"{Path(directory) / dist_ckpt.METADATA_FILE}: {OPTIMIZER_SHARDING_KEY}.{role}="
+                f"{sharding!r} is not one of {', '.join(OPTIMIZER_CHECKPOINT_SHARDINGS)}; the "
+                "checkpoint is damaged: resume from another step_N"
+            )
+    sharded = {
+        role: engine.sharded_state_dict(is_loading=True, sharding=saved.get(role))
+        for role, engine in engines.items()
+    }
     loaded = dist_ckpt.load(directory, sharded)
     for role, engine in engines.items():
         engine.load_sharded_state_dict(loaded[role])

@@ -35,6 +35,8 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_rlhf.models.bloom import vocab as vocab_layers
 from megatron_rlhf.training.guards import UPDATE_SKIPPED, step_is_finite
 
+OPTIMIZER_CHECKPOINT_SHARDINGS = ("fully_reshardable", "dp_reshardable")
+
 
 @dataclass(kw_only=True)
 class OptimConfig:
@@ -56,6 +58,16 @@ class OptimConfig:
     """Adam's epsilon (added to the root of the second moment)."""
     clip_grad: float = 1.0
     """Clip the global gradient norm (over TP/PP/DP) to this; 0 disables clipping."""
+    checkpoint_sharding: str = "fully_reshardable"
+    """How the distributed optimizer (GPUs) lays out its state in a checkpoint.
+    ``fully_reshardable``: model-space tensors, so a run resumes at any TP/PP/DP; at save each
+    rank gathers its model-parallel shard's fp32 state (12 bytes a parameter: ~26 GB a rank for
+    a 176B actor at TP 8 x PP 10). ``dp_reshardable`` (Megatron-LM's default):
+    each rank writes its own buffers with no gather; a resume may change the DP size only.
+    Megatron-Core's own default, ``fully_sharded_model_space``, is refused by its checkpoint
+    validation in 0.16.1 (``flattened_range``), so it is not offered. The CPU's plain optimizer
+    saves model-space state whatever this says. A checkpoint records its format and is read back
+    in that format."""
 
 
 def optim_problems(optim: OptimConfig, section: str) -> list[str]:
@@ -72,7 +84,13 @@ def optim_problems(optim: OptimConfig, section: str) -> list[str]:
         ("adam_eps", optim.adam_eps > 0, "must be > 0"),
         ("clip_grad", optim.clip_grad >= 0, "must be >= 0 (0: no clipping)"),
     )
-    return [
+    problems = []
+    if optim.checkpoint_sharding not in OPTIMIZER_CHECKPOINT_SHARDINGS:
+        problems.append(
+            f"{section}.checkpoint_sharding={optim.checkpoint_sharding!r} must be one of "
+            f"{', '.join(OPTIMIZER_CHECKPOINT_SHARDINGS)}"
+        )
+    return problems + [
         f"{section}.{key}={getattr(optim, key)} {rule}"
         for key, ok, rule in rules
         if not (ok and math.isfinite(getattr(optim, key)))
@@ -135,6 +153,7 @@ class TrainEngine:
         self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
         self.steps_done = 0
         self.clip_grad = optim.clip_grad
+        self.checkpoint_sharding = optim.checkpoint_sharding
 
     def step(self, microbatches: list[dict], loss_fn, forward_only: bool = False) -> dict:
         """Forward/backward over ``microbatches`` (same shapes), then one optimizer step.
@@ -193,14 +212,21 @@ class TrainEngine:
         self.steps_done += 1
         return {"grad_norm": grad_norm, UPDATE_SKIPPED: 0.0}
 
-    def sharded_state_dict(self, is_loading: bool = False) -> dict:
+    def sharded_state_dict(self, is_loading: bool = False, sharding: str | None = None) -> dict:
         """Model and optimizer state for Megatron's dist_checkpointing (any layout for the
         model; the optimizer state follows the model's sharding). ``is_loading`` allocates
-        the optimizer state first so that it can be loaded into."""
+        the optimizer state first so that it can be loaded into. ``sharding`` is the
+        distributed optimizer's checkpoint format (default: ``optim.checkpoint_sharding``;
+        a load passes the one the checkpoint was saved in). It is always passed: without it
+        Megatron-Core 0.16.1's distributed optimizer picks ``fully_sharded_model_space``,
+        whose tensors its own validation refuses, so every GPU save raised."""
         model_state = self.module.sharded_state_dict(prefix=self.checkpoint_prefix)
+        metadata = {"distrib_optim_sharding_type": sharding or self.checkpoint_sharding}
         return {
             "model": model_state,
-            "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+            "optimizer": self.optimizer.sharded_state_dict(
+                model_state, is_loading=is_loading, metadata=metadata
+            ),
         }
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
