@@ -21,3 +21,38 @@ __version__ = "0.1.0"
 # falls back to its local PyTorch implementations: the intended path on CPU. Said once instead,
 # by ``python -m megatron_rlhf --version`` and in the README.
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+
+
+def _kernels_from_the_source_tree() -> None:
+    """``megatron_rlhf.kernels`` is the top-level ``kernels/`` folder (setup.py maps it). A source
+    tree that was never installed (a copy of the tree on a GPU machine with PYTHONPATH pointing at
+    it) has no such mapping: there the folder beside this package is found by this finder, placed
+    right after Python's path finder, so an installed copy is found first and an editable install
+    resolves to the tree this package was imported from."""
+    import importlib.abc
+    import importlib.machinery
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    kernels = Path(__file__).resolve().parents[1] / "kernels"
+    if (Path(__file__).parent / "kernels").is_dir() or not (kernels / "__init__.py").is_file():
+        return  # an installed copy, or no tree around it
+
+    class SourceTreeKernels(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name != f"{__name__}.kernels":
+                return None
+            return importlib.util.spec_from_file_location(
+                name, kernels / "__init__.py", submodule_search_locations=[str(kernels)]
+            )
+
+    finders = sys.meta_path
+    after = next(
+        (i + 1 for i, f in enumerate(finders) if f is importlib.machinery.PathFinder), len(finders)
+    )
+    if not any(type(f).__name__ == "SourceTreeKernels" for f in finders):
+        finders.insert(after, SourceTreeKernels())
+
+
+_kernels_from_the_source_tree()

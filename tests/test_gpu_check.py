@@ -86,3 +86,26 @@ def test_gpu_stack_problems_name_what_to_fix():
     assert "faiss-gpu is not installed: pip install -e '.[gpu-cu13]'" in missing
     both = stack_problems({**good, "faiss-cpu": "1.15"}, "12.4")
     assert both == ["faiss-cpu and faiss-gpu are both installed (both provide `faiss`)"]
+
+
+def test_a_bare_copy_of_the_tree_imports_its_own_kernels(tmp_path):
+    """The GPU machine gets a copy of the working tree, not an install: with PYTHONPATH at the
+    copy, ``megatron_rlhf.kernels`` must be the copy's top-level ``kernels/`` (it raised
+    ModuleNotFoundError there, and here an editable install answered with another tree's)."""
+    import shutil
+
+    for name in ("megatron_rlhf", "kernels"):
+        shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "setup.py", tmp_path)
+    code = (
+        "import megatron_rlhf.kernels as k, megatron_rlhf.kernels.logprobs as l; "
+        "print(k.__file__); print(l.__file__)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [
+        str(tmp_path / "kernels" / "__init__.py"), str(tmp_path / "kernels" / "logprobs.py"),
+    ]  # fmt: skip
