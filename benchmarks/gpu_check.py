@@ -1,26 +1,40 @@
-"""Everything that needs a GPU, in one run on one H200 (limits <= 8 min, ~5 min planned).
+"""Everything that needs a GPU, in one run on one H200 (limits <= 8 min, <= 6 min planned).
 
-    python benchmarks/gpu_check.py --output-dir results/gpu_check            # on the GPU machine
-    python benchmarks/gpu_check.py --dry-run --output-dir /tmp/gpu_check     # CPU: check every step
+The machine this project is lent is a bare CUDA image: Python 3.12, torch 2.11 (cu130), Triton
+3.6, transformers; no megatron-core, DeepSpeed, Transformer Engine, faiss or vLLM; no network;
+64 MiB carried with the working tree. So the run brings its own wheels:
 
-Steps, in this order (each with a time limit and a planned time; each writes ``<step>.log``):
-  1. stack        the GPU extras: TransformerEngine, Triton and faiss-gpu import and are built for
-                  torch's CUDA major (``.[gpu-cu12]`` / ``.[gpu-cu13]``); missing is a failure
-  2. first_run    ``benchmarks/gpu_first_run.py``: load through load_bloom/TrainEngine with no
-                  ``.cuda()`` and a bf16 step; save then strict load with TE; logits TE on / off /
-                  fp32 at 2,048 tokens; Triton log-probs at 8,704 x 250,880; greedy generate vs
-                  transformers and tokens/s; a tiny train-ppo run and its peak memory; faiss-gpu
-                  k-means vs the CPU; a DeepSpeed ZeRO-2 bf16 step; megatron-to-hf of the
-                  GPU-trained checkpoint; MFU of a bloom-560m training step
-  3. gpu_tests    ``pytest -m gpu tests/``: TE ALiBi attention and the PyTorch path against fp32,
-                  Triton kernels vs PyTorch, distributed optimizer + resume, bf16 logits vs
-                  transformers (a skip counts as a failure)
-  4. kernels      ``benchmarks/gpu_kernels.py --tokens 2048`` (agreement, then tables)
-  5. scaling      ``tools/scaling_study.py`` for bloom-560m (actor/critic train, scoring,
+    python benchmarks/gpu_wheelhouse.py --build              # here: .whl/ (git-ignored), ~8 MB
+    python3 benchmarks/gpu_check.py --output-dir /tmp/gpu_check --bundle $OUT/gpu_check.tar.gz
+                                                             # there, with .whl carried
+    python benchmarks/gpu_check.py --dry-run --output-dir /tmp/gpu_check_dry   # CPU: the plan
+
+Steps, in this order (each with a time limit and a planned time on the bare image; each writes
+``<step>.log``; ``summary.json`` and the bundle are rewritten after every step, so a run stopped
+from outside keeps what it did):
+  1. setup        the wheelhouse (``--wheelhouse``, default ``.whl``) installed with ``--no-index
+                  --no-deps`` into a folder of its own that every later step has on PYTHONPATH
+                  (the project itself runs from the tree: no install); ``pip list`` recorded
+  2. stack        what imports, at which version: torch (CUDA), Triton, transformers,
+                  megatron-core 0.16.1 and ``megatron_rlhf.kernels`` are required; DeepSpeed,
+                  Transformer Engine, faiss-gpu and vLLM are optional ("not on this machine")
+  3. first_run    ``benchmarks/gpu_first_run.py``: every command's model path on the GPU (load
+                  and bf16 step, save and strict load, bf16 logits at 2,048 tokens, TE's
+                  attention, Triton log-probs past 2**31 elements, generate vs transformers, a
+                  train-ppo run with a checkpoint, faiss-gpu k-means, DeepSpeed ZeRO-2, vLLM's
+                  weight reload, megatron-to-hf, MFU of bloom-560m)
+  4. gpu_tests    ``pytest -m gpu tests/test_gpu.py`` (a skip is a failure unless its reason
+                  says the optional package is "not on this machine")
+  5. kernels      ``benchmarks/gpu_kernels.py --tokens 2048`` (agreement, then tables)
+  6. scaling      ``tools/scaling_study.py`` for bloom-560m (actor/critic train, scoring,
                   generation): tokens/s, peak memory planned vs measured, MFU
-  6. plan         ``tools/plan_parallelism.py --json`` for the paper's 176B + 7B1 setting on
+  7. plan         ``tools/plan_parallelism.py --json`` for the paper's 176B + 7B1 setting on
                   80 x 80 GB, beside the measurements
-``summary.json`` lists each step's command, exit code and seconds; the run exits 1 if any failed.
+A check whose optional package is missing reports "not on this machine", neither a pass nor a
+failure; with the full stack installed (``pip install -e ".[gpu-cu13]"``, vLLM) every check runs.
+Each step runs in a process group of its own, killed whole at its limit (torchrun workers and
+the first run's children included). Transformer Engine logs the attention backend it selects
+(``NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2``); those lines go into ``summary.json``.
 
 Multi-GPU checks need a machine with >= 4 GPUs and are not part of the one-GPU run
 (``--multi-gpu`` runs them after the steps above): TP/PP over NCCL against TP=1
@@ -31,7 +45,9 @@ per-role layouts (``tests/test_layouts_parallel.py``).
 a GPU is needed: the files exist, ``pytest -m gpu --collect-only`` finds the real GPU tests, each
 command's ``--help`` works, ``gpu_first_run.py --cpu`` runs every check at tiny shapes, the
 scaling study's sizes validate, the stack check runs (its problems are reported, not fatal, on a
-CPU), and the time limits and plans fit the budget.
+CPU), the time limits and plans fit the budget, and the bare image's plan is printed: which
+checks run there, and the wheelhouse (from ``benchmarks/gpu_wheelhouse.json``) plus the working
+tree within the 64 MiB carried.
 """
 
 from __future__ import annotations
@@ -39,8 +55,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +67,7 @@ REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 SCALING_ARGS = [
     "--sizes", "bloom-560m", "--layouts", "1x1", "--nproc", "1",
-    "--micro-batch", "4", "--prompt-len", "512", "--response-len", "128", "--microbatches", "4",
+    "--micro-batch", "4", "--prompt-len", "512", "--response-len", "128", "--microbatches", "2",
 ]  # fmt: skip
 PLAN_ARGS = [
     "--actor", "bloomz-176b", "--critic", "bloomz-7b1", "--reward", "bloomz-7b1",
@@ -58,9 +76,42 @@ PLAN_ARGS = [
 MIN_GPU_TESTS = 4
 LIMIT_BUDGET_S = 8 * 60 - 30  # the steps' limits, with 30 s of headroom in the 8 minutes
 PLANNED_BUDGET_S = 6 * 60
+CARRY_LIMIT_BYTES = 64 * 2**20  # what the device machine receives: the tree and what it carries
+NOT_ON_THIS_MACHINE = "not on this machine"
 MULTI_GPU_TESTS = [
     "tests/test_bloom_parallel.py", "tests/test_engine_parallel.py", "tests/test_layouts_parallel.py",
 ]  # fmt: skip
+# Transformer Engine's attention-backend choice, logged under NVTE_DEBUG (kept in the summary).
+TE_DEBUG_ENV = {"NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "2"}
+
+# The image of the GPU machine this project is lent (DESIGN.md section 6), as Python modules: what
+# the bare-image plan assumes is there before the wheelhouse is installed.
+BARE_IMAGE = {
+    "python": "3.12",
+    "torch": "2.11.0+cu130",
+    "triton": "3.6.0",
+    "transformers": "5.17.0",
+}
+# module -> (distribution, required?, what needs it)
+STACK = {
+    "torch": ("torch", True, "everything"),
+    "triton": ("triton", True, "the fused kernels"),
+    "transformers": ("transformers", True, "the numerical reference, conversion"),
+    "megatron.core": ("megatron-core", True, "the parallel engine (pinned 0.16.1)"),
+    "megatron_rlhf.kernels": ("megatron-rlhf", True, "the project's kernels (from the tree)"),
+    "deepspeed": ("deepspeed", False, "train-reward backend=deepspeed"),
+    "transformer_engine.pytorch": ("transformer-engine", False, "TE attention and fused Adam"),
+    "faiss": ("faiss-gpu", False, "k-means on the GPU"),
+    "vllm": ("vllm", False, "rollout.engine=vllm"),
+}
+MEGATRON_CORE_VERSION = "0.16.1"
+# The first run's checks and the optional module each needs (absent: "not on this machine").
+FIRST_RUN_NEEDS = {
+    "logits_te": "transformer_engine.pytorch",
+    "faiss_kmeans": "faiss",
+    "deepspeed_zero2": "deepspeed",
+    "vllm_reload": "vllm",
+}
 
 
 @dataclass(kw_only=True)
@@ -74,7 +125,9 @@ class Step:
     timeout_s: int
     """Its limit: the limits add up to at most LIMIT_BUDGET_S."""
     planned_s: int
-    """What it should take on one H200: the plans add up to at most PLANNED_BUDGET_S."""
+    """What it should take on one H200 with the bare image and cold caches (Python start-up
+    and imports included: ~10-15 s a process with megatron-core, measured warm on CPU at 4-6 s):
+    the plans add up to at most PLANNED_BUDGET_S."""
     files: list[str]
     """Repository files it needs."""
     dry_run: list[list[str]] = field(default_factory=list)
@@ -84,14 +137,23 @@ class Step:
 def steps(output: Path) -> list[Step]:
     scaling_dir = str(output / "scaling")
     pytest = [PYTHON, "-m", "pytest", "-p", "no:cacheprovider"]
+    here = [PYTHON, "benchmarks/gpu_check.py"]
     return [
         Step(
-            name="stack",
-            command=[PYTHON, "benchmarks/gpu_check.py", "--stack-only"],
+            name="setup",
+            command=[*here, "--setup-only", "--output-dir", str(output)],
             timeout_s=30,
             planned_s=10,
+            files=["benchmarks/gpu_wheelhouse.py", "benchmarks/gpu_wheelhouse.json"],
+            dry_run=[[PYTHON, "benchmarks/gpu_wheelhouse.py", "--plan"]],
+        ),
+        Step(
+            name="stack",
+            command=[*here, "--stack-only", "--output-dir", str(output)],
+            timeout_s=30,
+            planned_s=15,
             files=["setup.py"],
-            dry_run=[[PYTHON, "benchmarks/gpu_check.py", "--stack-only", "--report-only"]],
+            dry_run=[[*here, "--stack-only", "--report-only", "--output-dir", str(output)]],
         ),
         Step(
             name="first_run",
@@ -101,8 +163,8 @@ def steps(output: Path) -> list[Step]:
                 "--output-dir",
                 str(output / "first_run"),
             ],
-            timeout_s=170,
-            planned_s=110,
+            timeout_s=190,
+            planned_s=140,
             files=["benchmarks/gpu_first_run.py", "tests/ppo_fixtures.py"],
             dry_run=[
                 [
@@ -117,8 +179,8 @@ def steps(output: Path) -> list[Step]:
         Step(
             name="gpu_tests",
             command=[*pytest, "-m", "gpu", "-q", "-rs", "tests/test_gpu.py"],
-            timeout_s=90,
-            planned_s=60,
+            timeout_s=60,
+            planned_s=40,
             files=["tests/test_gpu.py", "pyproject.toml"],
             dry_run=[[*pytest, "-m", "gpu", "--collect-only", "-q", "tests/test_gpu.py"]],
         ),
@@ -139,9 +201,9 @@ def steps(output: Path) -> list[Step]:
                 "--output-dir",
                 scaling_dir,
                 "--overwrite",
-            ],
-            timeout_s=90,
-            planned_s=60,
+            ],  # fmt: skip
+            timeout_s=70,
+            planned_s=50,
             files=["tools/scaling_study.py", "megatron_rlhf/planning/study.py"],
             dry_run=[
                 [PYTHON, "tools/scaling_study.py", "--help"],
@@ -180,24 +242,106 @@ def multi_gpu_steps() -> list[Step]:
     ]
 
 
+# ----------------------------------------------------------------------------- processes
+
+
+def run_in_process_group(
+    command: list[str], timeout_s: float, *, cwd=None, env=None, log: Path | None = None
+) -> tuple[int, str]:
+    """Run ``command`` in a new session (its own process group) and return (exit code, output).
+
+    At ``timeout_s`` the whole group gets SIGTERM, then SIGKILL 10 s later: children it started
+    (torchrun workers, a conversion, a train-ppo child) die with it instead of holding the GPU.
+    A timeout returns 124. Output goes to ``log`` when given (and is returned empty), else it is
+    captured and returned."""
+    handle = open(log, "w", encoding="utf-8") if log is not None else subprocess.PIPE
+    proc = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        output, _ = proc.communicate()
+        rc = 124
+    finally:
+        if log is not None:
+            handle.close()
+    return rc, output or ""
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# ----------------------------------------------------------------------------- the stack
+
+
+def site_dir(output: Path) -> Path:
+    """Where the setup step installs the wheelhouse (a folder of the run, on PYTHONPATH)."""
+    return output / "site"
+
+
+def install_wheelhouse(wheelhouse: Path, site: Path) -> tuple[int, str]:
+    """``pip install --no-index --no-deps`` of every wheel in ``wheelhouse`` into ``site``."""
+    wheels = sorted(str(p) for p in wheelhouse.glob("*.whl"))
+    if not wheels:
+        return 0, f"no wheels in {wheelhouse}: nothing installed"
+    command = [
+        PYTHON, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+        "--no-cache-dir", "--disable-pip-version-check", "--upgrade", "--target", str(site), *wheels,
+    ]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True)
+    return (
+        proc.returncode,
+        f"installed {len(wheels)} wheels into {site}\n{proc.stdout}{proc.stderr}",
+    )
+
+
+def installed_distributions() -> dict[str, str]:
+    """name -> version of every distribution this interpreter sees (names lower case, '-')."""
+    from importlib.metadata import distributions
+
+    return {d.metadata["Name"].lower().replace("_", "-"): d.version for d in distributions()}
+
+
 def stack_problems(distributions: dict[str, str], torch_cuda: str | None) -> list[str]:
-    """What is wrong with the installed GPU stack (``distributions``: name -> version, names
-    normalised to lower case with '-'); empty when TE, Triton and faiss-gpu are there and every
-    CUDA-specific package is built for torch's CUDA major."""
+    """What is wrong with the installed stack for the GPU check (``distributions``: name ->
+    version, names normalised to lower case with '-'): a CPU torch, a missing or mis-pinned
+    required package, faiss-cpu beside faiss-gpu, a CUDA-specific package built for another CUDA
+    major than torch's. Optional packages that are absent are not problems (their checks report
+    "not on this machine")."""
     import re
 
     if torch_cuda is None:
         return ["torch has no CUDA build (torch.version.cuda is None): install a CUDA torch"]
     major = torch_cuda.split(".")[0]
-    problems = []
     names = set(distributions)
-    if not any(n.startswith("transformer-engine") for n in names):
-        problems.append(f"transformer-engine is not installed: pip install -e '.[gpu-cu{major}]'")
+    problems = []
     if "triton" not in names:
         problems.append("triton is not installed")
+    core = distributions.get("megatron-core")
+    if core is None:
+        problems.append(
+            "megatron-core is not installed: build the wheelhouse (python "
+            "benchmarks/gpu_wheelhouse.py --build) and carry .whl, or pip install -e ."
+        )
+    elif core != MEGATRON_CORE_VERSION:
+        problems.append(
+            f"megatron-core {core} is installed; the project pins {MEGATRON_CORE_VERSION}"
+        )
     faiss_gpu = [n for n in names if n.startswith("faiss-gpu")]
-    if not faiss_gpu:
-        problems.append(f"faiss-gpu is not installed: pip install -e '.[gpu-cu{major}]'")
     if faiss_gpu and "faiss-cpu" in names:
         problems.append("faiss-cpu and faiss-gpu are both installed (both provide `faiss`)")
     for name in sorted(names):
@@ -209,29 +353,94 @@ def stack_problems(distributions: dict[str, str], torch_cuda: str | None) -> lis
     return problems
 
 
-def installed_distributions() -> dict[str, str]:
-    from importlib.metadata import distributions
-
-    return {d.metadata["Name"].lower().replace("_", "-"): d.version for d in distributions()}
-
-
-def stack_check(report_only: bool) -> int:
+def import_status(module: str) -> dict:
+    """Whether ``module`` imports here: ``{"status": "ok" | NOT_ON_THIS_MACHINE | "FAILED",
+    "detail": ...}``; a package that is installed but fails to import (a CUDA or ABI mismatch)
+    is FAILED, never absent."""
+    import importlib
     import importlib.util
 
+    try:
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            return {
+                "status": NOT_ON_THIS_MACHINE,
+                "detail": f"{module.split('.')[0]} not installed",
+            }
+        imported = importlib.import_module(module)
+    except Exception as err:
+        return {"status": "FAILED", "detail": f"{type(err).__name__}: {err}"}
+    return {"status": "ok", "detail": getattr(imported, "__file__", "") or ""}
+
+
+def stack_check(report_only: bool, output: Path | None) -> int:
     import torch
 
-    problems = stack_problems(installed_distributions(), torch.version.cuda)
-    for module in ("transformer_engine.pytorch", "triton", "faiss"):
-        try:
-            if importlib.util.find_spec(module.split(".")[0]) is not None:
-                importlib.import_module(module)
-        except Exception as err:  # a CUDA/driver mismatch shows here
-            problems.append(f"import {module} failed: {type(err).__name__}: {err}")
+    import megatron_rlhf  # noqa: F401  (warnings filters, the kernels' finder)
+
+    distributions = installed_distributions()
+    problems = stack_problems(distributions, torch.version.cuda)
+    imports = {}
+    for module, (distribution, required, needed_by) in STACK.items():
+        imports[module] = import_status(module) | {"required": required, "for": needed_by}
+        status = imports[module]["status"]
+        if status == "FAILED" or (required and status != "ok"):
+            problems.append(
+                f"import {module} ({distribution}): {status}: {imports[module]['detail']}"
+            )
     for problem in problems:
         print(f"[gpu_check] stack: {problem}", file=sys.stderr)
+    absent = [m for m, r in imports.items() if r["status"] == NOT_ON_THIS_MACHINE]
     print(f"[gpu_check] stack: torch {torch.__version__} CUDA {torch.version.cuda}, "
-          f"{len(problems)} problem(s)")  # fmt: skip
+          f"{len(problems)} problem(s), not on this machine: {absent or 'none'}")  # fmt: skip
+    if output is not None:
+        record = {"torch_cuda": torch.version.cuda, "problems": problems, "imports": imports,
+                  "distributions": distributions}  # fmt: skip
+        write_json(output / "stack.json", record)
     return 0 if report_only or not problems else 1
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def bare_image_plan(lock: dict) -> dict:
+    """What runs on the bare image with the wheelhouse of ``lock`` installed: the first run's
+    checks that find their optional module, those that report "not on this machine", and the
+    bytes carried (the wheels; the tree is added by the caller)."""
+    carried = {w["module"] for w in lock["wheels"] if w.get("module")}
+    present = {"torch", "triton", "transformers", "megatron_rlhf.kernels"} | carried
+    absent = {m for m in STACK if m not in present and m.split(".")[0] not in present}
+    checks = {
+        name: NOT_ON_THIS_MACHINE if module in absent else "runs"
+        for name, module in FIRST_RUN_NEEDS.items()
+    }
+    return {
+        "image": BARE_IMAGE,
+        "wheels": [f"{w['name']}=={w['version']}" for w in lock["wheels"]],
+        "wheelhouse_bytes": sum(w["bytes"] for w in lock["wheels"]),
+        "not_on_this_machine": sorted(absent),
+        "first_run_optional_checks": checks,
+        "required_missing": sorted(m for m in absent if STACK[m][1]),
+    }
+
+
+def tree_bytes() -> int:
+    """Bytes of the working tree that travels: git's tracked and untracked-not-ignored files."""
+    proc = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    if proc.returncode != 0:  # not a git checkout: every file under the repository
+        return sum(
+            p.stat().st_size for p in REPO.rglob("*") if p.is_file() and ".git" not in p.parts
+        )
+    return sum(
+        (REPO / name).stat().st_size
+        for name in proc.stdout.split("\0")
+        if name and (REPO / name).is_file()
+    )
+
+
+# ----------------------------------------------------------------------------- running
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,77 +449,87 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--output-dir", help="the results folder (required but with --stack-only)")
+    parser.add_argument("--output-dir", help="the results folder (required)")
     parser.add_argument("--dry-run", action="store_true", help="check every step on the CPU")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     parser.add_argument("--multi-gpu", action="store_true", help="then the >= 4-GPU checks")
-    parser.add_argument("--stack-only", action="store_true", help="only check the GPU extras")
+    parser.add_argument(
+        "--wheelhouse", default=str(REPO / ".whl"),
+        help="wheels to install before the steps (benchmarks/gpu_wheelhouse.py --build)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--bundle", help="also write the results folder as this .tar.gz after every step"
+    )
+    parser.add_argument("--stack-only", action="store_true", help="only check the stack")
+    parser.add_argument("--setup-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--report-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    output = Path(args.output_dir).resolve() if args.output_dir else None
     if args.stack_only:
-        return stack_check(args.report_only)
-    if args.output_dir is None:
+        return stack_check(args.report_only, output)
+    if output is None:
         parser.error("--output-dir is required")
-    output = Path(args.output_dir).resolve()
+    if args.setup_only:
+        rc, message = install_wheelhouse(Path(args.wheelhouse), site_dir(output))
+        print(message)
+        return rc
     if output.exists() and any(output.iterdir()) and not args.overwrite:
         print(f"error: {output}: exists and is not empty; pass --overwrite", file=sys.stderr)
         return 2
-    output.mkdir(parents=True, exist_ok=True)
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    )
     if not args.dry_run and not _has_gpu():
         print("error: no CUDA GPU here; run with --dry-run on a CPU machine", file=sys.stderr)
         return 2
-    summary = {
-        "mode": "dry-run" if args.dry_run else "gpu",
-        "steps": {},
-        "environment": environment(),
-    }
-    failed = False
+    output.mkdir(parents=True, exist_ok=True)
+    site = site_dir(output)
+    path = [str(site), str(REPO), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), **TE_DEBUG_ENV)
+    summary = {"mode": "dry-run" if args.dry_run else "gpu", "steps": {}}
     planned = steps(output) + (multi_gpu_steps() if args.multi_gpu else [])
+    setup_args = ["--wheelhouse", args.wheelhouse]
     for step in planned:
+        if step.name == "setup":
+            step.command = [*step.command, *setup_args]
         record = dry_run(step, output, env) if args.dry_run else run(step, output, env)
         summary["steps"][step.name] = record
-        failed |= not record["ok"]
+        if step.name in ("setup", "stack") and not args.dry_run:
+            summary["environment"] = environment(env)
+        summary["te_attention_backends"] = te_backend_lines(output)
+        write_json(output / "summary.json", summary)
+        if args.bundle:
+            bundle(output, Path(args.bundle))
         print(
             f"[gpu_check] {step.name:<10} {'ok' if record['ok'] else 'FAILED'} ({record['seconds']:.0f} s)",
             flush=True,
         )
-    (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(
-        f"[gpu_check] done: mode={summary['mode']} failed={[n for n, r in summary['steps'].items() if not r['ok']]} output_dir={output}"
-    )
+    if args.dry_run:
+        summary["bare_image"] = report_bare_image_plan(output)
+        write_json(output / "summary.json", summary)
+    failed = [n for n, r in summary["steps"].items() if not r["ok"]]
+    print(f"[gpu_check] done: mode={summary['mode']} failed={failed} output_dir={output}")
     return 1 if failed else 0
 
 
 def run(step: Step, output: Path, env: dict) -> dict:
     start = time.time()
     log = output / f"{step.name}.log"
-    with open(log, "w", encoding="utf-8") as handle:
-        try:
-            rc = subprocess.run(
-                step.command,
-                cwd=REPO,
-                env=env,
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                timeout=step.timeout_s,
-            ).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
+    rc, _ = run_in_process_group(step.command, step.timeout_s, cwd=REPO, env=env, log=log)
+    text = log.read_text(errors="replace")
     if step.name == "plan" and rc == 0:  # keep the plan's JSON as a file of its own
-        (output / "plan_176b_80gpus.json").write_text(
-            log.read_text().split("\n[plan_parallelism]")[0]
-        )
-    if step.name == "gpu_tests" and rc == 0 and " skipped" in log.read_text():
-        rc = 1  # a GPU test that skips (TE or Triton missing) is a failure on the GPU machine
+        (output / "plan_176b_80gpus.json").write_text(text.split("\n[plan_parallelism]")[0])
+    skipped = [line for line in text.splitlines() if line.startswith("SKIPPED")]
+    unexplained = [line for line in skipped if NOT_ON_THIS_MACHINE not in line]
+    if step.name == "gpu_tests" and rc == 0 and unexplained:
+        rc = 1  # a GPU test that skips for another reason than an absent optional package
     return {
         "command": step.command,
         "rc": rc,
         "ok": rc == 0,
+        "timed_out": rc == 124,
         "seconds": time.time() - start,
+        "limit_s": step.timeout_s,
+        "planned_s": step.planned_s,
         "log": log.name,
+        "not_on_this_machine": [line for line in skipped if NOT_ON_THIS_MACHINE in line],
     }
 
 
@@ -324,16 +543,14 @@ def dry_run(step: Step, output: Path, env: dict) -> dict:
         for command in step.dry_run:
             handle.write("$ " + " ".join(command) + "\n")
             handle.flush()
-            proc = subprocess.run(
-                command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-            )
-            handle.write(proc.stdout + proc.stderr)
-            if proc.returncode != 0:
-                problems.append(f"{' '.join(command[:3])}... exited {proc.returncode}")
-            if "FAILED" in proc.stdout and "gpu_first_run" in " ".join(command):
+            rc, text = run_in_process_group(command, 300, cwd=REPO, env=env)
+            handle.write(text)
+            if rc != 0:
+                problems.append(f"{' '.join(command[:3])}... exited {rc}")
+            if "FAILED" in text and "gpu_first_run" in " ".join(command):
                 problems.append("gpu_first_run --cpu reported a failed check")
             if "--collect-only" in command:
-                collected = [line for line in proc.stdout.splitlines() if "::test_" in line]
+                collected = [line for line in text.splitlines() if "::test_" in line]
                 if len(collected) < MIN_GPU_TESTS:
                     problems.append(
                         f"pytest -m gpu collected {len(collected)} tests, expected >= {MIN_GPU_TESTS}"
@@ -347,26 +564,76 @@ def dry_run(step: Step, output: Path, env: dict) -> dict:
         "ok": not problems,
         "problems": problems,
         "seconds": time.time() - start,
+        "limit_s": step.timeout_s,
+        "planned_s": step.planned_s,
         "log": log.name,
     }
 
 
-def environment() -> dict:
-    """What the optional GPU stack looks like here (imports guarded: absence is reported)."""
-    import importlib.util
+def report_bare_image_plan(output: Path) -> dict:
+    """Print and return the bare image's plan: steps, times, what is not on that machine, and
+    the bytes carried (the wheelhouse from its lock file plus the working tree)."""
+    lock = json.loads((REPO / "benchmarks" / "gpu_wheelhouse.json").read_text())
+    plan = bare_image_plan(lock)
+    plan["tree_bytes"] = tree_bytes()
+    plan["carried_bytes"] = plan["tree_bytes"] + plan["wheelhouse_bytes"]
+    plan["carry_limit_bytes"] = CARRY_LIMIT_BYTES
+    plan["planned_s"] = sum(s.planned_s for s in steps(output))
+    plan["limit_s"] = sum(s.timeout_s for s in steps(output))
+    mib = 2**20
+    print(f"[gpu_check] bare image {plan['image']}: + wheelhouse {', '.join(plan['wheels'])}")
+    print(f"[gpu_check] carried: wheelhouse {plan['wheelhouse_bytes'] / mib:.1f} MiB + tree "
+          f"{plan['tree_bytes'] / mib:.1f} MiB = {plan['carried_bytes'] / mib:.1f} MiB of "
+          f"{CARRY_LIMIT_BYTES / mib:.0f} MiB")  # fmt: skip
+    for step in steps(output):
+        print(
+            f"[gpu_check]   {step.name:<10} planned {step.planned_s:>4} s, limit {step.timeout_s:>4} s"
+        )
+    print(f"[gpu_check] total: planned {plan['planned_s']} s (<= {PLANNED_BUDGET_S}), limit "
+          f"{plan['limit_s']} s (<= {LIMIT_BUDGET_S}); {NOT_ON_THIS_MACHINE}: "
+          f"{', '.join(plan['not_on_this_machine'])}")  # fmt: skip
+    return plan
 
-    import torch
 
-    found = {
-        name: importlib.util.find_spec(name) is not None
-        for name in ("transformer_engine", "triton")
-    }
-    return {
-        "torch": torch.__version__,
-        "cuda": torch.cuda.is_available(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        **{f"has_{name}": present for name, present in found.items()},
-    }
+def te_backend_lines(output: Path) -> list[str]:
+    """Transformer Engine's attention-backend lines (NVTE_DEBUG) from the step logs."""
+    lines = []
+    for log in sorted(output.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "DotProductAttention" in line and "backend" in line.lower() and line not in lines:
+                lines.append(line.strip()[:300])
+    return lines[:50]
+
+
+def environment(env: dict) -> dict:
+    """Versions as the steps see them (the wheelhouse on PYTHONPATH), and the GPU."""
+    code = (
+        "import json, torch, importlib.metadata as m\n"
+        "d = {x.metadata['Name'].lower().replace('_', '-'): x.version for x in m.distributions()}\n"
+        "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
+        "  'device': torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',\n"
+        "  'python': __import__('sys').version.split()[0], 'distributions': d}))"
+    )
+    proc = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    return json.loads(proc.stdout)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """``path`` replaced whole (a temporary name, then a rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def bundle(output: Path, target: Path) -> None:
+    """``output`` as one .tar.gz (the device returns at most 8 files), the site folder left out;
+    written under a temporary name, then renamed."""
+    tmp = target.with_name(target.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(output, arcname=output.name, filter=lambda t: None if "/site" in t.name else t)
+    tmp.replace(target)
 
 
 def _has_gpu() -> bool:

@@ -3,30 +3,39 @@
     python benchmarks/gpu_first_run.py --output-dir results/gpu_check/first_run     # one GPU
     python benchmarks/gpu_first_run.py --cpu --output-dir /tmp/first_run            # CI: tiny, CPU
 
-Checks, in order (each records its figures in ``first_run.json``; any failure exits 1):
+Checks, in order (each records its figures in ``first_run.json``, rewritten after every check so
+that a run stopped at its time limit keeps what it did; any failure exits 1):
  1. load_train_step   a random BLOOM (real vocabulary 250,880, BLOOM-560m's width) through
                       ``load_bloom`` and ``TrainEngine``: every parameter on the GPU and bf16,
                       one bf16 training step with a finite loss and gradient norm
- 2. save_strict_load  that model saved as a Megatron checkpoint and strictly reloaded with TE
-                      active (TE's ``_extra_state``): identical logits
- 3. logits_te_fallback  logits at 2,048 tokens, right-padded ragged rows: bf16 with TE's fused
-                      ALiBi, bf16 with the PyTorch attention, fp32; both bf16 paths within a few
-                      bf16 steps of fp32 and of each other
- 4. triton_logprobs   log-probs forward and backward at 8,704 x 250,880 (past 2**31 elements),
+ 2. save_strict_load  that model saved as a Megatron checkpoint and strictly reloaded (with TE's
+                      ``_extra_state`` where TE is installed): the same logits (within one bf16
+                      step: cuBLAS may pick another algorithm for freshly allocated weights)
+ 3. logits_bf16       logits at 2,048 tokens, right-padded ragged rows: bf16 with the PyTorch
+                      attention against fp32, within a few bf16 steps
+ 4. logits_te         the same with Transformer Engine's attention, against fp32 and PyTorch
+ 5. triton_logprobs   log-probs forward and backward at 8,704 x 250,880 (past 2**31 elements),
                       Triton against the PyTorch path, in units of bf16 resolution
- 5. generate          greedy tokens equal transformers' ``generate`` (tiny fp32 model); tokens/s
+ 6. generate          greedy tokens equal transformers' ``generate`` (tiny fp32 model); tokens/s
                       of the 560m-width model in bf16
- 6. ppo_step          two steps of ``train-ppo`` on a tiny setup (bf16 on the GPU), peak memory
- 7. faiss_kmeans      faiss-gpu k-means against faiss-cpu from the same k-means++ start
- 8. deepspeed_zero2   one ZeRO-2 bf16 step of the DeepSpeed reward backend
- 9. megatron_to_hf    the checkpoint of check 2 (trained on the GPU) converted to HF and read by
+ 7. ppo_step          two steps of ``train-ppo`` on a tiny setup (bf16 on the GPU), a checkpoint
+                      saved at step 2 (the distributed optimizer's format), peak memory
+ 8. faiss_kmeans      faiss-gpu k-means against faiss-cpu from the same k-means++ start
+ 9. deepspeed_zero2   one ZeRO-2 bf16 step of the DeepSpeed reward backend
+10. vllm_reload       vLLM (with its CUDA graphs) generates, its weights are replaced in memory,
+                      and it generates again: its log-probs follow the new weights
+11. megatron_to_hf    the checkpoint of check 2 (trained on the GPU) converted to HF and read by
                       transformers: its logits against ours
-10. mfu_560m          bloom-560m (24 layers) training steps: tokens/s and MFU
+12. mfu_560m          bloom-560m (24 layers) training steps: tokens/s and MFU
 
-``--cpu`` runs the same code at tiny shapes on the CPU (what CI does through tests/test_gpu_check):
-checks that need CUDA, TransformerEngine, Triton or faiss-gpu are recorded as ``needs a GPU``.
-On a GPU nothing is skipped: a missing TE, Triton or faiss-gpu is a failure.
-Checks 6 and 8 run in child processes (they start their own process groups).
+A check whose optional package is missing (Transformer Engine, faiss-gpu, vLLM: the bare CUDA
+image this project is lent has none of them) is recorded as ``not on this machine``, which is
+neither a pass nor a failure. ``--cpu`` runs the same code at tiny shapes on the CPU (what CI
+does through tests/test_gpu_check): checks that need CUDA are recorded as ``needs a GPU``.
+Checks 7 and 9 run in child processes (they start their own process groups), each in a process
+group of its own that is killed whole at its time limit. With TE, ``NVTE_DEBUG=1
+NVTE_DEBUG_LEVEL=2`` (set by gpu_check.py) makes TE log the attention backend it selected, which
+check 4 records.
 """
 
 from __future__ import annotations
@@ -34,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,11 +52,31 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from gpu_check import run_in_process_group  # noqa: E402  (this folder's sibling script)
+
 BF16_EPS = 2.0**-8  # one bf16 step at 1.0 (8 bits of mantissa)
 
 
 class NeedsGPU(Exception):
     """Raised by a check that cannot run on this machine in ``--cpu`` mode."""
+
+
+class NotOnThisMachine(Exception):
+    """Raised by a check whose optional package (TE, faiss-gpu, vLLM) is not installed."""
+
+
+STATUS_OF = {NeedsGPU: "needs a GPU", NotOnThisMachine: "not on this machine"}
+CHILD_TIMEOUT_S = 300
+
+
+def require_module(module: str, what: str) -> None:
+    """``NotOnThisMachine`` unless ``module`` is importable (a failing import of an installed
+    package is a failure, not an absence)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise NotOnThisMachine(f"{what}: {module} is not installed")
 
 
 def shapes(cpu: bool) -> dict:
@@ -141,44 +169,66 @@ def check_save_strict_load(run: Run) -> dict:
     loaded = load_bloom(run.checkpoint, params_dtype=run.dtype)  # strict load_state_dict
     ids, mask = right_padded(run.s["vocab"], [32, 20], run.device)
     with torch.no_grad():
-        diff = (model.eval()(ids, mask) - loaded.eval()(ids, mask)).abs().max().item()
-    if diff != 0:
-        raise AssertionError(f"reloaded logits differ by {diff}")
-    return {"te_attention": loaded.uses_te_attention, "max_logit_diff": diff}
+        before = model.eval()(ids, mask).float()
+        diff = (before - loaded.eval()(ids, mask).float()).abs().max().item()
+    # Identical weights; cuBLAS may still choose another algorithm for the fresh tensors.
+    bound = 0.0 if run.cpu else BF16_EPS * before.abs().max().item()
+    if diff > bound:
+        raise AssertionError(f"reloaded logits differ by {diff} (bound {bound})")
+    return {"te_attention": loaded.uses_te_attention, "max_logit_diff": diff, "bound": bound}
 
 
-def check_logits_te_fallback(run: Run) -> dict:
+def _logits_at_length(run: Run):
+    """``logits(dtype, use_te)`` at 2,048 tokens of two right-padded ragged rows (real tokens
+    only, fp32) and the fp32 PyTorch reference's largest magnitude."""
     from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.models.bloom.attention import te_attention_class
 
     seq = run.s["seq"]
     ids, mask = right_padded(run.s["vocab"], [seq, seq * 5 // 8], run.device)
-    real = mask.bool()
-    vocab = run.s["vocab"]
+    real, vocab = mask.bool(), run.s["vocab"]
 
     def logits(dtype, use_te):
         model = load_bloom(run.hf_dir, params_dtype=dtype, use_te_attention=use_te).eval()
         with torch.no_grad():
             return model(ids, mask)[..., :vocab].float()[real]
 
+    return logits
+
+
+def check_logits_bf16(run: Run) -> dict:
+    logits = _logits_at_length(run)
     reference = logits(torch.float32, False)
     scale = reference.abs().max().item()
-    figures = {"tokens": seq, "logit_scale": scale}
     if run.cpu:
-        figures["pytorch_fp32_vs_fp32"] = 0.0
-        raise NeedsGPU(f"bf16 and TE need a GPU (fp32 ran: scale {scale:.3g})")
-    if te_attention_class() is None:
-        raise AssertionError("transformer-engine is not importable")
-    fallback = logits(torch.bfloat16, False)
-    fused = logits(torch.bfloat16, True)
-    figures |= {
-        "bf16_pytorch_vs_fp32": (fallback - reference).abs().max().item(),
-        "bf16_te_vs_fp32": (fused - reference).abs().max().item(),
-        "bf16_te_vs_pytorch": (fused - fallback).abs().max().item(),
-    }
+        raise NeedsGPU(f"bf16 needs a GPU here (fp32 ran: scale {scale:.3g})")
+    error = (logits(torch.bfloat16, False) - reference).abs().max().item()
     bound = 16 * BF16_EPS * scale  # a few bf16 steps of the largest logit, through 4 layers
-    if max(figures["bf16_pytorch_vs_fp32"], figures["bf16_te_vs_fp32"]) > bound:
+    figures = {"tokens": run.s["seq"], "logit_scale": scale, "bf16_pytorch_vs_fp32": error}
+    if error > bound:
         raise AssertionError(f"bf16 logits off fp32 by more than {bound:.3g}: {figures}")
+    return figures
+
+
+def check_logits_te(run: Run) -> dict:
+    from megatron_rlhf.models.bloom.attention import te_attention_class
+
+    run.require_gpu("Transformer Engine runs on CUDA")
+    require_module("transformer_engine", "TE attention")
+    if te_attention_class() is None:
+        raise AssertionError("transformer-engine is installed but does not import")
+    logits = _logits_at_length(run)
+    reference = logits(torch.float32, False)
+    scale = reference.abs().max().item()
+    pytorch, te = logits(torch.bfloat16, False), logits(torch.bfloat16, True)
+    figures = {
+        "tokens": run.s["seq"],
+        "bf16_te_vs_fp32": (te - reference).abs().max().item(),
+        "bf16_te_vs_pytorch": (te - pytorch).abs().max().item(),
+        "te_backend": os.environ.get("NVTE_DEBUG") and "see first_run.log (NVTE_DEBUG)",
+    }
+    bound = 16 * BF16_EPS * scale
+    if figures["bf16_te_vs_fp32"] > bound:
+        raise AssertionError(f"TE bf16 logits off fp32 by more than {bound:.3g}: {figures}")
     return figures
 
 
@@ -287,6 +337,7 @@ def ppo_step_in_this_process(run: Run) -> dict:
 
 def check_faiss_kmeans(run: Run) -> dict:
     run.require_gpu("faiss-gpu")
+    require_module("faiss", "GPU k-means")
     import numpy as np
 
     from megatron_rlhf.rehearsal.cluster import kmeans, kmeans_backend
@@ -315,6 +366,7 @@ def check_deepspeed_zero2(run: Run) -> dict:
 
 def deepspeed_zero2_in_this_process(run: Run) -> dict:
     run.require_gpu("a bf16 DeepSpeed step")
+    require_module("deepspeed", "the DeepSpeed reward backend")
     from megatron_rlhf.distributed import init_process_group
     from megatron_rlhf.training.deepspeed_engine import (
         DeepSpeedConfig,
@@ -341,17 +393,66 @@ def deepspeed_zero2_in_this_process(run: Run) -> dict:
     return {"loss": metrics["loss"], "zero_stage": engine.engine.zero_optimization_stage()}
 
 
+def check_vllm_reload(run: Run) -> dict:
+    """vLLM with its CUDA graphs (``enforce_eager=False`` on GPUs) must generate with the
+    weights it was last given: a reload that re-materialised tensors would leave the captured
+    graphs replaying the old ones. Two random models A and B of the same shape: vLLM gets A,
+    generates, gets B, generates; its log-probs of its own tokens are compared with B's
+    teacher-forced log-probs (ours) and, as the control, with A's."""
+    run.require_gpu("vLLM's CUDA graphs")
+    require_module("vllm", "vLLM rollouts")
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.checkpoint.hf_stream import hf_tensor_stream
+    from megatron_rlhf.generation import SamplingConfig
+    from megatron_rlhf.generation.vllm_engine import VLLMGenerator
+    from megatron_rlhf.models.bloom.tiny import random_hf_bloom, tiny_architecture
+    from megatron_rlhf.ppo.scoring import response_logprobs
+
+    arch = tiny_architecture(vocab_size=1024, hidden_size=256, num_layers=2, num_heads=4)
+    models = []
+    for seed in (11, 12):
+        directory = run.work / f"vllm_hf_{seed}"
+        random_hf_bloom(arch, seed=seed, init_std=0.2).save_pretrained(directory)
+        models.append(load_bloom(directory, params_dtype=torch.bfloat16).eval())
+    prompt, new = 16, 24
+    ids, mask = right_padded(arch.vocab_size, [prompt] * 8, run.device)
+    sampling = SamplingConfig(max_new_tokens=new, greedy=True, eos_id=-1, pad_id=3)
+    generator = VLLMGenerator(
+        arch, dtype=torch.bfloat16, max_model_len=prompt + new + 8, max_rows=8, seed=0
+    )
+    try:
+        gaps = {}
+        for loaded, model in zip(("A", "B"), models):
+            with torch.no_grad():
+                reload_s = generator.load_weights(hf_tensor_stream(model))
+            out = generator.generate(ids, mask, sampling)
+            full = torch.cat([ids, out.response_ids], dim=1)
+            full_mask = torch.cat([mask, out.response_mask], dim=1)
+            for name, judge in zip(("A", "B"), models):
+                with torch.no_grad():
+                    ours = response_logprobs(judge(full, full_mask), full, prompt, new, None)
+                gap = (ours.float() - out.response_logprobs.float()).abs() * out.response_mask
+                gaps[f"loaded_{loaded}_vs_{name}"] = gap.max().item()
+    finally:
+        generator.close()
+    figures = {**gaps, "startup_s": generator.startup_s, "last_reload_s": reload_s}
+    # bf16 on both sides: ~1e-2 nats of rounding; another model's log-probs are nats away
+    if gaps["loaded_B_vs_B"] > 0.1 or gaps["loaded_B_vs_A"] < 10 * gaps["loaded_B_vs_B"]:
+        raise AssertionError(f"vLLM did not generate with the reloaded weights: {figures}")
+    return figures
+
+
 def check_megatron_to_hf(run: Run) -> dict:
     from transformers import BloomForCausalLM
 
     hf_out = run.work / "trained_hf"
-    proc = subprocess.run(
+    rc, output = run_in_process_group(
         [sys.executable, "tools/convert_checkpoint.py", "megatron-to-hf",
          "--load", str(run.checkpoint), "--save", str(hf_out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        timeout_s=CHILD_TIMEOUT_S, cwd=REPO, env=child_env(),
     )  # fmt: skip
-    if proc.returncode != 0:
-        raise AssertionError(f"megatron-to-hf exited {proc.returncode}: {proc.stderr[-2000:]}")
+    if rc != 0:
+        raise AssertionError(f"megatron-to-hf exited {rc}: {output[-2000:]}")
     reference = BloomForCausalLM.from_pretrained(hf_out, torch_dtype=torch.float32).eval()
     ids, mask = right_padded(run.s["vocab"], [24, 17], "cpu")
     with torch.no_grad():
@@ -392,12 +493,14 @@ def check_mfu_560m(run: Run) -> dict:
 CHECKS = {
     "load_train_step": check_load_train_step,
     "save_strict_load": check_save_strict_load,
-    "logits_te_fallback": check_logits_te_fallback,
+    "logits_bf16": check_logits_bf16,
+    "logits_te": check_logits_te,
     "triton_logprobs": check_triton_logprobs,
     "generate": check_generate,
     "ppo_step": check_ppo_step,
     "faiss_kmeans": check_faiss_kmeans,
     "deepspeed_zero2": check_deepspeed_zero2,
+    "vllm_reload": check_vllm_reload,
     "megatron_to_hf": check_megatron_to_hf,
     "mfu_560m": check_mfu_560m,
 }
@@ -407,23 +510,30 @@ CHILD_CHECKS = {
 }
 
 
+def child_env() -> dict:
+    """This process's environment for a child that starts its own process group: the tree on
+    PYTHONPATH (a bare copy is not installed), no torchrun variables."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
 def child(run: Run, name: str) -> dict:
     """Run a check that starts its own process group in a fresh process; its record back."""
     record = run.work / f"{name}.json"
     command = [sys.executable, __file__, "--child", name, "--output-dir", str(run.work)]
     if run.cpu:
         command.append("--cpu")
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    )
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    rc, output = run_in_process_group(command, CHILD_TIMEOUT_S, cwd=REPO, env=child_env())
     if not record.exists():
-        raise AssertionError(f"{name} child exited {proc.returncode}: {proc.stderr[-3000:]}")
+        raise AssertionError(f"{name} child exited {rc}: {output[-3000:]}")
     result = json.loads(record.read_text())
-    if result["status"] == "needs a GPU":
-        raise NeedsGPU(result["detail"])
+    for error, status in STATUS_OF.items():
+        if result["status"] == status:
+            raise error(result["detail"])
     if result["status"] != "ok":
         raise AssertionError(result["detail"])
     return result["figures"]
@@ -433,12 +543,19 @@ def timed(name: str, check, run: Run) -> dict:
     start = time.perf_counter()
     try:
         figures, status, detail = check(run), "ok", ""
-    except NeedsGPU as err:
-        figures, status, detail = {}, "needs a GPU", str(err)
+    except (NeedsGPU, NotOnThisMachine) as err:
+        figures, status, detail = {}, STATUS_OF[type(err)], str(err)
     except Exception:  # recorded: the remaining checks still run
         figures, status, detail = {}, "FAILED", traceback.format_exc()[-4000:]
     return {"status": status, "seconds": round(time.perf_counter() - start, 2),
             "figures": figures, "detail": detail}  # fmt: skip
+
+
+def write_json(path: Path, data: dict) -> None:
+    """``path`` replaced whole (a temporary name, then a rename): a kill leaves the last one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -459,8 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     output.mkdir(parents=True, exist_ok=True)
     run = Run(output, args.cpu)
     if args.child:
-        result = timed(args.child, CHILD_CHECKS[args.child], run)
-        (output / f"{args.child}.json").write_text(json.dumps(result, indent=2, default=str))
+        write_json(output / f"{args.child}.json", timed(args.child, CHILD_CHECKS[args.child], run))
         return 0
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
 
@@ -468,10 +584,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in args.only or CHECKS:
         results[name] = timed(name, CHECKS[name], run)
+        write_json(output / "first_run.json", results)  # after every check: a timeout keeps it
         print(f"[gpu_first_run] {name:<20} {results[name]['status']} ({results[name]['seconds']:.0f} s)"
               + (f" {results[name]['figures']}" if results[name]["figures"] else ""), flush=True)  # fmt: skip
     destroy()
-    (output / "first_run.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     failed = [name for name, r in results.items() if r["status"] == "FAILED"]
     for name in failed:
         print(f"--- {name}\n{results[name]['detail']}", file=sys.stderr)

@@ -382,3 +382,30 @@ def test_vllm_replicas_agree_on_calls_with_a_tensor_on_the_collective_device(mon
     with pytest.raises(Stop):
         engine.idle_calls(3)
     assert seen == [(META, dp)]
+
+
+def test_vllm_is_given_the_share_of_the_gpu_that_is_free():
+    """vLLM refuses to start unless gpu_memory_utilization x total is free; its default 0.9
+    failed once the training roles held more than ~14 GB of an H200."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from megatron_rlhf.generation.vllm_engine import (
+        GPU_MEMORY_MARGIN_BYTES,
+        gpu_memory_fraction,
+        weight_bytes,
+    )
+    from megatron_rlhf.utils import InputError
+
+    hf = BloomForCausalLM(
+        BloomConfig(vocab_size=ARCH_A.vocab_size, hidden_size=ARCH_A.hidden_size,
+                    n_layer=ARCH_A.num_layers, n_head=ARCH_A.num_heads)
+    )  # fmt: skip
+    assert weight_bytes(ARCH_A, 1, torch.float32) == 4 * sum(p.numel() for p in hf.parameters())
+    assert weight_bytes(ARCH_A, 2, torch.bfloat16) == weight_bytes(ARCH_A, 1, torch.float32) // 4
+    gib = 2**30
+    # an H200 (141 GB) whose actor, reference, critic and reward already hold 60 GiB
+    fraction = gpu_memory_fraction(free=71 * gib, total=131 * gib, needed=30 * gib)
+    assert fraction == pytest.approx((71 * gib - GPU_MEMORY_MARGIN_BYTES) / (131 * gib))
+    assert fraction < 0.9
+    with pytest.raises(InputError, match=r"needs 70.0 GiB .* 71.0 GiB are free of 131.0 GiB"):
+        gpu_memory_fraction(free=71 * gib, total=131 * gib, needed=70 * gib)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ def test_gpu_check_dry_run_passes(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "dry-run"
     assert list(summary["steps"]) == [
+        "setup",
         "stack",
         "first_run",
         "gpu_tests",
@@ -33,11 +35,22 @@ def test_gpu_check_dry_run_passes(tmp_path):
     assert all(step["ok"] and not step["problems"] for step in summary["steps"].values())
     first_run = json.loads((out / "first_run_cpu" / "first_run.json").read_text())
     assert {name: r["status"] for name, r in first_run.items()} == {
-        "load_train_step": "ok", "save_strict_load": "ok", "logits_te_fallback": "needs a GPU",
-        "triton_logprobs": "needs a GPU", "generate": "ok", "ppo_step": "ok",
-        "faiss_kmeans": "needs a GPU", "deepspeed_zero2": "needs a GPU", "megatron_to_hf": "ok",
-        "mfu_560m": "ok",
+        "load_train_step": "ok", "save_strict_load": "ok", "logits_bf16": "needs a GPU",
+        "logits_te": "needs a GPU", "triton_logprobs": "needs a GPU", "generate": "ok",
+        "ppo_step": "ok", "faiss_kmeans": "needs a GPU", "deepspeed_zero2": "needs a GPU",
+        "vllm_reload": "needs a GPU", "megatron_to_hf": "ok", "mfu_560m": "ok",
     }  # fmt: skip
+    # The plan for the machine this project is lent: a bare CUDA image plus the wheelhouse.
+    bare = summary["bare_image"]
+    assert bare["required_missing"] == []
+    assert bare["carried_bytes"] == bare["tree_bytes"] + bare["wheelhouse_bytes"]
+    assert bare["carried_bytes"] <= 64 * 2**20
+    assert bare["planned_s"] <= 6 * 60 and bare["limit_s"] <= 8 * 60
+    assert bare["first_run_optional_checks"] == {
+        "logits_te": "not on this machine", "faiss_kmeans": "not on this machine",
+        "deepspeed_zero2": "runs", "vllm_reload": "not on this machine",
+    }  # fmt: skip
+    assert "carried: wheelhouse" in proc.stdout and "MiB of 64 MiB" in proc.stdout
     collected = (out / "gpu_tests.dry-run.log").read_text()
     assert collected.count("tests/test_gpu.py::test_") >= 4
     # Without a GPU the real run refuses with a one-line error instead of failing half-way.
@@ -70,7 +83,9 @@ def test_gpu_stack_problems_name_what_to_fix():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from gpu_check import stack_problems
 
-    good = {"transformer-engine-cu12": "2.20", "triton": "3.9", "faiss-gpu-cu12": "1.14"}
+    bare = {"torch": "2.11.0", "triton": "3.6.0", "megatron-core": "0.16.1"}
+    assert stack_problems(bare, "13.0") == []  # TE, faiss-gpu, vLLM absent: not problems
+    good = {**bare, "transformer-engine-cu12": "2.20", "faiss-gpu-cu12": "1.14"}
     assert stack_problems(good, "12.8") == []
     assert stack_problems(good, None) == [
         "torch has no CUDA build (torch.version.cuda is None): install a CUDA torch"
@@ -81,31 +96,58 @@ def test_gpu_stack_problems_name_what_to_fix():
     )
     assert any("faiss-gpu-cu12 is built for CUDA 12" in p for p in mismatched)
     missing = stack_problems({"faiss-cpu": "1.15"}, "13.0")
-    assert "transformer-engine is not installed: pip install -e '.[gpu-cu13]'" in missing
     assert "triton is not installed" in missing
-    assert "faiss-gpu is not installed: pip install -e '.[gpu-cu13]'" in missing
+    assert any(
+        p.startswith("megatron-core is not installed: build the wheelhouse") for p in missing
+    )
+    assert stack_problems({**bare, "megatron-core": "0.17.0"}, "13.0") == [
+        "megatron-core 0.17.0 is installed; the project pins 0.16.1"
+    ]
     both = stack_problems({**good, "faiss-cpu": "1.15"}, "12.4")
     assert both == ["faiss-cpu and faiss-gpu are both installed (both provide `faiss`)"]
 
 
-def test_a_bare_copy_of_the_tree_imports_its_own_kernels(tmp_path):
-    """The GPU machine gets a copy of the working tree, not an install: with PYTHONPATH at the
-    copy, ``megatron_rlhf.kernels`` must be the copy's top-level ``kernels/`` (it raised
-    ModuleNotFoundError there, and here an editable install answered with another tree's)."""
-    import shutil
+def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path):
+    """A step's children (torchrun workers, a train-ppo child) must not outlive its time limit
+    holding the GPU: the whole process group goes."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_check import run_in_process_group
 
-    for name in ("megatron_rlhf", "kernels"):
-        shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "setup.py", tmp_path)
-    code = (
-        "import megatron_rlhf.kernels as k, megatron_rlhf.kernels.logprobs as l; "
-        "print(k.__file__); print(l.__file__)"
+    pid_file = tmp_path / "child.pid"
+    parent = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == [
-        str(tmp_path / "kernels" / "__init__.py"), str(tmp_path / "kernels" / "logprobs.py"),
-    ]  # fmt: skip
+    start = time.monotonic()
+    rc, _ = run_in_process_group([sys.executable, "-c", parent], 3, log=tmp_path / "log")
+    assert rc == 124 and time.monotonic() - start < 30
+    child = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init shortly after the kill
+        if not Path(f"/proc/{child}").exists() or "Z" in _proc_state(child):
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or "Z" in _proc_state(child)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"
+
+
+def test_wheelhouse_lock_pins_what_the_bare_image_lacks():
+    """Every wheel is pinned with a hash (built wheels: their sdist's), fits the carry limit with
+    room for the tree, and covers megatron-core and DeepSpeed's own requirements."""
+    lock = json.loads((REPO / "benchmarks" / "gpu_wheelhouse.json").read_text())
+    names = {w["name"]: w for w in lock["wheels"]}
+    assert names["megatron-core"]["version"] == "0.16.1"
+    assert names["deepspeed"]["version"] == "0.19.8"
+    assert {"hjson", "pydantic", "pydantic-core"} <= set(names)
+    for wheel in lock["wheels"]:
+        assert len(wheel.get("sha256") or wheel["sdist_sha256"]) == 64
+        assert wheel["file"].endswith(".whl") and wheel["version"] in wheel["file"]
+        assert "cp312" in wheel["file"] or "py3-none-any" in wheel["file"]
+    assert sum(w["bytes"] for w in lock["wheels"]) < 16 * 2**20

@@ -103,6 +103,37 @@ def kv_cache_bytes(arch, rows: int, max_model_len: int, tp: int, dtype: torch.dt
     return max(int(per_token * rows * max_model_len * 1.25), 64 << 20)
 
 
+GPU_MEMORY_MARGIN_BYTES = 2 << 30  # CUDA graphs, NCCL and allocator slack vLLM does not count
+
+
+def weight_bytes(arch, tp: int, dtype: torch.dtype) -> int:
+    """One TP rank's share of a BloomForCausalLM's weights (the LM head is tied)."""
+    h, layers = arch.hidden_size, arch.num_layers
+    per_layer = 12 * h * h + 13 * h  # QKV, dense, 4h MLP with biases, two LayerNorms
+    total = arch.vocab_size * h + layers * per_layer + 4 * h
+    return total * torch.finfo(dtype).bits // 8 // tp
+
+
+def gpu_memory_fraction(free: int, total: int, needed: int) -> float:
+    """vLLM's ``gpu_memory_utilization`` when it shares the GPU with the training roles.
+
+    vLLM refuses to start unless ``gpu_memory_utilization * total`` bytes are free, whatever
+    ``kv_cache_memory_bytes`` says; its default, 0.9, fails once the actor, reference, critic
+    and reward hold more than a tenth of the GPU (they are built first). So it is given the
+    share that is free now, less a margin, and refused here, with the figures, when its weights
+    and KV cache (``needed``) do not fit in that."""
+    available = free - GPU_MEMORY_MARGIN_BYTES
+    if available < needed:
+        gib = 2**30
+        raise InputError(
+            f"rollout.engine=vllm needs {needed / gib:.1f} GiB on this GPU (its weights and KV "
+            f"cache) but {free / gib:.1f} GiB are free of {total / gib:.1f} GiB after the "
+            "training roles were built; lower rollout.prompts_per_step or "
+            "data.max_prompt_length + rollout.max_new_tokens, or raise parallel.rollout.tp"
+        )
+    return available / total
+
+
 @contextlib.contextmanager
 def _process_state_kept():
     """Undo what starting vLLM in this process changes globally: torch's thread setter (vLLM's
@@ -163,6 +194,7 @@ class VLLMGenerator:
         config = arch.to_hf_dict()
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
         Path(self._config_dir.name, "config.json").write_text(json.dumps(config, indent=2))
+        kv_bytes = kv_cache_bytes(arch, max_rows, max_model_len, tp, dtype)
         kwargs = dict(
             model=self._config_dir.name,
             load_format="dummy",  # the real weights come from load_weights, in memory
@@ -171,12 +203,16 @@ class VLLMGenerator:
             seed=seed,
             max_model_len=max_model_len,
             tensor_parallel_size=tp,
-            kv_cache_memory_bytes=kv_cache_bytes(arch, max_rows, max_model_len, tp, dtype),
+            kv_cache_memory_bytes=kv_bytes,
             max_num_seqs=max(max_rows, 1),
             enforce_eager=not torch.cuda.is_available(),  # CPU: no compile, fast start
             enable_sleep_mode=self.sleeps,
             disable_log_stats=True,
         )
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            needed = weight_bytes(arch, tp, dtype) + kv_bytes
+            kwargs["gpu_memory_utilization"] = gpu_memory_fraction(free, total, needed)
         if world_size > 1:
             kwargs.update(
                 distributed_executor_backend="external_launcher",
