@@ -206,3 +206,93 @@ def test_packed_scoring_equals_padded_scoring(tmp_path, budget):
         assert (a - b)[real].abs().max() <= 1e-5 * scale, name
         assert (a[~real] == 0).all(), name
     assert (packed.scores - padded.scores).abs().max() <= 1e-5 * padded.scores.abs().max()
+
+
+def _bandit(seed: int, actions: int = 6, spread: float = 0.4):
+    """A one-step softmax policy pi = softmax(theta) over ``actions`` tokens, a behaviour policy
+    mu = softmax(theta + noise) and centred advantages A (sum_k pi_k A_k = 0), float64."""
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(actions, generator=g, dtype=torch.float64)
+    mu = torch.softmax(theta + spread * torch.randn(actions, generator=g, dtype=torch.float64), 0)
+    pi = torch.softmax(theta, 0)
+    rewards = torch.randn(actions, generator=g, dtype=torch.float64)
+    return theta, pi, mu, rewards - (pi * rewards).sum()
+
+
+def _estimate(theta, mu, advantages, samples: int, seed: int, mode: str, cap: float):
+    """The update's policy gradient at theta = theta_old on ``samples`` tokens drawn from mu,
+    through ``behaviour_correction`` and ``policy_loss`` (autograd), and the per-sample
+    contributions (for the standard error), computed independently."""
+    from megatron_rlhf.ppo.losses import behaviour_correction
+
+    g = torch.Generator().manual_seed(seed)
+    actions = torch.multinomial(mu, samples, replacement=True, generator=g)
+    theta = theta.clone().requires_grad_()
+    logprobs = torch.log_softmax(theta, 0)[actions][None]  # (1, n) one row of n tokens
+    mask = torch.ones_like(logprobs)
+    weights, _ = behaviour_correction(logprobs.detach(), mu.log()[actions][None], mask, mode, cap)
+    loss, _ = policy_loss(logprobs, logprobs.detach(), advantages[actions][None], mask, 0.2,
+                          weights=weights)  # fmt: skip
+    (grad,) = torch.autograd.grad(-loss, theta)
+    pi = torch.softmax(theta.detach(), 0)
+    w = torch.ones(samples, dtype=torch.float64) if weights is None else weights[0]
+    per_sample = (w * advantages[actions])[:, None] * (
+        torch.nn.functional.one_hot(actions, theta.shape[0]) - pi
+    )
+    return grad, per_sample.std(0) / samples**0.5
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_token_tis_gives_the_on_policy_gradient_in_expectation(seed):
+    """Samples from a perturbed mu: the corrected estimator's mean is the on-policy gradient
+    sum_k pi_k A_k (e_k - pi) = pi * A (closed form) within 4 standard errors; the uncorrected
+    one is not (its expectation is mu * A - pi (mu . A))."""
+    theta, pi, mu, advantages = _bandit(seed)
+    cap = 1e9  # no truncation: exactly unbiased
+    on_policy = pi * advantages
+    got, se = _estimate(theta, mu, advantages, 40_000, seed, "token_tis", cap)
+    assert ((got - on_policy).abs() <= 4 * se).all(), (got, on_policy, se)
+    naive, naive_se = _estimate(theta, mu, advantages, 40_000, seed, "none", cap)
+    assert ((naive - on_policy).abs() > 8 * naive_se).any(), (naive, on_policy, naive_se)
+    biased = mu * advantages - pi * (mu * advantages).sum()  # E_mu[A (e_a - pi)], closed form
+    assert ((naive - biased).abs() <= 4 * naive_se).all()
+
+
+def test_truncated_weights_give_their_closed_form_bias():
+    """With cap c the estimator's expectation is sum_k mu_k min(pi_k/mu_k, c) A_k (e_k - pi):
+    the truncation's bias is exactly where pi/mu > c."""
+    theta, pi, mu, advantages = _bandit(3, spread=1.2)
+    cap = 1.5
+    assert (pi / mu).max() > cap  # the truncation bites
+    w = (pi / mu).clamp(max=cap)
+    truncated = mu * w * advantages - pi * (mu * w * advantages).sum()
+    got, se = _estimate(theta, mu, advantages, 40_000, 3, "token_tis", cap)
+    assert ((got - truncated).abs() <= 4 * se).all(), (got, truncated, se)
+
+
+def test_behaviour_correction_weights_and_metrics_match_float64():
+    from megatron_rlhf.ppo.losses import behaviour_correction
+
+    g = torch.Generator().manual_seed(9)
+    old = -torch.rand(4, 6, generator=g) * 3
+    behaviour = old + torch.randn(4, 6, generator=g) * 0.4
+    mask = _ragged_mask(4, 6, g)
+    assert behaviour_correction(old, behaviour, mask, "none", 2.0) == (None, {})
+    for mode in ("token_tis", "seq_tis"):
+        weights, metrics = behaviour_correction(old, behaviour, mask, mode, 2.0)
+        want, raw_all, k3 = torch.zeros(4, 6, dtype=torch.float64), [], []
+        for b in range(4):
+            real = [t for t in range(6) if mask[b, t]]
+            seq = sum(float(old[b, t]) - float(behaviour[b, t]) for t in real)
+            for t in real:
+                r = float(old[b, t]) - float(behaviour[b, t])
+                raw = math.exp(r if mode == "token_tis" else seq)
+                want[b, t] = min(raw, 2.0)
+                raw_all.append(raw)
+                k3.append(math.exp(r) - 1 - r)
+        torch.testing.assert_close(weights.double(), want, rtol=1e-6, atol=1e-7)
+        n = len(raw_all)
+        assert metrics["is_weight_mean"] == pytest.approx(float(want.sum()) / n, rel=1e-6)
+        assert metrics["is_weight_max"] == pytest.approx(float(want.max()), rel=1e-6)
+        assert metrics["is_capped_fraction"] == pytest.approx(sum(r > 2 for r in raw_all) / n)
+        assert metrics["kl_behaviour_old"] == pytest.approx(sum(k3) / n, rel=1e-6)

@@ -77,3 +77,43 @@ def test_old_logprobs_auto_reuses_the_rollouts_only_where_they_agree():
     assert not reuses_rollout_logprobs(config("auto", temperature=0.7))
     assert not reuses_rollout_logprobs(config("recompute"))
     assert reuses_rollout_logprobs(config("rollout"))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["ppo.rollout_correction=both"], "ppo.rollout_correction"),
+        (
+            ["ppo.rollout_correction_cap=0.5"],
+            "ppo.rollout_correction_cap=0.5 must be a finite number >= 1",
+        ),
+        (
+            ["ppo.rollout_correction=token_tis", "ppo.algorithm=rejection_sampling"],
+            "ppo.rollout_correction=token_tis weights the PPO policy term",
+        ),
+    ],
+)
+def test_rollout_correction_settings(setup, capsys, overrides, message):
+    assert message in _fails(setup, capsys, *overrides)
+
+
+def test_old_logprobs_auto_with_a_rollout_correction_takes_any_engines_logprobs():
+    """With a stated correction the update is consistent for mu != pi_old, so auto no longer
+    forces vLLM (or bf16) to recompute pi_old; temperature 1 is still required."""
+    from megatron_rlhf.ppo import config as ppo
+    from megatron_rlhf.ppo.train import reuses_rollout_logprobs
+
+    def config(correction, engine="vllm", temperature=1.0, choice="auto"):
+        return ppo.TrainPPOConfig(
+            models=ppo.ModelsConfig(actor="a", critic="c"),
+            data=ppo.DataConfig(prompts="p"),
+            rollout=ppo.RolloutConfig(temperature=temperature, engine=engine),
+            ppo=ppo.PPOConfig(old_logprobs=choice, rollout_correction=correction),
+            train=ppo.TrainSection(bf16=False),
+        )
+
+    assert not reuses_rollout_logprobs(config("none"))
+    assert reuses_rollout_logprobs(config("token_tis"))
+    assert reuses_rollout_logprobs(config("seq_tis", engine="megatron"))
+    assert not reuses_rollout_logprobs(config("token_tis", temperature=0.7))
+    assert not reuses_rollout_logprobs(config("token_tis", choice="recompute"))

@@ -118,6 +118,19 @@ class PPOConfig:
     auto: rollout when the weights are fp32, rollout.temperature is 1 and rollout.engine is
     megatron (the two then agree to ~1e-6), else recompute (vLLM's log-probs differ from a
     Megatron forward by up to ~1e-3 on a trained model)."""
+    rollout_correction: Literal["none", "token_tis", "seq_tis"] = "none"
+    """How the update corrects for a behaviour policy mu (the rollout engine's: vLLM's
+    kernels, a bf16 decode) that is not exactly pi_old. none: no weight. token_tis: each
+    token's clipped policy term times min(pi_old/mu, rollout_correction_cap); seq_tis: times
+    min(prod over the sequence of pi_old/mu, cap). The weights need pi_old recomputed
+    (ppo.old_logprobs=recompute); with old_logprobs=rollout, pi_old is mu and every weight is
+    1: the PPO ratio pi_theta/mu is then itself the importance weight toward the behaviour
+    policy (clipped, not truncated). With a correction on, old_logprobs=auto takes the
+    rollout's log-probs for any engine at rollout.temperature 1 (it no longer forces a
+    recompute for vLLM). Logged: rollout/is_weight_mean, is_weight_max, is_capped_fraction,
+    kl_behaviour_old."""
+    rollout_correction_cap: float = 2.0
+    """Truncation of the importance weights (>= 1)."""
     clip_ratio: float = 0.2
     """epsilon of the clipped policy objective: ratios outside [1 - eps, 1 + eps] get no
     gradient."""

@@ -30,6 +30,7 @@ class Experience:
     advantages: torch.Tensor | None = None  # (B, N) whitened GAE advantages
     returns: torch.Tensor | None = None  # (B, N) GAE returns (critic targets)
     kl: torch.Tensor | None = None  # (B, N) per-token KL estimate
+    is_weights: torch.Tensor | None = None  # (B, N) truncated pi_old / mu (rollout correction)
 
     @property
     def responses(self) -> torch.Tensor:  # (B, N)

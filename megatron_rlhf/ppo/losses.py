@@ -33,14 +33,20 @@ def policy_loss(
     mask: torch.Tensor,  # (B, N) response mask
     clip_ratio: float = 0.2,
     count=None,
+    weights: torch.Tensor | None = None,  # (B, N) behaviour correction, see below
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate objective (Schulman et al., 2017), negated to a loss; token means
-    over ``mask`` (or sums divided by ``count``, see :func:`masked_mean`)."""
+    over ``mask`` (or sums divided by ``count``, see :func:`masked_mean`). ``weights``
+    (constants from :func:`behaviour_correction`) multiply each token's clipped term: the
+    decoupled objective for samples drawn from a behaviour policy mu != pi_old."""
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask, count)
+    surrogate = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        surrogate = surrogate * weights
+    loss = masked_mean(surrogate, mask, count)
     with torch.no_grad():
         metrics = {
             "clip_fraction": masked_mean((clipped > unclipped).float(), mask, count),
@@ -48,6 +54,49 @@ def policy_loss(
             "approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask, count),
         }
     return loss, metrics
+
+
+ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_tis")
+
+
+def behaviour_correction(
+    old_logprobs: torch.Tensor,  # (B, N) log pi_old(a_t|s_t), the proximal policy
+    behaviour_logprobs: torch.Tensor,  # (B, N) log mu(a_t|s_t), the policy that sampled
+    mask: torch.Tensor,  # (B, N) response mask
+    mode: str,
+    cap: float,
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Truncated importance weights toward the behaviour policy, and what they did.
+
+    The rollout engine samples from mu (vLLM's kernels, bf16 decode, stale weights), which is
+    not exactly pi_old. PPO's gradient at theta = theta_old is E_pi_old[A grad log pi]; on
+    samples from mu it needs the weight pi_old / mu. ``token_tis``: per token,
+    ``min(pi_old/mu, cap)``; ``seq_tis``: per sequence, ``min(prod_t pi_old/mu, cap)`` on
+    every token of it (exact for sequence-level rewards, higher variance). Truncation bounds the
+    variance at the cost of a bias where the ratio exceeds the cap. ``none``: no weights.
+    Metrics (token means over ``mask``): the weights' mean, max and capped fraction, and
+    ``kl_behaviour_old`` = KL(mu || pi_old) by Schulman's k3 on mu's samples."""
+    valid = mask.bool()
+    if mode == "none":
+        return None, {}
+    log_ratio = (old_logprobs - behaviour_logprobs).double() * mask
+    if mode == "token_tis":
+        raw = log_ratio.exp()
+    elif mode == "seq_tis":
+        raw = log_ratio.sum(dim=1, keepdim=True).exp().expand_as(log_ratio)
+    else:
+        raise ValueError(f"rollout correction must be one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
+    weights = raw.clamp(max=cap)
+    token_ratio = log_ratio.exp()
+    k3 = token_ratio - 1 - log_ratio  # KL(mu || pi_old) on samples from mu
+    count = valid.sum().clamp(min=1)
+    metrics = {
+        "is_weight_mean": float(weights[valid].sum() / count),
+        "is_weight_max": float(weights[valid].max()) if valid.any() else 1.0,
+        "is_capped_fraction": float((raw[valid] > cap).sum() / count),
+        "kl_behaviour_old": float(k3[valid].sum() / count),
+    }
+    return weights.to(old_logprobs.dtype).masked_fill(~valid, 0.0), metrics
 
 
 def value_loss(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -14,6 +15,7 @@ from megatron_rlhf.checkpoint.hf_io import hf_reward_outputs
 from megatron_rlhf.data.tokenizer import check_same_tokenizer
 from megatron_rlhf.distributed.layouts import Layout, check_global_batch, resolve_layouts
 from megatron_rlhf.ppo.config import TrainPPOConfig
+from megatron_rlhf.ppo.losses import ROLLOUT_CORRECTIONS
 from megatron_rlhf.training.command import use_bf16
 from megatron_rlhf.utils import InputError
 
@@ -72,6 +74,19 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
             f"{config.rollout.temperature}): the rollout's log-probs are at temperature 1; "
             "use ppo.old_logprobs=recompute or auto"
         )
+    correction = config.ppo.rollout_correction
+    if correction not in ROLLOUT_CORRECTIONS:
+        problems.append(
+            f"ppo.rollout_correction={correction!r} must be one of {', '.join(ROLLOUT_CORRECTIONS)}"
+        )
+    elif correction != "none" and config.ppo.algorithm == "rejection_sampling":
+        problems.append(
+            f"ppo.rollout_correction={correction} weights the PPO policy term, which "
+            "ppo.algorithm=rejection_sampling does not have; set ppo.rollout_correction=none"
+        )
+    cap = config.ppo.rollout_correction_cap
+    if not (math.isfinite(cap) and cap >= 1):
+        problems.append(f"ppo.rollout_correction_cap={cap} must be a finite number >= 1")
     if problems:
         raise InputError("; ".join(problems))
     if (models.reward is None) == (models.reward_fn is None):

@@ -27,7 +27,7 @@ from megatron_rlhf.generation import SamplingConfig
 from megatron_rlhf.ppo.advantages import compute_advantages, global_mean_var, global_moments
 from megatron_rlhf.ppo.config import TrainPPOConfig
 from megatron_rlhf.ppo.control import KLController, RewardNormalizer
-from megatron_rlhf.ppo.losses import explained_variance
+from megatron_rlhf.ppo.losses import behaviour_correction, explained_variance
 from megatron_rlhf.ppo.rejection import rejection_update, repeat_prompts, select_best
 from megatron_rlhf.ppo.rollout import rollout_global, step_row_seeds
 from megatron_rlhf.ppo.run_io import RunData, RunLogger
@@ -140,6 +140,10 @@ class PPOTrainer:
                 max_tokens=self.token_budget(experience),
             )
             timings["score"], t0 = time.time() - t0, time.time()
+            experience.is_weights, correction = behaviour_correction(
+                experience.logprobs, experience.rollout_logprobs, experience.response_mask,
+                config.ppo.rollout_correction, config.ppo.rollout_correction_cap,
+            )  # fmt: skip
             if config.ppo.algorithm == "rejection_sampling":
                 metrics = self.rejection_step(experience)
                 timings["update"] = time.time() - t0
@@ -167,6 +171,7 @@ class PPOTrainer:
             self.consumed_prompts = self.data.consumed_prompts
             self.consumed_rehearsal = self.data.consumed_rehearsal
             metrics |= self.rollout_metrics(experience, timings)
+            metrics |= {f"rollout/{key}": value for key, value in correction.items()}
             if not self.guard.check(self.step + 1, metrics):  # skipped: undo the step's controls
                 self.kl.load_state_dict(controls[0])
                 self.normalizer.load_state_dict(controls[1])
@@ -371,8 +376,12 @@ class PPOTrainer:
 def reuses_rollout_logprobs(config) -> bool:
     """Whether log pi_old is the rollout's own (``ppo.old_logprobs``; auto: our engine with fp32
     weights at temperature 1, where a recomputing forward agrees to rounding; vLLM's kernels
-    round differently, by up to ~1e-3 in a log-prob on a trained model, so auto recomputes)."""
+    round differently, by up to ~1e-3 in a log-prob on a trained model, so auto recomputes,
+    unless ``ppo.rollout_correction`` is on: then any engine's at temperature 1)."""
     choice = config.ppo.old_logprobs
+    if choice == "auto" and config.ppo.rollout_correction != "none":
+        # the update corrects for mu != pi_old: no recompute is needed to be consistent
+        return config.rollout.temperature == 1.0
     if choice == "auto":
         fp32 = not use_bf16(config.train.bf16, "train.bf16")
         ours = config.rollout.engine == "megatron"

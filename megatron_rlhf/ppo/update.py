@@ -33,6 +33,7 @@ def actor_microbatch(experience: Experience, rehearsal: dict | None, pad_id: int
         "num_ppo_rows": sequences.shape[0],
         "prompt_length": experience.prompt_length,
         "old_logprobs": experience.logprobs,
+        "is_weights": experience.is_weights,
         "advantages": experience.advantages,
         "response_mask": experience.response_mask,
     }
@@ -88,6 +89,7 @@ def actor_loss(
         mb["response_mask"],
         clip_ratio,
         count=mb["tokens"],
+        weights=mb.get("is_weights"),
     )
     metrics["policy_loss"] = loss_ppo.detach()
     metrics["entropy"] = masked_mean(entropy, mb["response_mask"], mb["tokens"]).detach()
@@ -313,6 +315,7 @@ def _packed_microbatches(
             "predicting": torch.where(sub.response_mask.bool(), predicting, 0),
             "response_mask": sub.response_mask,
             "old_logprobs": sub.logprobs,
+            "is_weights": sub.is_weights,
             "advantages": sub.advantages,
             "old_values": sub.values,
             "returns": sub.returns,
