@@ -30,6 +30,33 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _pytorch_only = False
 
 
+def _interpreter_index_of_size_one_arrays() -> None:
+    """Triton < 3.7's interpreter turns a scalar kernel argument (a NumPy array of shape (1,))
+    into a Python int with ``int(array)`` (``range(0, n)`` in a kernel), which NumPy >= 2.4
+    refuses ("only 0-dimensional arrays can be converted to Python scalars"); Triton 3.7+ squeezes
+    the array first. Triton 3.6 is what torch 2.11 (the GPU image's) pins, so the interpreter
+    tests would fail there on every kernel with a loop: the same fix, applied to old versions
+    in interpreter mode only (compiled kernels never take this path)."""
+    import triton
+    import triton.runtime.interpreter as interpreter
+
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if (major, minor) >= (3, 7) or patch_tensor is None or getattr(patch_tensor, "squeezes", False):
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.squeezes = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET and HAVE_TRITON:
+    _interpreter_index_of_size_one_arrays()
+
+
 def use_triton(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` should go through the Triton kernels."""
     if not HAVE_TRITON or _pytorch_only:
