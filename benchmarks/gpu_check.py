@@ -5,7 +5,7 @@ The machine this project is lent is a bare CUDA image: Python 3.12, torch 2.11 (
 64 MiB carried with the working tree. So the run brings its own wheels:
 
     python benchmarks/gpu_wheelhouse.py --build              # here: .whl/ (git-ignored), ~8 MB
-    python3 benchmarks/gpu_check.py --output-dir /tmp/gpu_check --bundle $OUT/gpu_check.tar.gz
+    python3 benchmarks/gpu_check.py --output-dir /tmp/gpu_check --bundle results/gpu_check.tar.gz
                                                              # there, with .whl carried
     python benchmarks/gpu_check.py --dry-run --output-dir /tmp/gpu_check_dry   # CPU: the plan
 
@@ -504,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         summary["bare_image"] = report_bare_image_plan(output)
         write_json(output / "summary.json", summary)
+        if args.bundle:
+            bundle(output, Path(args.bundle))
     failed = [n for n, r in summary["steps"].items() if not r["ok"]]
     print(f"[gpu_check] done: mode={summary['mode']} failed={failed} output_dir={output}")
     return 1 if failed else 0
@@ -630,6 +632,7 @@ def write_json(path: Path, data: dict) -> None:
 def bundle(output: Path, target: Path) -> None:
     """``output`` as one .tar.gz (the device returns at most 8 files), the site folder left out;
     written under a temporary name, then renamed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
     with tarfile.open(tmp, "w:gz") as tar:
         tar.add(output, arcname=output.name, filter=lambda t: None if "/site" in t.name else t)

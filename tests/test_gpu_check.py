@@ -18,7 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_gpu_check_dry_run_passes(tmp_path):
     out = tmp_path / "gpu_check"
     env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--output-dir", str(out)]
+    bundle = tmp_path / "returned" / "gpu_check.tar.gz"  # the device returns few files
+    cmd = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--output-dir", str(out),
+           "--bundle", str(bundle)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -51,6 +53,11 @@ def test_gpu_check_dry_run_passes(tmp_path):
         "deepspeed_zero2": "runs", "vllm_reload": "not on this machine",
     }  # fmt: skip
     assert "carried: wheelhouse" in proc.stdout and "MiB of 64 MiB" in proc.stdout
+    import tarfile
+
+    with tarfile.open(bundle) as tar:
+        names = tar.getnames()
+    assert "gpu_check/summary.json" in names and "gpu_check/first_run_cpu/first_run.json" in names
     collected = (out / "gpu_tests.dry-run.log").read_text()
     assert collected.count("tests/test_gpu.py::test_") >= 4
     # Without a GPU the real run refuses with a one-line error instead of failing half-way.
