@@ -50,7 +50,7 @@ USER_OS_ERRORS = {
 
 
 # What every command gives back when it ends, however it ended, registered by the modules that
-# hold it (utils imports none of them): the run and output locks (training/run_lock.py), and
+# hold it (utils imports none of them): the run and output locks (runtime/locks.py), and
 # torch.distributed with Megatron's groups for a command run distributed (distributed/).
 _AT_COMMAND_END: dict[bool, list[Callable[[], None]]] = {False: [], True: []}
 

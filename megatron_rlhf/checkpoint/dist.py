@@ -119,13 +119,13 @@ def _results_queue_without_spawn() -> None:
     server process re-imports the caller's ``__main__``: a script that calls a command's
     ``main()`` without an ``if __name__ == "__main__":`` guard would run itself again at the first
     save. A *fork* ``Manager`` serves the same queue and re-imports nothing (the writer processes
-    are forked too); the kernel kills it when this process dies (training/signals.py)."""
+    are forked too); the kernel kills it when this process dies (runtime/processes.py)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
         from multiprocessing.managers import SyncManager
 
-        from megatron_rlhf.training.signals import die_with_parent
+        from megatron_rlhf.runtime.processes import die_with_parent
 
         manager = SyncManager(ctx=multiprocessing.get_context("fork"))
         manager.start(initializer=die_with_parent)  # no orphan if the trainer is killed

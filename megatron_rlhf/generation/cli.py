@@ -213,11 +213,11 @@ def _generate(args) -> int:
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
     from megatron_rlhf.checkpoint.dist import check_tokenizer_matches
     from megatron_rlhf.distributed import ParallelConfig, initialize
-    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.runtime import locks
 
     parallel_from_args(args)  # args.tp, args.pp
     check_output_path(args.output, args.overwrite)
-    run_lock.lock_output(args.output, "--output")
+    locks.lock_output(args.output, "--output")
     arch = checkpoint_architecture(args.load)
     max_prompt_length = check_generation_arguments(args, arch.max_sequence_length)
     check_tokenizer_matches(args.tokenizer, args.load)

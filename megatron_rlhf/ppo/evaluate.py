@@ -116,7 +116,7 @@ def validate_inputs(args) -> dict:
     from megatron_rlhf.distributed.layouts import Layout
     from megatron_rlhf.generation.cli import read_prompts, resolve_tokenizer
     from megatron_rlhf.ppo.setup import import_reward_fn, world_size
-    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.runtime import locks
 
     if (args.judge is None) == (args.score_fn is None):
         raise InputError("give exactly one judge: --judge CHECKPOINT or --score-fn pkg.mod:fn")
@@ -124,7 +124,7 @@ def validate_inputs(args) -> dict:
     _check_numbers(args)
     for name in OUTPUT_FILES:
         check_output_path(Path(args.output_dir) / name, args.overwrite, "--output-dir")
-    run_lock.lock_output(args.output_dir, "--output-dir")
+    locks.lock_output(args.output_dir, "--output-dir")
     policy_dir = resolve_policy_dir(args.policy)
     model_dirs = {"--policy": policy_dir, "--sft": args.sft}
     if args.judge is not None:
