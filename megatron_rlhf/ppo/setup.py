@@ -50,7 +50,7 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
     """Every check that needs no model memory; returns the resolved plan (``config`` itself is
     not changed)."""
     from megatron_rlhf.training.checkpointing import checkpoint_in
-    from megatron_rlhf.training.engine import optim_problems
+    from megatron_rlhf.training.config import optim_problems
 
     models = replace(
         config.models,
