@@ -186,17 +186,12 @@ def table(request, roles: dict, plans: list) -> str:
 
 def write_config(plan, request, args) -> None:
     """The plan as a train-ppo YAML, validated by loading it as ``train-ppo`` would."""
-    import warnings
-
     import yaml
 
     from megatron_rlhf.config import load_config
     from megatron_rlhf.distributed.layouts import layouts_to_dict
+    from megatron_rlhf.ppo.config import TrainPPOConfig
     from megatron_rlhf.utils import atomic_output
-
-    with warnings.catch_warnings():  # megatron-core's "TE/Apex not installed" on import
-        warnings.simplefilter("ignore")
-        from megatron_rlhf.ppo.config import TrainPPOConfig
 
     out = Path(args.write_config)
     if out.exists() and not args.overwrite:
