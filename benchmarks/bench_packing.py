@@ -93,7 +93,7 @@ PAD, EOS = 3, 2
 
 def prompts(seed: int, vocab: int, lengths: list[int]):
     """Random prompts of these lengths, left-padded to the longest."""
-    from megatron_rlhf.generation.cli import left_pad
+    from megatron_rlhf.generation.prompts import left_pad
 
     generator = torch.Generator().manual_seed(seed)
     rows = [torch.randint(4, vocab, (n,), generator=generator).tolist() for n in lengths]

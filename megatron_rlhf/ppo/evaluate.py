@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rlhf.distributed.layouts import add_parallel_arguments, parallel_from_args
-from megatron_rlhf.generation.cli import (
+from megatron_rlhf.generation.prompts import (
     add_generation_arguments,
     check_generation_arguments,
     sampling_from_args,
@@ -114,7 +114,7 @@ def validate_inputs(args) -> dict:
     from megatron_rlhf.checkpoint import checkpoint_architecture
     from megatron_rlhf.distributed import ParallelConfig, validate
     from megatron_rlhf.distributed.layouts import Layout
-    from megatron_rlhf.generation.cli import read_prompts, resolve_tokenizer
+    from megatron_rlhf.generation.prompts import read_prompts, resolve_tokenizer
     from megatron_rlhf.ppo.setup import import_reward_fn, world_size
     from megatron_rlhf.runtime import locks
 
@@ -260,7 +260,7 @@ def rank_batches(records: list, batch_size: int, pad_id: int, dp_rank: int, dp_s
     of batches."""
     import torch
 
-    from megatron_rlhf.generation.cli import left_pad
+    from megatron_rlhf.generation.prompts import left_pad
 
     mine = list(range(dp_rank, len(records), dp_size))
     batches = []
@@ -273,7 +273,7 @@ def rank_batches(records: list, batch_size: int, pad_id: int, dp_rank: int, dp_s
 
 def generate_sets(engine, batches: dict, sampling, desc: str) -> dict:
     """{set: [Experience per batch]}: one response per prompt of this rank's batches, from a
-    rollout engine (``ppo/rollout_engine.py``)."""
+    rollout engine (``generation/engines.py``)."""
     from tqdm import tqdm
 
     from megatron_rlhf.ppo.rollout import rollout
@@ -360,7 +360,7 @@ def run(args, plan: dict) -> int:
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.distributed import destroy, initialize_layouts
     from megatron_rlhf.distributed.groups import seed_layout
-    from megatron_rlhf.generation.cli import build_engine
+    from megatron_rlhf.generation.prompts import build_engine
 
     start = time.time()
     tokenizer, prompt_sets = plan["tokenizer"], plan["prompt_sets"]

@@ -223,14 +223,14 @@ class Roles:
     reference: Role
     critic: Role
     reward: Role | None
-    rollout: object  # ppo.rollout_engine.RolloutEngine
+    rollout: object  # generation.engines.RolloutEngine
 
 
 def build_roles(plan: PPOPlan, groups: dict, seed: int) -> Roles:
     """Load every model on its own layout's groups (the model-parallel RNG seeded per layout),
     wrap the actor and the critic in their TrainEngines, and set up the rollout engine."""
     from megatron_rlhf.distributed.groups import seed_layout
-    from megatron_rlhf.ppo.rollout_engine import build_rollout_engine
+    from megatron_rlhf.generation.engines import build_rollout_engine
     from megatron_rlhf.training import TrainEngine
 
     config, checkpoints = plan.config, plan.checkpoints

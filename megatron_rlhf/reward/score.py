@@ -288,7 +288,7 @@ def read_input(path: str, tokenizer_dir, append_eos: bool, vocab_size: int) -> S
 
 
 def _read_jsonl_responses(path, tokenizer, append_eos, vocab_size) -> ScoringInput:
-    from megatron_rlhf.generation.cli import read_prompts
+    from megatron_rlhf.generation.prompts import read_prompts
 
     prompts, responses, records, places = [], [], [], []
     prompt_rows = read_prompts(path, tokenizer)
@@ -359,7 +359,7 @@ def _read_indexed_pairs(prefix: str) -> ScoringInput:
 def _tokenizer(directory):
     if directory is None:
         return None
-    from megatron_rlhf.generation.cli import load_tokenizer
+    from megatron_rlhf.data.tokenizer import load_tokenizer
 
     return load_tokenizer(directory)
 
