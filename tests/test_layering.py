@@ -202,6 +202,21 @@ def test_the_package_check_sees_a_cycle_and_an_upward_edge():
     ]
 
 
+def test_config_schemas_import_without_torch():
+    """A command's config (and the planner that writes a train-ppo config) loads in
+    milliseconds: the schemas import neither torch nor megatron-core."""
+    import subprocess
+    import sys
+
+    schemas = ["ppo.config", "reward.config", "training.config", "planning.tools.cli"]
+    code = "import sys\n" + "".join(f"import {PACKAGE}.{name}\n" for name in schemas)
+    code += "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 if __name__ == "__main__":
     packages = package_graph(import_graph())
     for index, layer in enumerate(LAYERS):
