@@ -50,6 +50,7 @@ from megatron_rlhf.ppo.evaluate_report import (
     check_finite,
     sample_records,
     summarize_samples,
+    summary_fields,
     write_outputs,
 )
 from megatron_rlhf.utils import (
@@ -418,11 +419,7 @@ def run(args, plan: dict) -> int:
     report = {"sets": results, "settings": settings_of(args, plan)}
     if is_rank0():
         write_outputs(Path(args.output_dir), report, samples, args.label or args.policy)
-    fields = {}
-    for name, row in results.items():
-        fields[f"{name}_win_tie_lose"] = f"{row['win']}/{row['tie']}/{row['lose']}"
-        fields[f"{name}_net_win"] = round(row["net_win_rate"], 4)
-    print_summary("eval-policy", **fields, seconds=round(time.time() - start, 1),
+    print_summary("eval-policy", **summary_fields(report), seconds=round(time.time() - start, 1),
                   output=args.output_dir)  # fmt: skip
     return 0
 
