@@ -121,6 +121,18 @@ def check_output_path(path: str | os.PathLike, overwrite: bool, flag: str = "--o
     return path
 
 
+def check_output_dir(path: str | os.PathLike, overwrite: bool, flag: str = "--output-dir") -> Path:
+    """Refuse an output directory before any heavy work: a file at that path, an existing one
+    (unless ``overwrite``), or a place this process cannot write. Returns ``path`` as a Path."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{flag} {path}: is a file; give a directory")
+    if path.exists() and not overwrite:
+        raise InputError(f"{flag} {path}: exists; pass --overwrite or another {flag}")
+    check_writable_parent(path, flag)
+    return path
+
+
 def check_output_prefix(
     prefix: str | os.PathLike, suffixes: Iterable[str], overwrite: bool, flag: str
 ) -> Path:

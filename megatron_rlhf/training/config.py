@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar, Literal
 
 OPTIMIZER_CHECKPOINT_SHARDINGS = ("fully_reshardable", "dp_reshardable")
@@ -194,6 +195,8 @@ def config_problems(train: TrainConfig, data) -> list[str]:
         problems.append(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
     if data.eval is not None and data.eval_fraction > 0:
         problems.append("give data.eval or data.eval_fraction, not both")
+    if Path(train.output_dir).is_file():  # before any data or model is read
+        problems.append(f"train.output_dir {train.output_dir}: is a file; give a directory")
     return problems
 
 

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_rlhf.utils import InputError
+from megatron_rlhf.utils import InputError, check_output_dir
 
 COLUMNS = (
     "model", "params", "tp", "pp", "dp", "stage", "tokens_per_s", "peak_mem_measured_mb",
@@ -69,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         rows, work = plan_rows(args), work_from_args(args)
-        output = Path(args.output_dir)
-        if output.exists() and not args.overwrite:
-            raise InputError(f"{output}: exists; pass --overwrite to replace it")
+        output = check_output_dir(args.output_dir, args.overwrite)
     except InputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
