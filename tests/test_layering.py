@@ -7,7 +7,7 @@ the package's ``__init__``; the parent packages a submodule import loads on the 
 
 The same edges lifted to packages must follow :data:`LAYERS`: a package imports only packages
 on lower lines, so the package graph has no cycle either. ``python tests/test_layering.py``
-prints that graph, layer by layer, with one import behind each edge.
+prints that graph, layer by layer.
 """
 
 from __future__ import annotations
@@ -169,8 +169,10 @@ def test_every_package_has_a_place_in_the_order():
     declared = {unit for layer in LAYERS for unit in layer}
     assert len(declared) == sum(len(layer) for layer in LAYERS), "a name is on two lines"
     found = set(package_graph(import_graph()))
-    assert not found - declared, f"add {sorted(found - declared)} to LAYERS, on the lowest line "
-    "above every package it imports"
+    assert not found - declared, (
+        f"add {sorted(found - declared)} to LAYERS, on the lowest line above every package it "
+        "imports"
+    )
     assert not declared - found, f"{sorted(declared - found)} in LAYERS no longer exist"
 
 
