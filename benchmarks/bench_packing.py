@@ -93,7 +93,7 @@ PAD, EOS = 3, 2
 
 def prompts(seed: int, vocab: int, lengths: list[int]):
     """Random prompts of these lengths, left-padded to the longest."""
-    from megatron_rlhf.generation.cli import left_pad
+    from megatron_rlhf.generation.prompts import left_pad
 
     generator = torch.Generator().manual_seed(seed)
     rows = [torch.randint(4, vocab, (n,), generator=generator).tolist() for n in lengths]
@@ -347,7 +347,7 @@ def train_step_part(kind: str, size: str, args) -> dict:
     from megatron_rlhf.models.bloom.config import BloomArchitecture
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
     from megatron_rlhf.reward.train import PairBatches, make_loss_fn
-    from megatron_rlhf.training.engine import OptimConfig, TrainEngine
+    from megatron_rlhf.training import OptimConfig, TrainEngine
     from megatron_rlhf.training.sft import SequenceBatches, sft_loss
 
     batch, scale, longest = (8, 0.25, 256) if size == "real" else (32, 1.0, 512)
@@ -448,7 +448,7 @@ def update_part(size: str, args) -> dict:
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
     from megatron_rlhf.ppo.setup import Role
     from megatron_rlhf.ppo.update import ppo_update
-    from megatron_rlhf.training.engine import OptimConfig, TrainEngine
+    from megatron_rlhf.training import OptimConfig, TrainEngine
 
     batch, scale, longest = (8, 0.25, 256) if size == "real" else (32, 1.0, 512)
     ppo = SimpleNamespace(epochs=1, num_minibatches=1, micro_batch_size=4, clip_ratio=0.2,

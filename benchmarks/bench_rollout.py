@@ -199,8 +199,8 @@ def pp_worker(args) -> None:
     from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
     from megatron_rlhf.distributed.layouts import Layout
     from megatron_rlhf.generation import SamplingConfig, generate
+    from megatron_rlhf.generation.engines import build_rollout_engine
     from megatron_rlhf.models.bloom import BloomModel
-    from megatron_rlhf.ppo.rollout_engine import build_rollout_engine
 
     torch.set_num_threads(1)
     groups = initialize_layouts(

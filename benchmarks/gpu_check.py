@@ -204,13 +204,13 @@ def steps(output: Path) -> list[Step]:
             ],  # fmt: skip
             timeout_s=70,
             planned_s=50,
-            files=["tools/scaling_study.py", "megatron_rlhf/planning/study.py"],
+            files=["tools/scaling_study.py", "megatron_rlhf/planning/tools/study.py"],
             dry_run=[
                 [PYTHON, "tools/scaling_study.py", "--help"],
                 [
                     PYTHON,
                     "-c",
-                    "import sys; from megatron_rlhf.planning.sweep import build_parser, plan_rows; "
+                    "import sys; from megatron_rlhf.planning.tools.sweep import build_parser, plan_rows; "
                     "rows = plan_rows(build_parser().parse_args(sys.argv[1:])); print(len(rows), 'scaling rows')",
                     *SCALING_ARGS,
                     "--output-dir",

@@ -2,6 +2,7 @@
 Rehearsal" (arXiv 2309.10202) for BLOOM models on Megatron-Core.
 
 Folders follow the pipeline (see README.md):
+  runtime/       the run and output locks, process helpers (below every other package)
   distributed/   torch.distributed + Megatron-Core parallel state, the CPU compatibility layer
   models/bloom/  one BLOOM trunk on Megatron-Core (ModuleSpec) with an LM or scalar head per role
   checkpoint/    Hugging Face <-> Megatron conversion and distributed checkpoints

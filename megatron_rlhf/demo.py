@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_rlhf.utils import print_summary, write_jsonl
+from megatron_rlhf.utils import InputError, check_output_dir, print_summary, write_jsonl
 
 STAGES = 7
 SIZES = {"sft": 60, "pref_train": 150, "pref_test": 24, "ppo_prompts": 32, "main_test": 6,
@@ -69,11 +69,12 @@ def main(argv: list[str]) -> int:
     from megatron_rlhf.study.run import set_threads
 
     args = build_parser().parse_args(argv)
-    out = Path(args.output_dir)
+    try:
+        out = check_output_dir(args.output_dir, args.overwrite)
+    except InputError as err:
+        print(f"demo: error: {err}", file=sys.stderr)
+        return 2
     if out.exists():
-        if not args.overwrite:
-            print(f"error: {out} exists; pass --overwrite or another --output-dir", file=sys.stderr)
-            return 2
         shutil.rmtree(out)
     out.mkdir(parents=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -50,7 +50,7 @@ USER_OS_ERRORS = {
 
 
 # What every command gives back when it ends, however it ended, registered by the modules that
-# hold it (utils imports none of them): the run and output locks (training/run_lock.py), and
+# hold it (utils imports none of them): the run and output locks (runtime/locks.py), and
 # torch.distributed with Megatron's groups for a command run distributed (distributed/).
 _AT_COMMAND_END: dict[bool, list[Callable[[], None]]] = {False: [], True: []}
 
@@ -117,6 +117,18 @@ def check_output_path(path: str | os.PathLike, overwrite: bool, flag: str = "--o
         raise InputError(f"{flag} {path}: is a directory; give a file path")
     if path.exists() and not overwrite:
         raise InputError(f"{flag} {path}: already exists; pass --overwrite to replace it")
+    check_writable_parent(path, flag)
+    return path
+
+
+def check_output_dir(path: str | os.PathLike, overwrite: bool, flag: str = "--output-dir") -> Path:
+    """Refuse an output directory before any heavy work: a file at that path, an existing one
+    (unless ``overwrite``), or a place this process cannot write. Returns ``path`` as a Path."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{flag} {path}: is a file; give a directory")
+    if path.exists() and not overwrite:
+        raise InputError(f"{flag} {path}: exists; pass --overwrite or another {flag}")
     check_writable_parent(path, flag)
     return path
 

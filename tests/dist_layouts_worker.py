@@ -122,9 +122,9 @@ def rollouts(groups, hf_dir, sampling):
     from dist_bloom_common import ARCH_A, left_padded_batch
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
+    from megatron_rlhf.generation.engines import build_rollout_engine
     from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.ppo.rollout import rollout_global, step_row_seeds
-    from megatron_rlhf.ppo.rollout_engine import build_rollout_engine
 
     ids, mask = left_padded_batch(ARCH_A.vocab_size, [5, 3, 7, 2, 6, 1, 4, 5], seed=3)
     prompts = {"input_ids": ids, "attention_mask": mask, "index": torch.arange(8)}

@@ -44,8 +44,8 @@ def _setup(args):
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.distributed import ParallelConfig, initialize
     from megatron_rlhf.generation import SamplingConfig, generate
+    from megatron_rlhf.generation.engines import VLLMRolloutEngine
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
-    from megatron_rlhf.ppo.rollout_engine import VLLMRolloutEngine
 
     initialize(ParallelConfig(tp=args.tp))
     arch = tiny_architecture(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2)

@@ -581,7 +581,7 @@ def test_vocabulary_gradients_into_main_grad_equal_megatrons_path(single_process
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.models.bloom import vocab
     from megatron_rlhf.models.bloom.vocab import OPT_IN
-    from megatron_rlhf.training.engine import OptimConfig, TrainEngine
+    from megatron_rlhf.training import OptimConfig, TrainEngine
 
     ids, mask = left_padded_batch(ARCH_A.vocab_size, [9, 5, 7, 3], seed=5)
     microbatches = [

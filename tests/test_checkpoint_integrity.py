@@ -164,8 +164,8 @@ def check_export_matches_checkpoint(checkpoint: Path, work: Path) -> None:
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.checkpoint.convert import main as convert
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
-    from megatron_rlhf.generation.cli import left_pad
     from megatron_rlhf.generation.cli import main as generate
+    from megatron_rlhf.generation.prompts import left_pad
 
     for role in ("actor", "critic"):
         argv = ["megatron-to-hf", "--load", str(checkpoint), "--save", str(work / role)]

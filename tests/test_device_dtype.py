@@ -306,7 +306,7 @@ def test_training_checkpoints_pass_the_distributed_optimizer_a_format_it_can_sav
         load_training_checkpoint,
         save_training_checkpoint,
     )
-    from megatron_rlhf.training.engine import OPTIMIZER_CHECKPOINT_SHARDINGS, OptimConfig
+    from megatron_rlhf.training.config import OPTIMIZER_CHECKPOINT_SHARDINGS, OptimConfig
 
     assert "fully_sharded_model_space" not in OPTIMIZER_CHECKPOINT_SHARDINGS
     assert set(OPTIMIZER_CHECKPOINT_SHARDINGS) <= {
@@ -343,7 +343,7 @@ def test_training_checkpoints_pass_the_distributed_optimizer_a_format_it_can_sav
 
 
 def test_optimizer_checkpoint_sharding_is_validated():
-    from megatron_rlhf.training.engine import OptimConfig, optim_problems
+    from megatron_rlhf.training.config import OptimConfig, optim_problems
 
     assert optim_problems(OptimConfig(), "train.optim") == []
     problems = optim_problems(OptimConfig(checkpoint_sharding="fully_sharded_model_space"), "x")
@@ -358,7 +358,7 @@ def test_vllm_replicas_agree_on_calls_with_a_tensor_on_the_collective_device(mon
     with device type cpu"). The tensor must be on the collective's device: pointed at ``meta``
     here, a CPU tensor is caught."""
     import megatron_rlhf.distributed.parallel as parallel
-    from megatron_rlhf.ppo.rollout_engine import VLLMRolloutEngine
+    from megatron_rlhf.generation.engines import VLLMRolloutEngine
 
     class Stop(Exception):
         pass

@@ -118,12 +118,14 @@ def test_verdicts_at_the_margin_and_for_identical_responses():
     assert verdicts(policy, sft, identical, 0.0).tolist() == [1, -1, -1, 1, 0, 0]
 
 
-def test_score_fn_counts_match_an_independent_recount(data, tmp_path):
+def test_score_fn_counts_match_an_independent_recount(data, tmp_path, capsys):
     margin = 0.1
     # Seed 1: the draws must give all three verdicts (the default seed gave no "lose" after the
     # sampler moved to one uniform per (step, row); seeds 1, 2 and 3 all do).
     extra = ("--score-fn", SCORE_FN, "--tie-margin", str(margin), "--seed", "1")
     result = run_eval(data, tmp_path, *extra)
+    summary = [line for line in capsys.readouterr().out.splitlines() if "[eval-policy]" in line]
+    assert len(summary) == 1 and f" judge={SCORE_FN} judge_kind=score_fn " in summary[0]
     sets = result["report"]["sets"]
     assert result["report"]["settings"]["tie_margin"] == margin
     verdict_kinds = set()
@@ -147,6 +149,11 @@ def test_score_fn_counts_match_an_independent_recount(data, tmp_path):
             mean = sum(s[f"{who}_score"] for s in samples) / n
             assert row[f"mean_score_{who}"] == pytest.approx(mean, abs=1e-12)
         assert f"| {name} | {n} | {100 * counts['win'] / n:.2f} |" in result["markdown"]
+        win, tie, lose = (100 * counts[key] / n for key in ("win", "tie", "lose"))
+        assert (  # the one-line summary in the report's units (percent of the set's prompts)
+            f" {name}_win_tie_lose_pct={win:.1f}/{tie:.1f}/{lose:.1f} "
+            f"{name}_net_win_pct={win - lose:+.1f} " in summary[0]
+        )
     assert verdict_kinds == {"win", "tie", "lose"}  # the test exercises all three outcomes
     assert "| Model | Main Win ↑ | Main Lose ↓ | Main Tie | Forget Win ↑" in result["markdown"]
 

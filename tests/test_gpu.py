@@ -146,7 +146,7 @@ def _engine(arch, seed: int):
 
     from megatron_rlhf.models.bloom.model import BloomModel
     from megatron_rlhf.training import TrainEngine
-    from megatron_rlhf.training.engine import OptimConfig
+    from megatron_rlhf.training.config import OptimConfig
 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -1,9 +1,13 @@
-"""No import cycles between the modules of ``megatron_rlhf``.
+"""No import cycles between the modules of ``megatron_rlhf``, and its packages in one order.
 
 Every ``import`` is read with ``ast``, at module level and inside functions alike: an import
 moved into a function still ties the two modules together, it only hides the cycle until run
 time. An import of a package (``from megatron_rlhf.distributed import destroy``) is an edge to
 the package's ``__init__``; the parent packages a submodule import loads on the way are not.
+
+The same edges lifted to packages must follow :data:`LAYERS`: a package imports only packages
+on lower lines, so the package graph has no cycle either. ``python tests/test_layering.py``
+prints that graph, layer by layer.
 """
 
 from __future__ import annotations
@@ -13,6 +17,25 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "megatron_rlhf"
+
+LAYERS = (
+    ("utils", "megatron_rlhf"),
+    ("runtime", "config", "distributed"),
+    ("models", "data", "planning"),
+    ("checkpoint", "rehearsal"),
+    ("generation", "training"),
+    ("reward",),
+    ("ppo",),
+    ("study", "planning.tools"),
+    ("demo",),
+    ("cli",),
+    ("__main__",),
+)
+"""The package order, bottom first; a package imports only packages on lower lines. A name is a
+package or a top-level module of ``megatron_rlhf``; ``megatron_rlhf`` is its ``__init__`` (which
+also serves ``kernels/`` as ``megatron_rlhf.kernels``). ``planning`` is the pure cost model that
+training/ checks memory with, ``planning.tools`` the planner's tools that build models.
+``runtime``: locks and process helpers; ``config``: the config-file loader."""
 
 
 def module_files() -> dict[str, Path]:
@@ -110,3 +133,94 @@ def test_the_graph_sees_every_import():
         dist
     )
     assert cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == [["a", "b", "c"]]
+
+
+def unit_of(module: str) -> str:
+    """The :data:`LAYERS` name ``module`` belongs to: the longest that is a prefix of it."""
+    name = module.removeprefix(PACKAGE + ".") if module != PACKAGE else PACKAGE
+    names = [unit for layer in LAYERS for unit in layer]
+    matches = [u for u in names if name == u or name.startswith(u + ".")]
+    return max(matches, key=len) if matches else name.split(".")[0]
+
+
+def package_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, str]]:
+    """The module graph lifted to packages: ``{package: {imported package: first import}}``."""
+    packages: dict[str, dict[str, str]] = {}
+    for source, targets in graph.items():
+        edges = packages.setdefault(unit_of(source), {})
+        for target, line in targets.items():
+            if unit_of(target) != unit_of(source):
+                edges.setdefault(unit_of(target), f"{source}:{line} imports {target}")
+    return packages
+
+
+def upward_edges(packages: dict[str, dict[str, str]]) -> list[str]:
+    """Every import of a package on the same or a higher line of :data:`LAYERS`."""
+    layer = {unit: index for index, names in enumerate(LAYERS) for unit in names}
+    return [
+        f"{source} (layer {layer[source]}) -> {target} (layer {layer[target]}): {why}"
+        for source, targets in sorted(packages.items())
+        for target, why in sorted(targets.items())
+        if source in layer and target in layer and layer[target] >= layer[source]
+    ]
+
+
+def test_every_package_has_a_place_in_the_order():
+    declared = {unit for layer in LAYERS for unit in layer}
+    assert len(declared) == sum(len(layer) for layer in LAYERS), "a name is on two lines"
+    found = set(package_graph(import_graph()))
+    assert not found - declared, (
+        f"add {sorted(found - declared)} to LAYERS, on the lowest line above every package it "
+        "imports"
+    )
+    assert not declared - found, f"{sorted(declared - found)} in LAYERS no longer exist"
+
+
+def test_packages_import_only_lower_layers():
+    packages = package_graph(import_graph())
+    found = cycles(packages)
+    assert not found, "package import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+    wrong = upward_edges(packages)
+    assert not wrong, "imports against the package order (LAYERS):\n" + "\n".join(wrong)
+
+
+def test_the_package_check_sees_a_cycle_and_an_upward_edge():
+    graph = {
+        "megatron_rlhf.utils": {},
+        "megatron_rlhf.training.loop": {"megatron_rlhf.ppo.config": 12, "megatron_rlhf.utils": 3},
+        "megatron_rlhf.ppo.config": {"megatron_rlhf.training.config": 8},
+        "megatron_rlhf.training.config": {},
+        "megatron_rlhf.planning.tools.cli": {"megatron_rlhf.planning.memory": 5},
+        "megatron_rlhf.planning.memory": {},
+    }
+    packages = package_graph(graph)
+    assert packages["planning.tools"] == {
+        "planning": "megatron_rlhf.planning.tools.cli:5 imports megatron_rlhf.planning.memory"
+    }
+    assert cycles(packages) == [["ppo", "training"]]
+    assert upward_edges(packages) == [
+        "training (layer 4) -> ppo (layer 6): "
+        "megatron_rlhf.training.loop:12 imports megatron_rlhf.ppo.config"
+    ]
+
+
+def test_config_schemas_import_without_torch():
+    """A command's config (and the planner that writes a train-ppo config) loads in
+    milliseconds: the schemas import neither torch nor megatron-core."""
+    import subprocess
+    import sys
+
+    schemas = ["ppo.config", "reward.config", "training.config", "planning.tools.cli"]
+    code = "import sys\n" + "".join(f"import {PACKAGE}.{name}\n" for name in schemas)
+    code += "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+if __name__ == "__main__":
+    packages = package_graph(import_graph())
+    for index, layer in enumerate(LAYERS):
+        for unit in layer:
+            print(f"{index} {unit:<15} -> {', '.join(sorted(packages.get(unit, {}))) or '-'}")

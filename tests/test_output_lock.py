@@ -1,5 +1,5 @@
 """One command per output: every command that writes outside a training run locks its output
-(``.<name>.lock`` beside it, training/run_lock.py) right after checking it, so a second command
+(``.<name>.lock`` beside it, runtime/locks.py) right after checking it, so a second command
 on the same output exits 2 naming the holder, before it loads anything or writes."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def held(tmp_path):
     def hold(path: Path, flag: str):
         script = (
             "import sys, time\n"
-            "from megatron_rlhf.training.run_lock import lock_output\n"
+            "from megatron_rlhf.runtime.locks import lock_output\n"
             f"lock_output({str(path)!r}, {flag!r})\n"
             "print('locked', flush=True)\n"
             "time.sleep(120)\n"

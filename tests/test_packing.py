@@ -113,8 +113,7 @@ def test_sft_packed_equals_padded(tmp_path):
     from test_engine_parallel import write_sft_data
 
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
-    from megatron_rlhf.training.command import ModelConfig
-    from megatron_rlhf.training.engine import OptimConfig
+    from megatron_rlhf.training.config import ModelConfig, OptimConfig
     from megatron_rlhf.training.sft import DataConfig, SFTConfig, TrainConfig, run
 
     save_random_hf_bloom(tmp_path / "hf", tiny_architecture(vocab_size=250, num_layers=2), seed=3)

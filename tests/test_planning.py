@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from megatron_rlhf.planning import hardware
-from megatron_rlhf.planning.cli import main as plan_main
 from megatron_rlhf.planning.shapes import (
     BLOOM_PRESETS,
     ModelShape,
@@ -17,6 +16,7 @@ from megatron_rlhf.planning.shapes import (
     model_shape,
     rank_params,
 )
+from megatron_rlhf.planning.tools.cli import main as plan_main
 
 ROLES = ("actor", "reference", "critic", "reward")
 
@@ -59,7 +59,7 @@ def test_rank_params_sum_to_the_model():
 def test_planned_memory_within_15_percent_of_measured_tiny():
     """One tiny model, every stage, one process: the profiler's peak vs the planner."""
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
-    from megatron_rlhf.planning.study import SHAPES, STAGES, StudyWork, run_row
+    from megatron_rlhf.planning.tools.study import SHAPES, STAGES, StudyWork, run_row
 
     initialize(ParallelConfig())
     try:
@@ -81,7 +81,7 @@ def test_planned_packed_memory_within_15_percent_of_measured():
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
     from megatron_rlhf.distributed.layouts import Layout
     from megatron_rlhf.planning.memory import Workload, train_memory
-    from megatron_rlhf.planning.study import SHAPES, StudyWork, run_row
+    from megatron_rlhf.planning.tools.study import SHAPES, StudyWork, run_row
 
     work = StudyWork(micro_batch=8, prompt_len=48, response_len=48, packed=True)
     initialize(ParallelConfig())
@@ -108,7 +108,7 @@ def test_planned_memory_within_15_percent_of_measured_tiny_tp2(tmp_path):
     from torchrun_util import REPO, run_torchrun
 
     rows = [["tiny", 2, 1, stage] for stage in ("actor_train", "critic_train", "score", "generate")]
-    study = REPO / "megatron_rlhf" / "planning" / "study.py"
+    study = REPO / "megatron_rlhf" / "planning" / "tools" / "study.py"
     results = run_torchrun(
         study, 2, tmp_path / "rows.json", "--rows", json.dumps(rows), "--work", "{}"
     )
@@ -121,7 +121,7 @@ def test_cpu_peak_subtracts_frees_on_other_threads():
     the measured total: the peak is one tensor, not one per iteration."""
     import threading
 
-    from megatron_rlhf.planning.study import _memory_tracker
+    from megatron_rlhf.planning.tools.study import _memory_tracker
 
     numel = 1 << 16
     with _memory_tracker() as tracker:

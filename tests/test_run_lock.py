@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 HOLD = """
 import sys, time
-from megatron_rlhf.training import run_lock
-run_lock.acquire(sys.argv[1])
+from megatron_rlhf.runtime import locks
+locks.acquire(sys.argv[1])
 print("held", flush=True)
 time.sleep(120)
 """
@@ -81,21 +81,21 @@ def test_a_second_run_on_a_locked_directory_exits_2_naming_the_holder(
 
 
 def test_a_record_from_another_host_is_refused_with_how_to_clear_it(tmp_path):
-    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.runtime import locks
     from megatron_rlhf.utils import InputError
 
     (tmp_path / ".run.lock").write_text(
         json.dumps({"host": "node-17", "pid": 4242, "started": "2026-01-01T00:00:00+00:00"})
     )
     with pytest.raises(InputError, match=r"another host \(host node-17, pid 4242, started 2026"):
-        run_lock.acquire(tmp_path)
+        locks.acquire(tmp_path)
     with pytest.raises(InputError, match=rf"clear the lock with `rm {tmp_path / '.run.lock'}`"):
-        run_lock.acquire(tmp_path)
+        locks.acquire(tmp_path)
     (tmp_path / ".run.lock").unlink()
-    run_lock.acquire(tmp_path)
-    run_lock.acquire(tmp_path)  # held by this process already: a no-op
+    locks.acquire(tmp_path)
+    locks.acquire(tmp_path)  # held by this process already: a no-op
     assert json.loads((tmp_path / ".run.lock").read_text())["pid"] == os.getpid()
-    run_lock.release()
+    locks.release()
     assert list(tmp_path.iterdir()) == []
 
 
@@ -163,26 +163,26 @@ def test_concurrent_launches_one_runs_the_other_exits_2(reward_setup, tmp_path):
 def test_without_flock_the_record_alone_guards_the_directory(tmp_path, monkeypatch, capsys):
     import errno
 
-    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.runtime import locks
     from megatron_rlhf.utils import InputError
 
     def no_flock(fd, operation):
         raise OSError(errno.ENOSYS, "Function not implemented")
 
-    monkeypatch.setattr(run_lock.fcntl, "flock", no_flock)
+    monkeypatch.setattr(locks.fcntl, "flock", no_flock)
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         record = {"host": socket.gethostname(), "pid": alive.pid, "started": "2026-01-01"}
         (tmp_path / ".run.lock").write_text(json.dumps(record))
         with pytest.raises(InputError, match=rf"another run is using .*pid {alive.pid}, started"):
-            run_lock.acquire(tmp_path)
+            locks.acquire(tmp_path)
     finally:
         alive.kill()
         alive.wait()
-    run_lock.acquire(tmp_path)  # its pid is gone now: stale, taken over
+    locks.acquire(tmp_path)  # its pid is gone now: stale, taken over
     err = capsys.readouterr().err
     assert "does not support flock (Function not implemented)" in err
     assert f"stale lock, held by no process on this host (host {socket.gethostname()}" in err
     assert json.loads((tmp_path / ".run.lock").read_text())["pid"] == os.getpid()
-    run_lock.release()
+    locks.release()
     assert not (tmp_path / ".run.lock").exists()

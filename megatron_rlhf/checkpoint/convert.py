@@ -39,7 +39,7 @@ def hf_to_megatron(args) -> int:
     from megatron_rlhf.checkpoint.hf_io import HFReader, load_hf_into_model
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, validate
     from megatron_rlhf.models.bloom import BloomModel
-    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.runtime import locks
 
     _default_head(args)
     reader = HFReader(args.load, head=args.head)
@@ -50,7 +50,7 @@ def hf_to_megatron(args) -> int:
     _check_save(args)
     if "WORLD_SIZE" not in os.environ and args.tp * args.pp > 1:
         return _relaunch_under_torchrun(args.tp * args.pp)
-    run_lock.lock_output(args.save, "--save")  # rank 0 of the (re)launched processes
+    locks.lock_output(args.save, "--save")  # rank 0 of the (re)launched processes
     if int(os.environ.get("WORLD_SIZE", "1")) != args.tp * args.pp:
         raise InputError(
             f"launched with {os.environ.get('WORLD_SIZE')} processes; hf-to-megatron needs "
@@ -147,7 +147,7 @@ def megatron_to_hf(args) -> int:
     from megatron_rlhf.checkpoint.hf_names import full_hf_name, mapping_for
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, validate
     from megatron_rlhf.models.bloom import BloomModel
-    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.runtime import locks
 
     saved = dist_ckpt.read_metadata(args.load)
     if saved.get("format") == HF_FORMAT:
@@ -158,7 +158,7 @@ def megatron_to_hf(args) -> int:
     _check_save(args)
     if "WORLD_SIZE" not in os.environ and args.pp > 1:
         return _relaunch_under_torchrun(args.pp)
-    run_lock.lock_output(args.save, "--save")
+    locks.lock_output(args.save, "--save")
     if int(os.environ.get("WORLD_SIZE", "1")) != args.pp:  # each rank writes one stage's shard
         raise InputError(
             f"launched with {os.environ.get('WORLD_SIZE')} processes; megatron-to-hf needs "

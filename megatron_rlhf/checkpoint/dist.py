@@ -12,10 +12,12 @@ read through a restricted unpickler (checkpoint/safe_pickle.py) and ``common.pt`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import pickle
 import shutil
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -96,7 +98,8 @@ def save(
         partial.mkdir(parents=True)
     _barrier()
     _results_queue_without_spawn()
-    dist_checkpointing.save(sharded_state_dict, str(partial))
+    with _quiet_upstream_deprecations():
+        dist_checkpointing.save(sharded_state_dict, str(partial))
     if rank_state is not None:
         (partial / "rank_state").mkdir(exist_ok=True)
         (partial / "rank_state" / f"{_rank():05d}.json").write_text(json.dumps(rank_state))
@@ -119,13 +122,13 @@ def _results_queue_without_spawn() -> None:
     server process re-imports the caller's ``__main__``: a script that calls a command's
     ``main()`` without an ``if __name__ == "__main__":`` guard would run itself again at the first
     save. A *fork* ``Manager`` serves the same queue and re-imports nothing (the writer processes
-    are forked too); the kernel kills it when this process dies (training/signals.py)."""
+    are forked too); the kernel kills it when this process dies (runtime/processes.py)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
         from multiprocessing.managers import SyncManager
 
-        from megatron_rlhf.training.signals import die_with_parent
+        from megatron_rlhf.runtime.processes import die_with_parent
 
         manager = SyncManager(ctx=multiprocessing.get_context("fork"))
         manager.start(initializer=die_with_parent)  # no orphan if the trainer is killed
@@ -182,9 +185,10 @@ def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False)
     safe_pickle.load_metadata(directory / ".metadata")  # refused here, named, before Megatron
     safe_pickle.check_weights_only(directory / "common.pt")
     try:
-        loaded = dist_checkpointing.load(
-            sharded_state_dict, str(directory), validate_access_integrity=not partial
-        )
+        with _quiet_upstream_deprecations():
+            loaded = dist_checkpointing.load(
+                sharded_state_dict, str(directory), validate_access_integrity=not partial
+            )
     except DAMAGED_CHECKPOINT_ERRORS as err:
         raise InputError(
             f"{directory}: cannot be loaded, a file is missing, truncated or corrupt "
@@ -193,6 +197,19 @@ def load(directory: str | Path, sharded_state_dict: dict, partial: bool = False)
     # The checkpoint's common (non-tensor) state comes back too, e.g. a training checkpoint's
     # optimizer param groups under its role name: return only the keys that were asked for.
     return {key: value for key, value in loaded.items() if key in sharded_state_dict}
+
+
+@contextlib.contextmanager
+def _quiet_upstream_deprecations():
+    """torch 2.13 deprecates ShardedTensor and ``torch.distributed.checkpoint.load_state_dict``,
+    which Megatron-Core 0.16.1's dist_checkpointing uses on every load (its strategies/torch.py:799
+    calls ``load_state_dict``; its planner builds ShardedTensors). No argument of ours picks
+    either, so their FutureWarnings are silenced around its calls, until Megatron-Core moves to
+    DTensor and ``dcp.load``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`load_state_dict` is deprecated", FutureWarning)
+        warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
+        yield
 
 
 def load_rank_state(directory: str | Path) -> dict | None:

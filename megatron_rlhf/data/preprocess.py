@@ -350,9 +350,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.runtime import locks
 
     check_output_prefix(args.output_prefix, [".json"], args.overwrite, "--output-prefix")
-    run_lock.lock_output(args.output_prefix, "--output-prefix")
+    locks.lock_output(args.output_prefix, "--output-prefix")
     preprocess(config_from_args(args))
     return 0

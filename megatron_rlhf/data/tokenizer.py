@@ -86,20 +86,23 @@ def _portable_config(config_path: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
-def load_tokenizer(tokenizer_dir: str | os.PathLike):
-    """Load a local Hugging Face tokenizer directory (never downloads)."""
+def load_tokenizer(tokenizer_dir: str | os.PathLike, flag: str = "--tokenizer"):
+    """Load a local Hugging Face tokenizer directory (never downloads); ``flag``: the option or
+    key that named it, for the error."""
     from transformers import AutoTokenizer
 
     path = Path(tokenizer_dir)
     if not path.is_dir():
         raise InputError(
-            f"--tokenizer {tokenizer_dir}: no such directory; give a local Hugging Face "
+            f"{flag} {tokenizer_dir}: no such directory; give a local Hugging Face "
             "tokenizer directory (e.g. one written by save_pretrained or train_tiny_tokenizer)"
         )
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise InputError(f"--tokenizer {tokenizer_dir}: cannot load a tokenizer ({err})") from None
+    except Exception as err:  # the tokenizers library raises bare Exceptions on a bad file
+        raise InputError(
+            f"{flag} {tokenizer_dir}: cannot load a Hugging Face tokenizer ({err})"
+        ) from None
 
 
 def tokenizer_info(tokenizer, tokenizer_dir: str | os.PathLike | None = None) -> dict:

@@ -1,4 +1,6 @@
-"""The rollout engine: batched, left-padded, KV-cached generation at any TP/PP."""
+"""Generation: batched, left-padded, KV-cached decoding at any TP/PP (``engine``), the rollout
+engines that choose which model generates in which layout (``engines``: our decode, a resharded
+copy, vLLM), and reading prompts for the commands that generate (``prompts``)."""
 
 from megatron_rlhf.utils import lazy_exports
 

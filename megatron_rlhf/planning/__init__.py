@@ -8,5 +8,7 @@
 - ``plan``: candidate layouts per role and for the rollout, the ones that fit, ranked by an
   estimated step time; JSON and a runnable ``train-ppo`` config.
 
-Pure arithmetic (torch is imported only by the measuring study): ``tools/plan_parallelism.py`` answers in well under a second.
+Pure arithmetic, used by training/ to check memory before a run; the tools that build models
+(``tools/``: the CLI, the scaling sweep and the measuring study) sit above training in the
+package order. ``tools/plan_parallelism.py`` answers in well under a second.
 """

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rlhf.distributed.layouts import ParallelSection
-from megatron_rlhf.training.engine import OptimConfig
+from megatron_rlhf.training.config import OptimConfig
 
 
 @dataclass(kw_only=True)

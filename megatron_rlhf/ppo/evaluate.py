@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rlhf.distributed.layouts import add_parallel_arguments, parallel_from_args
-from megatron_rlhf.generation.cli import (
+from megatron_rlhf.generation.prompts import (
     add_generation_arguments,
     check_generation_arguments,
     sampling_from_args,
@@ -50,6 +50,7 @@ from megatron_rlhf.ppo.evaluate_report import (
     check_finite,
     sample_records,
     summarize_samples,
+    summary_fields,
     write_outputs,
 )
 from megatron_rlhf.utils import (
@@ -114,9 +115,9 @@ def validate_inputs(args) -> dict:
     from megatron_rlhf.checkpoint import checkpoint_architecture
     from megatron_rlhf.distributed import ParallelConfig, validate
     from megatron_rlhf.distributed.layouts import Layout
-    from megatron_rlhf.generation.cli import read_prompts, resolve_tokenizer
+    from megatron_rlhf.generation.prompts import read_prompts, resolve_tokenizer
     from megatron_rlhf.ppo.setup import import_reward_fn, world_size
-    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.runtime import locks
 
     if (args.judge is None) == (args.score_fn is None):
         raise InputError("give exactly one judge: --judge CHECKPOINT or --score-fn pkg.mod:fn")
@@ -124,7 +125,7 @@ def validate_inputs(args) -> dict:
     _check_numbers(args)
     for name in OUTPUT_FILES:
         check_output_path(Path(args.output_dir) / name, args.overwrite, "--output-dir")
-    run_lock.lock_output(args.output_dir, "--output-dir")
+    locks.lock_output(args.output_dir, "--output-dir")
     policy_dir = resolve_policy_dir(args.policy)
     model_dirs = {"--policy": policy_dir, "--sft": args.sft}
     if args.judge is not None:
@@ -260,7 +261,7 @@ def rank_batches(records: list, batch_size: int, pad_id: int, dp_rank: int, dp_s
     of batches."""
     import torch
 
-    from megatron_rlhf.generation.cli import left_pad
+    from megatron_rlhf.generation.prompts import left_pad
 
     mine = list(range(dp_rank, len(records), dp_size))
     batches = []
@@ -273,7 +274,7 @@ def rank_batches(records: list, batch_size: int, pad_id: int, dp_rank: int, dp_s
 
 def generate_sets(engine, batches: dict, sampling, desc: str) -> dict:
     """{set: [Experience per batch]}: one response per prompt of this rank's batches, from a
-    rollout engine (``ppo/rollout_engine.py``)."""
+    rollout engine (``generation/engines.py``)."""
     from tqdm import tqdm
 
     from megatron_rlhf.ppo.rollout import rollout
@@ -360,7 +361,7 @@ def run(args, plan: dict) -> int:
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.distributed import destroy, initialize_layouts
     from megatron_rlhf.distributed.groups import seed_layout
-    from megatron_rlhf.generation.cli import build_engine
+    from megatron_rlhf.generation.prompts import build_engine
 
     start = time.time()
     tokenizer, prompt_sets = plan["tokenizer"], plan["prompt_sets"]
@@ -418,11 +419,7 @@ def run(args, plan: dict) -> int:
     report = {"sets": results, "settings": settings_of(args, plan)}
     if is_rank0():
         write_outputs(Path(args.output_dir), report, samples, args.label or args.policy)
-    fields = {}
-    for name, row in results.items():
-        fields[f"{name}_win_tie_lose"] = f"{row['win']}/{row['tie']}/{row['lose']}"
-        fields[f"{name}_net_win"] = round(row["net_win_rate"], 4)
-    print_summary("eval-policy", **fields, seconds=round(time.time() - start, 1),
+    print_summary("eval-policy", **summary_fields(report), seconds=round(time.time() - start, 1),
                   output=args.output_dir)  # fmt: skip
     return 0
 

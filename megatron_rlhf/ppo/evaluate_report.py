@@ -151,6 +151,18 @@ def markdown_report(report: dict, label: str) -> str:
     return "\n".join(lines)
 
 
+def summary_fields(report: dict) -> dict:
+    """The one-line summary: which judge scored, then per set win/tie/lose and the net win rate
+    in percent of the set's prompts (the units of eval_policy.md and the demo's table)."""
+    settings = report["settings"]
+    fields = {"judge": settings["judge"], "judge_kind": settings["judge_kind"]}
+    for name, row in report["sets"].items():
+        rates = (100 * row[key] for key in ("win_rate", "tie_rate", "lose_rate"))
+        fields[f"{name}_win_tie_lose_pct"] = "/".join(f"{rate:.1f}" for rate in rates)
+        fields[f"{name}_net_win_pct"] = f"{100 * row['net_win_rate']:+.1f}"
+    return fields
+
+
 OUTPUT_FILES = ("eval_policy_samples.jsonl", "eval_policy.md", "eval_policy.json")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from megatron_rlhf.config import to_dict
-from megatron_rlhf.generation.cli import resolve_tokenizer
+from megatron_rlhf.generation.prompts import resolve_tokenizer
 from megatron_rlhf.utils import is_rank0
 
 

@@ -52,7 +52,7 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
     """Every check that needs no model memory; returns the resolved plan (``config`` itself is
     not changed)."""
     from megatron_rlhf.training.checkpointing import checkpoint_in
-    from megatron_rlhf.training.engine import optim_problems
+    from megatron_rlhf.training.config import optim_problems
 
     models = replace(
         config.models,
@@ -238,14 +238,14 @@ class Roles:
     reference: Role
     critic: Role
     reward: Role | None
-    rollout: object  # ppo.rollout_engine.RolloutEngine
+    rollout: object  # generation.engines.RolloutEngine
 
 
 def build_roles(plan: PPOPlan, groups: dict, seed: int) -> Roles:
     """Load every model on its own layout's groups (the model-parallel RNG seeded per layout),
     wrap the actor and the critic in their TrainEngines, and set up the rollout engine."""
     from megatron_rlhf.distributed.groups import seed_layout
-    from megatron_rlhf.ppo.rollout_engine import build_rollout_engine
+    from megatron_rlhf.generation.engines import build_rollout_engine
     from megatron_rlhf.training import TrainEngine
 
     config, checkpoints = plan.config, plan.checkpoints

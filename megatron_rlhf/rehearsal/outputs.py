@@ -166,15 +166,15 @@ def sweep_markdown(summaries: list[dict], top_k: int) -> str:
 
 def check_outputs(config: RehearsalConfig) -> None:
     """Refuse an earlier run's outputs (unless ``overwrite``) before any work."""
-    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.runtime import locks
 
     prefix = Path(config.output_prefix)
     if len(config.clusters) == 1:
         check_output_prefix(prefix, PREFIX_OUTPUTS, config.overwrite, "--output-prefix")
-        run_lock.lock_output(prefix, "--output-prefix")
+        locks.lock_output(prefix, "--output-prefix")
         return
     check_output_prefix(prefix, (".sweep.md", ".sweep.json"), config.overwrite, "--output-prefix")
     for clusters in config.clusters:
         swept = prefix.with_name(f"{prefix.name}_c{clusters}")
         check_output_prefix(swept, PREFIX_OUTPUTS, config.overwrite, "--output-prefix")
-    run_lock.lock_output(prefix, "--output-prefix")
+    locks.lock_output(prefix, "--output-prefix")

@@ -1,7 +1,7 @@
 """``train-reward``'s config: its sections, their defaults and the checks of their values.
 
 The ``model``, ``parallel`` and ``train`` sections are the single-model trainers' (training/
-command.py); ``data``, ``am`` and the loss are the reward model's. :func:`config_problems`
+config.py); ``data``, ``am`` and the loss are the reward model's. :func:`config_problems`
 checks a config before anything is opened, :func:`check_policy_column` the ``am`` keys against
 the preference data once it is.
 """
@@ -11,16 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_rlhf.reward.losses import DEFAULT_MARGIN
-from megatron_rlhf.training import command
-from megatron_rlhf.training.command import LayoutConfig, ModelConfig, log
-from megatron_rlhf.training.deepspeed_engine import DeepSpeedConfig
-from megatron_rlhf.training.engine import OptimConfig, optim_problems
+from megatron_rlhf.training import config as shared
+from megatron_rlhf.training.config import (
+    DeepSpeedConfig,
+    LayoutConfig,
+    ModelConfig,
+    OptimConfig,
+    optim_problems,
+)
 from megatron_rlhf.utils import InputError
+
+DEFAULT_MARGIN = 2.5
+"""m(x) of Eq. 6; the paper uses the constant 2.5 throughout."""
 
 
 @dataclass(kw_only=True)
-class DataConfig(command.DataConfig):
+class DataConfig(shared.DataConfig):
     """Preference data: prefixes written by ``tools/preprocess_data.py --kind preference``."""
 
     max_length: int | None = None
@@ -43,7 +49,7 @@ class AMConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig(command.TrainConfig):
+class TrainConfig(shared.TrainConfig):
     """Batching, evaluation, checkpointing and logging (an example is a preference pair)."""
 
     global_batch_size: int = 180
@@ -72,7 +78,7 @@ class RewardTrainConfig:
 
 def config_problems(config: RewardTrainConfig) -> list[str]:
     """What is wrong with ``config`` (every problem, in one list)."""
-    problems = command.config_problems(config.train, config.data)
+    problems = shared.config_problems(config.train, config.data)
     if config.am.margin <= 0:
         problems.append(f"am.margin={config.am.margin} must be > 0")
     problems += optim_problems(config.optim, "optim")
@@ -85,6 +91,8 @@ def config_problems(config: RewardTrainConfig) -> list[str]:
 
 def check_policy_column(config: RewardTrainConfig, dataset) -> None:
     """``am.policy_column`` and the Eq. 8 clip against the behaviour log-probs of ``dataset``."""
+    from megatron_rlhf.training.command import log
+
     column, count = config.am.policy_column, dataset.num_behaviour_policies
     if config.loss != "am" or column is None:
         if count and config.loss == "am":

@@ -133,14 +133,14 @@ def run(args) -> int:
 
     from megatron_rlhf.rehearsal.staging import staged_outputs
     from megatron_rlhf.reward import plots
-    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.runtime import locks
 
     out = Path(args.output_dir)
     if out.is_file():
         raise InputError(f"--output-dir {out}: is a file; give a directory")
     for name in OUTPUT_FILES:
         check_output_path(out / name, args.overwrite, "--output-dir")
-    run_lock.lock_output(out, "--output-dir")
+    locks.lock_output(out, "--output-dir")
     if args.bins < 1:
         raise InputError(f"--bins must be >= 1, got {args.bins}")
     chosen, rejected, tasks = read_score_pairs(args.scores)

@@ -31,8 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-DEFAULT_MARGIN = 2.5
-"""m(x) of Eq. 6; the paper uses the constant 2.5 throughout."""
+from megatron_rlhf.reward.config import DEFAULT_MARGIN
 
 
 def bradley_terry_loss(

@@ -100,11 +100,11 @@ def run(args) -> int:
     from megatron_rlhf.checkpoint.dist import TOKENIZER_FILES, read_metadata
     from megatron_rlhf.checkpoint.hf_io import hf_reward_outputs
     from megatron_rlhf.distributed import ParallelConfig, initialize
-    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.runtime import locks
 
     parallel_from_args(args)  # args.tp, args.pp
     check_output_path(args.output, args.overwrite)
-    run_lock.lock_output(args.output, "--output")
+    locks.lock_output(args.output, "--output")
     if args.batch_size < 1:
         raise InputError(f"--batch-size {args.batch_size}: must be at least 1")
     if args.max_prompt_length is not None and args.max_prompt_length < 1:
@@ -288,7 +288,7 @@ def read_input(path: str, tokenizer_dir, append_eos: bool, vocab_size: int) -> S
 
 
 def _read_jsonl_responses(path, tokenizer, append_eos, vocab_size) -> ScoringInput:
-    from megatron_rlhf.generation.cli import read_prompts
+    from megatron_rlhf.generation.prompts import read_prompts
 
     prompts, responses, records, places = [], [], [], []
     prompt_rows = read_prompts(path, tokenizer)
@@ -359,7 +359,7 @@ def _read_indexed_pairs(prefix: str) -> ScoringInput:
 def _tokenizer(directory):
     if directory is None:
         return None
-    from megatron_rlhf.generation.cli import load_tokenizer
+    from megatron_rlhf.data.tokenizer import load_tokenizer
 
     return load_tokenizer(directory)
 

@@ -42,13 +42,15 @@ import torch
 from megatron_rlhf.reward.config import (
     AMConfig,
     DataConfig,
+    LayoutConfig,
+    ModelConfig,
     RewardTrainConfig,
     TrainConfig,
     check_policy_column,
     config_problems,
 )
 from megatron_rlhf.training import command, loop
-from megatron_rlhf.training.command import LayoutConfig, ModelConfig, to_device
+from megatron_rlhf.training.command import to_device
 from megatron_rlhf.utils import InputError
 
 __all__ = [  # the config's names stay importable from here

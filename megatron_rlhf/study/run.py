@@ -46,7 +46,14 @@ from pathlib import Path
 from megatron_rlhf.study import stages, world
 from megatron_rlhf.study.presets import PRESETS, Preset, runs_sweep, seed_range
 from megatron_rlhf.study.stages import RECORDS_ARCHIVE
-from megatron_rlhf.utils import InputError, atomic_output, print_summary, write_json, write_jsonl
+from megatron_rlhf.utils import (
+    InputError,
+    atomic_output,
+    check_output_dir,
+    print_summary,
+    write_json,
+    write_jsonl,
+)
 
 DEFAULT_MARGIN = 2.5
 # arm -> (reward model, PPO options); rehearsal: "main" | "random" | (c, k)
@@ -121,12 +128,12 @@ def main(argv: list[str]) -> int:
     if jobs < 1:
         print("study: error: --jobs must be >= 1", file=sys.stderr)
         return 2
-    out = Path(args.output_dir)
+    try:
+        out = check_output_dir(args.output_dir, args.overwrite)
+    except InputError as err:
+        print(f"study: error: {err}", file=sys.stderr)
+        return 2
     if out.exists():
-        if not args.overwrite:
-            print(f"study: error: {out} exists; pass --overwrite or another --output-dir",
-                  file=sys.stderr)  # fmt: skip
-            return 2
         shutil.rmtree(out)
     if args.from_records:
         return recompute(Path(args.from_records), out)

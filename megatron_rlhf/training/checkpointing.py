@@ -158,7 +158,7 @@ def load_training_checkpoint(directory: str | Path, engines: dict) -> dict:
     """Restore ``engines`` and the RNG from ``directory``; return the trainer state. Each role's
     optimizer state is read in the format it was saved in (older checkpoints, which do not
     record it, in the engine's configured one)."""
-    from megatron_rlhf.training.engine import OPTIMIZER_CHECKPOINT_SHARDINGS
+    from megatron_rlhf.training.config import OPTIMIZER_CHECKPOINT_SHARDINGS
 
     saved = dist_ckpt.read_metadata(directory).get(OPTIMIZER_SHARDING_KEY, {})
     for role, sharding in saved.items():

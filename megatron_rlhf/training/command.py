@@ -1,128 +1,24 @@
 """What the single-model training commands (``train-sft``, ``train-reward``) share besides
 their loop (training/loop.py).
 
-The ``model``, ``parallel``, ``data`` and ``train`` sections of their configs and their
-checks, the command-line wrapper, building (or resuming) the engine, the held-out split, the
-bf16 choice, averaging step metrics over the reporting ranks, and the run log: a tqdm bar,
+The command-line wrapper, building (or resuming) the engine, the held-out split, the bf16
+choice, averaging step metrics over the reporting ranks, and the run log: a tqdm bar,
 TensorBoard scalars and ``metrics.jsonl`` (one JSON line per logged step; a resumed run first
-drops the lines after its checkpoint, so the file reads like one uninterrupted run).
+drops the lines after its checkpoint, so the file reads like one uninterrupted run). Their
+config sections and checks are in training/config.py.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 
+from megatron_rlhf.training.config import RESUMABLE_CHANGES
 from megatron_rlhf.utils import InputError, atomic_output, is_rank0
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    """Where the model comes from and how it is built (its layout: the ``parallel`` section)."""
-
-    MOVED_KEYS: ClassVar[dict[str, str]] = {
-        "tp": "parallel.tp",
-        "pp": "parallel.pp",
-        "sequence_parallel": "parallel.sequence_parallel",
-    }
-    """Layout keys this section once had, and where they are now (train-ppo's dialect)."""
-
-    load: str
-    """Hugging Face BLOOM directory or megatron-rlhf checkpoint with the same head."""
-    bf16: bool | Literal["auto"] = "auto"
-    """bf16 parameters; "auto" = bf16 on GPU, fp32 on CPU (bf16 needs a GPU)."""
-    recompute_activations: bool = False
-    """Recompute each layer's activations in the backward pass (saves memory)."""
-    seed: int = 1234
-    """Model-parallel RNG seed."""
-
-
-@dataclass(kw_only=True)
-class LayoutConfig:
-    """The ``parallel`` section: how the one trained model is split over the launch's ranks
-    (``train-ppo``'s ``parallel.tp/pp/sequence_parallel``, without per-role layouts)."""
-
-    tp: int = 1
-    """Tensor-parallel size."""
-    pp: int = 1
-    """Pipeline-parallel size."""
-    sequence_parallel: bool = False
-    """Sequence parallelism over the TP group (tp > 1)."""
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    """Training and held-out examples: ``tools/preprocess_data.py`` output prefixes (each
-    command's subclass adds ``max_length``)."""
-
-    train: str
-    """Training examples."""
-    eval: str | None = None
-    """Held-out examples; None holds out ``eval_fraction`` of ``train``."""
-    eval_fraction: float = 0.0
-    """Share of ``train`` held out for evaluation when ``eval`` is None (0: no evaluation)."""
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """Batching, evaluation, checkpointing and logging. An example is a preference pair for
-    ``train-reward`` (two sequences) and a sequence for ``train-sft``."""
-
-    output_dir: str
-    """Checkpoints, TensorBoard logs, metrics.jsonl and the resolved config go here."""
-    global_batch_size: int = 64
-    """Examples per optimizer step."""
-    micro_batch_size: int = 1
-    """Examples per forward pass; global = micro × microbatches × dp."""
-    packing: bool = True
-    """Pack the real tokens of several examples back to back into each micro-batch (no
-    padding computed; attention stays within each example, data/packing.py) instead of padding
-    ``micro_batch_size`` examples to the longest. The global batch is the same examples either
-    way, balanced by tokens over the data-parallel ranks, and the loss the same token (pair)
-    mean, so losses, gradients and weights equal the padded path's up to rounding. The number
-    of micro-batches then varies by step. ``train-reward``'s DeepSpeed backend always pads."""
-    max_tokens_per_micro_batch: int | None = None
-    """Packing's token budget per micro-batch (None: ``micro_batch_size`` × the longest an
-    example may be, so a pack is never longer than the padded micro-batch's worst case). The
-    PyTorch attention path runs each packed sequence's attention alone; with TE layers or
-    sequence parallelism a pack falls back to one T×T mask, so there keep it near
-    ``data.max_length`` (one BLOOM context) with ``micro_batch_size: 1``."""
-    epochs: float = 1.0
-    """Passes over the training examples; ignored when ``steps`` is set."""
-    steps: int | None = None
-    """Optimizer steps (None: from ``epochs``)."""
-    eval_interval: int = 100
-    """Evaluate every this many steps and at the end (0: only at the end)."""
-    save_interval: int = 500
-    """Checkpoint every this many steps and at the end (0: only at the end)."""
-    log_interval: int = 10
-    """Print, write TensorBoard scalars and metrics.jsonl every this many steps."""
-    seed: int = 1234
-    """Data order and held-out split."""
-    resume: bool = True
-    """Continue from ``output_dir``'s latest checkpoint when there is one."""
-    max_nonfinite_skips: int = 0
-    """Steps with a non-finite loss or gradient norm skipped (no update) before the run stops
-    with an error; 0: the first one stops it (training/guards.py)."""
-    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
-    """Signals that make the run finish its step, save a checkpoint and exit with code 75
-    (training/signals.py); ask Slurm for one ahead of the time limit (``--signal``)."""
-
-
-RESUMABLE_CHANGES = tuple(
-    f"train.{key}"
-    for key in (
-        "steps", "epochs", "eval_interval", "save_interval", "log_interval", "resume",
-        "max_nonfinite_skips", "output_dir", "exit_signals",
-    )
-)  # fmt: skip
-"""Config keys that may differ when a run resumes (training/run_dir.py)."""
 
 
 def command_main(command: str, config_cls, run, argv: list[str], summary) -> int:
@@ -158,28 +54,6 @@ def command_main(command: str, config_cls, run, argv: list[str], summary) -> int
         return EXIT_SAVED_ON_SIGNAL if stopped_by else 0
 
     return run_command(command, body, distributed=True)
-
-
-def config_problems(train: TrainConfig, data) -> list[str]:
-    """What is wrong with the ``train`` section and the held-out choice of ``data``."""
-    problems = [
-        f"train.{key}={getattr(train, key)} must be >= {least}"
-        for key, least in (
-            ("global_batch_size", 1),
-            ("micro_batch_size", 1),
-            ("log_interval", 1),
-            ("eval_interval", 0),
-            ("save_interval", 0),
-            ("steps", 1),
-            ("max_tokens_per_micro_batch", 1),
-        )
-        if getattr(train, key) is not None and getattr(train, key) < least
-    ]
-    if not 0.0 <= data.eval_fraction < 1.0:
-        problems.append(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
-    if data.eval is not None and data.eval_fraction > 0:
-        problems.append("give data.eval or data.eval_fraction, not both")
-    return problems
 
 
 def held_out_split(dataset, fraction: float, seed: int):

@@ -25,26 +25,12 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
-from megatron_rlhf.training.engine import OptimConfig, average_metrics, build_lr_scheduler
+from megatron_rlhf.training.config import DeepSpeedConfig, OptimConfig
+from megatron_rlhf.training.engine import average_metrics, build_lr_scheduler
 from megatron_rlhf.training.guards import UPDATE_SKIPPED, NonFiniteError
-
-
-@dataclass(kw_only=True)
-class DeepSpeedConfig:
-    """DeepSpeed ZeRO settings (``backend: deepspeed``)."""
-
-    zero_stage: int = 2
-    """ZeRO stage: 1 partitions optimizer state, 2 also gradients, 3 also parameters."""
-    offload_optimizer: bool = False
-    """Keep the optimizer state (and its update) in CPU memory (ZeRO-Offload)."""
-    reduce_bucket_size: int = 50_000_000
-    """Elements per gradient reduce-scatter bucket."""
-    stage3_prefetch_bucket_size: int = 50_000_000
-    """ZeRO-3: elements of parameters gathered ahead of use."""
 
 
 def ensure_cpu_accelerator() -> None:

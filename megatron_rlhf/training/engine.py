@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -33,68 +32,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_rlhf.models.bloom import vocab as vocab_layers
+from megatron_rlhf.training.config import OptimConfig
 from megatron_rlhf.training.guards import UPDATE_SKIPPED, step_is_finite
-
-OPTIMIZER_CHECKPOINT_SHARDINGS = ("fully_reshardable", "dp_reshardable")
-
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    """Adam with warm-up and cosine decay; grads clipped by global norm."""
-
-    lr: float = 5e-6
-    """Peak learning rate (paper: 5e-6 for the AM, 5e-7 for the PPO actor)."""
-    min_lr_ratio: float = 0.1
-    """The cosine decays to this fraction of the peak lr."""
-    warmup_fraction: float = 0.1
-    """Share of the steps spent warming up linearly from 0."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """Adam's first-moment decay."""
-    adam_beta2: float = 0.95
-    """Adam's second-moment decay."""
-    adam_eps: float = 1e-8
-    """Adam's epsilon (added to the root of the second moment)."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm (over TP/PP/DP) to this; 0 disables clipping."""
-    checkpoint_sharding: str = "fully_reshardable"
-    """How the distributed optimizer (GPUs) lays out its state in a checkpoint.
-    ``fully_reshardable``: model-space tensors, so a run resumes at any TP/PP/DP; at save each
-    rank gathers its model-parallel shard's fp32 state (12 bytes a parameter: ~26 GB a rank for
-    a 176B actor at TP 8 x PP 10). ``dp_reshardable`` (Megatron-LM's default):
-    each rank writes its own buffers with no gather; a resume may change the DP size only.
-    Megatron-Core's own default, ``fully_sharded_model_space``, is refused by its checkpoint
-    validation in 0.16.1 (``flattened_range``), so it is not offered. The CPU's plain optimizer
-    saves model-space state whatever this says. A checkpoint records its format and is read back
-    in that format."""
-
-
-def optim_problems(optim: OptimConfig, section: str) -> list[str]:
-    """What is wrong with ``optim`` (config section ``section``), one ``key=value ...`` each."""
-    import math
-
-    rules = (
-        ("lr", optim.lr > 0, "must be a finite number > 0"),
-        ("min_lr_ratio", 0 <= optim.min_lr_ratio <= 1, "must be in [0, 1]"),
-        ("warmup_fraction", 0 <= optim.warmup_fraction < 1, "must be in [0, 1)"),
-        ("weight_decay", optim.weight_decay >= 0, "must be >= 0"),
-        ("adam_beta1", 0 <= optim.adam_beta1 < 1, "must be in [0, 1)"),
-        ("adam_beta2", 0 <= optim.adam_beta2 < 1, "must be in [0, 1)"),
-        ("adam_eps", optim.adam_eps > 0, "must be > 0"),
-        ("clip_grad", optim.clip_grad >= 0, "must be >= 0 (0: no clipping)"),
-    )
-    problems = []
-    if optim.checkpoint_sharding not in OPTIMIZER_CHECKPOINT_SHARDINGS:
-        problems.append(
-            f"{section}.checkpoint_sharding={optim.checkpoint_sharding!r} must be one of "
-            f"{', '.join(OPTIMIZER_CHECKPOINT_SHARDINGS)}"
-        )
-    return problems + [
-        f"{section}.{key}={getattr(optim, key)} {rule}"
-        for key, ok, rule in rules
-        if not (ok and math.isfinite(getattr(optim, key)))
-    ]
 
 
 class TrainEngine:

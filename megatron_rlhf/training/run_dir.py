@@ -1,7 +1,7 @@
 """Run-directory discipline every trainer shares: what a run may resume, replace or rewrite.
 
 ``open_run(output_dir, config, ...)`` first locks ``output_dir`` for this run
-(training/run_lock.py: a second run on it is refused with exit code 2), then decides:
+(runtime/locks.py: a second run on it is refused with exit code 2), then decides:
 
 - resuming (``train.resume=true`` and a checkpoint exists): the checkpoint is the latest one
   that verifies (training/checkpointing.py); the config it was saved with is compared key by
@@ -43,11 +43,11 @@ def open_run(
     ``config`` is the resolved config as a dict; ``allowed`` holds dotted keys (or prefixes
     ending in ".") that may change on resume. Collective: call on every rank."""
     from megatron_rlhf.checkpoint.dist import read_metadata
-    from megatron_rlhf.training import run_lock
+    from megatron_rlhf.runtime import locks
     from megatron_rlhf.training.checkpointing import latest_checkpoint, resume_checkpoint
 
     output_dir = Path(output_dir)
-    run_lock.acquire(output_dir)  # one run per directory, before anything is written there
+    locks.acquire(output_dir)  # one run per directory, before anything is written there
     latest = latest_checkpoint(output_dir)
     if latest is not None and not resume:
         if not overwrite:

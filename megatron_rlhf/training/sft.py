@@ -35,26 +35,30 @@ from functools import partial
 import numpy as np
 import torch
 
-from megatron_rlhf.training import command, loop
+from megatron_rlhf.training import config as shared
+from megatron_rlhf.training import loop
 from megatron_rlhf.training.command import (
-    LayoutConfig,
-    ModelConfig,
-    TrainConfig,
     check_data_fits_model,
     command_main,
-    config_problems,
     held_out_split,
     log,
     to_device,
 )
-from megatron_rlhf.training.engine import OptimConfig, optim_problems
+from megatron_rlhf.training.config import (
+    LayoutConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    config_problems,
+    optim_problems,
+)
 from megatron_rlhf.training.throughput import summed_over
 
 COMMAND = "train-sft"
 
 
 @dataclass(kw_only=True)
-class DataConfig(command.DataConfig):
+class DataConfig(shared.DataConfig):
     """SFT data: prefixes written by ``tools/preprocess_data.py --kind sft`` (sequences:
     prompt + response, the loss on the response)."""
 

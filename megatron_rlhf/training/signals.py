@@ -11,15 +11,14 @@ ignored; the save still completes, and as every save it writes ``<dir>.tmp-parti
 it only when complete, so even a SIGKILL mid-save leaves the previous checkpoint as the latest.
 
 Child processes: Megatron's checkpoint writer serves its results queue from a forked ``Manager``
-process (checkpoint/dist.py); it is started with :func:`die_with_parent` so the kernel kills it
-when the trainer dies, however it dies (a normal exit, a caught signal included, shuts it down
-through multiprocessing's own exit hooks). Megatron's shard writers are forked for one save and
-joined before the save returns.
+process (checkpoint/dist.py); it is started with ``runtime/processes.die_with_parent`` so the
+kernel kills it when the trainer dies, however it dies (a normal exit, a caught signal
+included, shuts it down through multiprocessing's own exit hooks). Megatron's shard writers are
+forked for one save and joined before the save returns.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
@@ -33,7 +32,6 @@ EXIT_SAVED_ON_SIGNAL = 75
 """Exit code of a run stopped by one of ``train.exit_signals`` after saving its checkpoint
 (sysexits' EX_TEMPFAIL: relaunch it, e.g. by requeueing the job, and it resumes from there)."""
 DEFAULT_EXIT_SIGNALS = ("SIGTERM", "SIGUSR1")
-_PR_SET_PDEATHSIG = 1
 
 
 def parse_signals(names, key: str = "train.exit_signals") -> list[signal.Signals]:
@@ -88,12 +86,6 @@ def stopped_message(command: str, sig: signal.Signals, step: int, checkpoint) ->
         f"[{command}] stopped by {sig.name} after step {step}; checkpoint {checkpoint}; exit "
         f"code {EXIT_SAVED_ON_SIGNAL}: relaunch the same command to resume"
     )
-
-
-def die_with_parent() -> None:
-    """In a forked child: have the kernel SIGKILL it when its parent dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _say(message: str) -> None:

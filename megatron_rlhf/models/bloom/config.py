@@ -148,4 +148,5 @@ def transformer_config(
         recompute_granularity="full" if recompute_activations else None,
         recompute_method="uniform" if recompute_activations else None,
         recompute_num_layers=1 if recompute_activations else None,
+        cuda_graph_scope=[],  # the non-deprecated "whole layer" (its default "full" warns; no graphs)
     )

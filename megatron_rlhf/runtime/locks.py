@@ -98,6 +98,8 @@ def _acquire_here(
     path = output_dir / lock_name
     if os.path.realpath(path) in _held:
         return
+    if output_dir.exists() and not output_dir.is_dir():
+        raise InputError(f"{key} {output_dir}: is a file; give a directory")
     created = not output_dir.exists()
     output_dir.mkdir(parents=True, exist_ok=True)
     flocked = True

@@ -60,11 +60,8 @@ class StudyWork:
         return self.prompt_len + self.response_len
 
 
-def planned_bytes(
-    shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work: StudyWork, fused_attention: bool
-):
-    """The planner's peak bytes per rank for a study row (fp32 on the CPU, bf16 on GPUs);
-    ``fused_attention``: the model runs TransformerEngine's attention."""
+def planned_bytes(shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work: StudyWork):
+    """The planner's peak bytes per rank for a study row (fp32 on the CPU, bf16 on GPUs)."""
     e = 4 if not torch.cuda.is_available() else 2
     layout = Layout(tp=tp, pp=pp, dp=dp)
     rows, width, response, sequence = work.micro_batch, work.seq_len, work.response_len, None
@@ -78,7 +75,8 @@ def planned_bytes(
         num_microbatches=work.microbatches,
         element_bytes=e,
         distributed_optimizer=torch.cuda.is_available(),
-        fused_attention=fused_attention,
+        # TE never fuses BLOOM's ALiBi (explicit slopes + padding mask): it stores (B, H, S, S)
+        fused_attention=False,
         packed_sequence_len=sequence,
     )
     if stage == "actor_train":
@@ -106,7 +104,7 @@ def run_row(shape: ModelShape, stage: str, work: StudyWork, seed: int = 0) -> di
     groups = model_groups(model)
     tp, pp, dp = groups.tp.size(), groups.pp.size(), groups.dp.size()
     tokens = dp * work.micro_batch * _tokens_per_row(stage, work)
-    planned = planned_bytes(shape, tp, pp, dp, stage, work, model.uses_te_attention)
+    planned = planned_bytes(shape, tp, pp, dp, stage, work)
     row = {
         "model": shape.name,
         "params": model_params(shape),
@@ -204,7 +202,7 @@ def _response_logprobs(model, logits_shard, ids, work: StudyWork) -> torch.Tenso
 
 def _train_step(model, stage, ids, mask, work: StudyWork):
     from megatron_rlhf.training import TrainEngine
-    from megatron_rlhf.training.engine import OptimConfig
+    from megatron_rlhf.training.config import OptimConfig
 
     engine = TrainEngine(model, OptimConfig(lr=1e-7, warmup_fraction=0.0), total_steps=100)
     p, n = work.prompt_len, work.response_len
@@ -366,7 +364,7 @@ def worker_main(argv: list[str]) -> int:
     from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
     from megatron_rlhf.utils import is_rank0, write_json
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_rlhf.planning.study")
+    parser = argparse.ArgumentParser(prog="python -m megatron_rlhf.planning.tools.study")
     parser.add_argument("--rows", required=True, help="JSON list of [size, tp, pp, stage]")
     parser.add_argument("--work", required=True, help="JSON of StudyWork fields")
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes the rows to")

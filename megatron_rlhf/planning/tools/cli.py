@@ -186,21 +186,14 @@ def table(request, roles: dict, plans: list) -> str:
 
 def write_config(plan, request, args) -> None:
     """The plan as a train-ppo YAML, validated by loading it as ``train-ppo`` would."""
-    import warnings
-
     import yaml
 
     from megatron_rlhf.config import load_config
     from megatron_rlhf.distributed.layouts import layouts_to_dict
-    from megatron_rlhf.utils import atomic_output
+    from megatron_rlhf.ppo.config import TrainPPOConfig
+    from megatron_rlhf.utils import atomic_output, check_output_path
 
-    with warnings.catch_warnings():  # megatron-core's "TE/Apex not installed" on import
-        warnings.simplefilter("ignore")
-        from megatron_rlhf.ppo.config import TrainPPOConfig
-
-    out = Path(args.write_config)
-    if out.exists() and not args.overwrite:
-        raise InputError(f"--write-config {out}: exists; pass --overwrite to replace it")
+    out = check_output_path(args.write_config, args.overwrite, "--write-config")
     if args.base_config:
         load_config(TrainPPOConfig, args.base_config)  # names a bad key before we build on it
         config = yaml.safe_load(Path(args.base_config).read_text())

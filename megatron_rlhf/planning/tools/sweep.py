@@ -4,7 +4,7 @@
     python tools/scaling_study.py --sizes bloom-560m bloom-1b7 --layouts 1x1 --nproc 1 \\
         --output-dir study_gpu/                                           # one GPU, with MFU
 
-Each world size is one torchrun launch (``python -m megatron_rlhf.planning.study``) running
+Each world size is one torchrun launch (``python -m megatron_rlhf.planning.tools.study``) running
 every row of that size; a layout ``TPxPP`` gets DP = nproc / (TP * PP). Writes
 ``results.csv`` (one row per run: model, params, tp, pp, dp, stage, tokens_per_s,
 peak_mem_measured_mb, peak_mem_planned_mb, mfu, plus step_s and planned/measured), ``table.md``,
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_rlhf.utils import InputError
+from megatron_rlhf.utils import InputError, check_output_dir
 
 COLUMNS = (
     "model", "params", "tp", "pp", "dp", "stage", "tokens_per_s", "peak_mem_measured_mb",
@@ -69,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         rows, work = plan_rows(args), work_from_args(args)
-        output = Path(args.output_dir)
-        if output.exists() and not args.overwrite:
-            raise InputError(f"{output}: exists; pass --overwrite to replace it")
+        output = check_output_dir(args.output_dir, args.overwrite)
     except InputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -99,7 +97,7 @@ def work_from_args(args) -> dict:
 
 def plan_rows(args) -> list[list]:
     """``[size, tp, pp, stage]`` for every run of the sweep."""
-    from megatron_rlhf.planning.study import study_shape
+    from megatron_rlhf.planning.tools.study import study_shape
 
     if args.quick:
         return [
@@ -144,7 +142,7 @@ def run_launch(rows: list[list], work: dict, nproc: int) -> list[dict]:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(_free_port()), "-m", "megatron_rlhf.planning.study",
+            "--master-port", str(_free_port()), "-m", "megatron_rlhf.planning.tools.study",
             "--rows", json.dumps(rows), "--work", json.dumps(work), "--out", str(out),
         ]  # fmt: skip
         proc = subprocess.run(cmd, env=env)

@@ -1,0 +1,2 @@
+"""What a command runs on, below every other package: the run and output locks (``locks``) and
+process helpers (``processes``). Imports only ``utils`` and torch.distributed."""

@@ -1,0 +1,214 @@
+"""The configuration schemas of training: the optimizer (``OptimConfig``, every trainer's) and
+the ``model``, ``parallel``, ``data`` and ``train`` sections the single-model commands
+(``train-sft``, ``train-reward``) share, with the checks of their values.
+
+Pure dataclasses: nothing here imports torch or megatron-core, so a command's config (and
+``--help``, and the planner that writes a ``train-ppo`` config) loads in milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal
+
+OPTIMIZER_CHECKPOINT_SHARDINGS = ("fully_reshardable", "dp_reshardable")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Adam with warm-up and cosine decay; grads clipped by global norm."""
+
+    lr: float = 5e-6
+    """Peak learning rate (paper: 5e-6 for the AM, 5e-7 for the PPO actor)."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to this fraction of the peak lr."""
+    warmup_fraction: float = 0.1
+    """Share of the steps spent warming up linearly from 0."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+    adam_beta2: float = 0.95
+    """Adam's second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam's epsilon (added to the root of the second moment)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm (over TP/PP/DP) to this; 0 disables clipping."""
+    checkpoint_sharding: str = "fully_reshardable"
+    """How the distributed optimizer (GPUs) lays out its state in a checkpoint.
+    ``fully_reshardable``: model-space tensors, so a run resumes at any TP/PP/DP; at save each
+    rank gathers its model-parallel shard's fp32 state (12 bytes a parameter: ~26 GB a rank for
+    a 176B actor at TP 8 x PP 10). ``dp_reshardable`` (Megatron-LM's default):
+    each rank writes its own buffers with no gather; a resume may change the DP size only.
+    Megatron-Core's own default, ``fully_sharded_model_space``, is refused by its checkpoint
+    validation in 0.16.1 (``flattened_range``), so it is not offered. The CPU's plain optimizer
+    saves model-space state whatever this says. A checkpoint records its format and is read back
+    in that format."""
+
+
+def optim_problems(optim: OptimConfig, section: str) -> list[str]:
+    """What is wrong with ``optim`` (config section ``section``), one ``key=value ...`` each."""
+    rules = (
+        ("lr", optim.lr > 0, "must be a finite number > 0"),
+        ("min_lr_ratio", 0 <= optim.min_lr_ratio <= 1, "must be in [0, 1]"),
+        ("warmup_fraction", 0 <= optim.warmup_fraction < 1, "must be in [0, 1)"),
+        ("weight_decay", optim.weight_decay >= 0, "must be >= 0"),
+        ("adam_beta1", 0 <= optim.adam_beta1 < 1, "must be in [0, 1)"),
+        ("adam_beta2", 0 <= optim.adam_beta2 < 1, "must be in [0, 1)"),
+        ("adam_eps", optim.adam_eps > 0, "must be > 0"),
+        ("clip_grad", optim.clip_grad >= 0, "must be >= 0 (0: no clipping)"),
+    )
+    problems = []
+    if optim.checkpoint_sharding not in OPTIMIZER_CHECKPOINT_SHARDINGS:
+        problems.append(
+            f"{section}.checkpoint_sharding={optim.checkpoint_sharding!r} must be one of "
+            f"{', '.join(OPTIMIZER_CHECKPOINT_SHARDINGS)}"
+        )
+    return problems + [
+        f"{section}.{key}={getattr(optim, key)} {rule}"
+        for key, ok, rule in rules
+        if not (ok and math.isfinite(getattr(optim, key)))
+    ]
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Where the model comes from and how it is built (its layout: the ``parallel`` section)."""
+
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "tp": "parallel.tp",
+        "pp": "parallel.pp",
+        "sequence_parallel": "parallel.sequence_parallel",
+    }
+    """Layout keys this section once had, and where they are now (train-ppo's dialect)."""
+
+    load: str
+    """Hugging Face BLOOM directory or megatron-rlhf checkpoint with the same head."""
+    bf16: bool | Literal["auto"] = "auto"
+    """bf16 parameters; "auto" = bf16 on GPU, fp32 on CPU (bf16 needs a GPU)."""
+    recompute_activations: bool = False
+    """Recompute each layer's activations in the backward pass (saves memory)."""
+    seed: int = 1234
+    """Model-parallel RNG seed."""
+
+
+@dataclass(kw_only=True)
+class LayoutConfig:
+    """The ``parallel`` section: how the one trained model is split over the launch's ranks
+    (``train-ppo``'s ``parallel.tp/pp/sequence_parallel``, without per-role layouts)."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    sequence_parallel: bool = False
+    """Sequence parallelism over the TP group (tp > 1)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Training and held-out examples: ``tools/preprocess_data.py`` output prefixes (each
+    command's subclass adds ``max_length``)."""
+
+    train: str
+    """Training examples."""
+    eval: str | None = None
+    """Held-out examples; None holds out ``eval_fraction`` of ``train``."""
+    eval_fraction: float = 0.0
+    """Share of ``train`` held out for evaluation when ``eval`` is None (0: no evaluation)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Batching, evaluation, checkpointing and logging. An example is a preference pair for
+    ``train-reward`` (two sequences) and a sequence for ``train-sft``."""
+
+    output_dir: str
+    """Checkpoints, TensorBoard logs, metrics.jsonl and the resolved config go here."""
+    global_batch_size: int = 64
+    """Examples per optimizer step."""
+    micro_batch_size: int = 1
+    """Examples per forward pass; global = micro × microbatches × dp."""
+    packing: bool = True
+    """Pack the real tokens of several examples back to back into each micro-batch (no
+    padding computed; attention stays within each example, data/packing.py) instead of padding
+    ``micro_batch_size`` examples to the longest. The global batch is the same examples either
+    way, balanced by tokens over the data-parallel ranks, and the loss the same token (pair)
+    mean, so losses, gradients and weights equal the padded path's up to rounding. The number
+    of micro-batches then varies by step. ``train-reward``'s DeepSpeed backend always pads."""
+    max_tokens_per_micro_batch: int | None = None
+    """Packing's token budget per micro-batch (None: ``micro_batch_size`` × the longest an
+    example may be, so a pack is never longer than the padded micro-batch's worst case). The
+    PyTorch attention path runs each packed sequence's attention alone; with TE layers or
+    sequence parallelism a pack falls back to one T×T mask, so there keep it near
+    ``data.max_length`` (one BLOOM context) with ``micro_batch_size: 1``."""
+    epochs: float = 1.0
+    """Passes over the training examples; ignored when ``steps`` is set."""
+    steps: int | None = None
+    """Optimizer steps (None: from ``epochs``)."""
+    eval_interval: int = 100
+    """Evaluate every this many steps and at the end (0: only at the end)."""
+    save_interval: int = 500
+    """Checkpoint every this many steps and at the end (0: only at the end)."""
+    log_interval: int = 10
+    """Print, write TensorBoard scalars and metrics.jsonl every this many steps."""
+    seed: int = 1234
+    """Data order and held-out split."""
+    resume: bool = True
+    """Continue from ``output_dir``'s latest checkpoint when there is one."""
+    max_nonfinite_skips: int = 0
+    """Steps with a non-finite loss or gradient norm skipped (no update) before the run stops
+    with an error; 0: the first one stops it (training/guards.py)."""
+    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that make the run finish its step, save a checkpoint and exit with code 75
+    (training/signals.py); ask Slurm for one ahead of the time limit (``--signal``)."""
+
+
+RESUMABLE_CHANGES = tuple(
+    f"train.{key}"
+    for key in (
+        "steps", "epochs", "eval_interval", "save_interval", "log_interval", "resume",
+        "max_nonfinite_skips", "output_dir", "exit_signals",
+    )
+)  # fmt: skip
+"""Config keys that may differ when a run resumes (training/run_dir.py)."""
+
+
+def config_problems(train: TrainConfig, data) -> list[str]:
+    """What is wrong with the ``train`` section and the held-out choice of ``data``."""
+    problems = [
+        f"train.{key}={getattr(train, key)} must be >= {least}"
+        for key, least in (
+            ("global_batch_size", 1),
+            ("micro_batch_size", 1),
+            ("log_interval", 1),
+            ("eval_interval", 0),
+            ("save_interval", 0),
+            ("steps", 1),
+            ("max_tokens_per_micro_batch", 1),
+        )
+        if getattr(train, key) is not None and getattr(train, key) < least
+    ]
+    if not 0.0 <= data.eval_fraction < 1.0:
+        problems.append(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
+    if data.eval is not None and data.eval_fraction > 0:
+        problems.append("give data.eval or data.eval_fraction, not both")
+    if Path(train.output_dir).is_file():  # before any data or model is read
+        problems.append(f"train.output_dir {train.output_dir}: is a file; give a directory")
+    return problems
+
+
+@dataclass(kw_only=True)
+class DeepSpeedConfig:
+    """DeepSpeed ZeRO settings (``backend: deepspeed``)."""
+
+    zero_stage: int = 2
+    """ZeRO stage: 1 partitions optimizer state, 2 also gradients, 3 also parameters."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state (and its update) in CPU memory (ZeRO-Offload)."""
+    reduce_bucket_size: int = 50_000_000
+    """Elements per gradient reduce-scatter bucket."""
+    stage3_prefetch_bucket_size: int = 50_000_000
+    """ZeRO-3: elements of parameters gathered ahead of use."""
