@@ -430,7 +430,9 @@ def check_vllm_reload(run: Run) -> dict:
             full_mask = torch.cat([mask, out.response_mask], dim=1)
             for name, judge in zip(("A", "B"), models):
                 with torch.no_grad():
-                    ours = response_logprobs(judge(full, full_mask), full, prompt, new, tp_group=None)
+                    ours = response_logprobs(
+                        judge(full, full_mask), full, prompt, new, tp_group=None
+                    )
                 gap = (ours.float() - out.response_logprobs.float()).abs() * out.response_mask
                 gaps[f"loaded_{loaded}_vs_{name}"] = gap.max().item()
     finally:
