@@ -193,6 +193,19 @@ def test_cli_json_shape(capsys):
         assert abs(sum(m["total"] for m in memory.values()) - plan["total_per_gpu_gb"]) < 0.01
     times = [plan["step_time_s"] for plan in result["plans"] if plan["fits"]]
     assert times == sorted(times)
+    # the actor-to-rollout weight sync, per rollout rank: the whole bf16 actor for today's vLLM
+    # stream, the rollout-TP shard shard-to-shard, the (tp x pp) shard for our refit
+    weights_gb = model_params(model_shape("bloom-1b7")) * 2 / 1e9
+    for plan in result["plans"]:
+        sync, rollout = plan["weight_sync"], plan["layouts"]["rollout"]
+        assert sync["vllm_full_stream"]["gb_per_rank"] == pytest.approx(weights_gb, abs=1e-3)
+        shard = weights_gb / rollout["tp"]
+        assert sync["shard_to_shard"]["gb_per_rank"] == pytest.approx(shard, abs=1e-3)
+        same = rollout == plan["layouts"]["actor"]
+        refit = 0.0 if same else weights_gb / (rollout["tp"] * rollout["pp"])
+        assert sync["megatron_refit"]["gb_per_rank"] == pytest.approx(refit, abs=1e-3)
+        seconds = sync["vllm_full_stream"]["gb_per_rank"] / sync["bandwidth_gb_per_s"]
+        assert sync["vllm_full_stream"]["seconds"] == pytest.approx(seconds, abs=2e-3)
 
 
 def test_cli_table_and_runnable_config(capsys, tmp_path):

@@ -16,7 +16,13 @@ Step time (seconds) is an estimate for ranking, from the GPU table in ``hardware
   node;
 - decoding: each new token reads this rank's weights and KV cache from HBM once per stage, the
   stages one after another (pp x per-stage time), plus the prefill's FLOPs;
-- resharding the actor into a different rollout layout: its bf16 weights over NVLink.
+- resharding the actor into a different rollout layout: each rollout rank receives its shard of
+  the bf16 weights (every DP replica needs a whole copy), over NVLink inside a node, else the
+  inter-node link.
+
+Every plan also reports the actor-to-rollout weight sync per step three ways
+(:func:`weight_sync`): our engine's refit, the vLLM stream as it is today (every rank
+receives every full tensor) and a shard-to-shard stream (each rank only its rollout-TP shard).
 """
 
 from __future__ import annotations
@@ -88,8 +94,9 @@ class Plan:
     def step_seconds(self) -> float:
         return sum(self.seconds.values())
 
-    def to_dict(self) -> dict:
-        return {
+    def to_dict(self, request: PlanRequest | None = None) -> dict:
+        sync = {} if request is None else {"weight_sync": weight_sync(request, self.layouts)}
+        return sync | {
             "fits": self.fits,
             "step_time_s": round(self.step_seconds, 3),
             "time_s": {k: round(v, 3) for k, v in self.seconds.items()},
@@ -328,13 +335,46 @@ def _score(request: PlanRequest, combo) -> tuple[float, float]:
             transient[phase] = max(transient.get(phase, 0.0), value)
     seconds = sum(option.seconds_total for option in combo)
     if resharded:
-        seconds += _reshard_seconds(request)
+        seconds += _reshard_seconds(request, rollout.layout)
     return total + max(transient.values()), seconds
 
 
-def _reshard_seconds(request: PlanRequest) -> float:
+def _sync_bandwidth(request: PlanRequest) -> float:
+    """Bytes/s one GPU receives in a weight sync: NVLink when the job is one node, else the
+    inter-node link (the actor's and the rollout's shards of a rank sit on other nodes)."""
+    one_node = request.gpus <= hardware.GPUS_PER_NODE
+    return (request.gpu.nvlink_gb_per_s if one_node else hardware.INTER_NODE_GB_PER_S) * 1e9
+
+
+def _reshard_seconds(request: PlanRequest, rollout: Layout) -> float:
+    """Our engine's refit: each rollout rank receives its (tp x pp) shard of the bf16 actor."""
     weights = model_params(request.models["actor"]) * 2
-    return weights / request.gpus / (request.gpu.nvlink_gb_per_s * 1e9)
+    return weights / (rollout.tp * rollout.pp) / _sync_bandwidth(request)
+
+
+def weight_sync(request: PlanRequest, layouts: dict[str, Layout]) -> dict:
+    """Bytes each rollout rank receives per step to get the updated actor, and the seconds at
+    the sync bandwidth, for three ways of sending them:
+
+    - ``megatron_refit``: our engine, Megatron-Core's resharding into the rollout layout (its
+      (tp x pp) shard; nothing when the rollout uses the actor's own layout);
+    - ``vllm_full_stream``: ``rollout.engine=vllm`` today (``checkpoint/hf_stream``): every
+      rank gathers every full tensor (all-gather over the actor's TP, broadcast over its PP)
+      and vLLM keeps its shard: the whole bf16 model a rank;
+    - ``shard_to_shard``: each vLLM rank receives only its rollout-TP shard (vLLM has no PP).
+    """
+    weights = model_params(request.models["actor"]) * 2
+    actor, rollout = layouts["actor"], layouts["rollout"]
+    bandwidth = _sync_bandwidth(request)
+    received = {
+        "megatron_refit": 0.0 if rollout == actor else weights / (rollout.tp * rollout.pp),
+        "vllm_full_stream": float(weights),
+        "shard_to_shard": weights / rollout.tp,
+    }
+    return {
+        way: {"gb_per_rank": round(b / GB, 3), "seconds": round(b / bandwidth, 3)}
+        for way, b in received.items()
+    } | {"bandwidth_gb_per_s": bandwidth / 1e9}
 
 
 def pareto(options: list[_RoleOption]) -> list[_RoleOption]:
@@ -377,7 +417,7 @@ def _combine(request, recompute, actor, reference, critic, reward, rollout) -> P
     for option in (*roles.values(), rollout):
         seconds |= option.seconds
     if resharded:
-        seconds["reshard"] = _reshard_seconds(request)
+        seconds["reshard"] = _reshard_seconds(request, rollout.layout)
     layouts = {role: option.layout for role, option in roles.items()} | {"rollout": rollout.layout}
     fits = total + request.reserve_gb * GB <= request.gpu_memory_gb * GB
     return Plan(

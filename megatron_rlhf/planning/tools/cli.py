@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         request = request_from_args(args)
-        from megatron_rlhf.planning.plan import make_plans, roles_summary
+        from megatron_rlhf.planning.plan import make_plans, roles_summary, weight_sync
 
         ranking = make_plans(request, top=args.top)
         plans = ranking.plans
@@ -75,19 +75,31 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "request": request_dict(request),
                     "roles": roles_summary(request),
-                    "plans": [p.to_dict() for p in shown],
+                    "plans": [p.to_dict(request) for p in shown],
                 },
                 indent=1,
             )
         )
     else:
         print(table(request, roles_summary(request), shown))
+        print(sync_line(weight_sync(request, plans[0].layouts)))
     print(
         f"[plan_parallelism] done: candidates={ranking.candidates} fitting={ranking.fitting} "
         f"best_step_s={plans[0].step_seconds:.1f} best_gb_per_gpu={plans[0].total_bytes / 1e9:.1f}",
         file=sys.stderr,
     )
     return 0
+
+
+def sync_line(sync: dict) -> str:
+    """The best plan's actor-to-rollout weight sync, one line."""
+    names = {"megatron_refit": "our engine's refit", "vllm_full_stream": "vLLM stream today",
+             "shard_to_shard": "vLLM shard-to-shard"}  # fmt: skip
+    parts = [f"{names[way]} {sync[way]['gb_per_rank']:.1f} GB/rank {sync[way]['seconds']:.2f} s"
+             for way in names]  # fmt: skip
+    return f"weight sync per step (best plan, {sync['bandwidth_gb_per_s']:.0f} GB/s): " + "; ".join(
+        parts
+    )
 
 
 def request_from_args(args):
