@@ -1,5 +1,5 @@
-"""Sizes of the study: ``quick`` (CI, minutes on 2 CPU cores), ``full`` (the published run), and
-``demo`` (the demo's single seed)."""
+"""Sizes of the study: ``quick`` (CI, minutes on 2 CPU cores) and ``full`` (the published run).
+The demo (``megatron_rlhf/demo.py``) runs the same world at its own single-seed size."""
 
 from __future__ import annotations
 
