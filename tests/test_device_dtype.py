@@ -440,3 +440,39 @@ def test_te_that_fails_to_import_on_cuda_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert attention_module.te_attention_class() is None  # a CPU machine: quiet
+
+
+def test_attention_backend_resolution():
+    """auto: PyTorch on the CPU; the older use_te_attention switch maps onto te/torch; a
+    contradiction, an unknown name and TE without TE are errors that say what to write."""
+    from megatron_rlhf.models.bloom.spec import resolve_attention_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_attention_backend(None, cpu) == "torch"
+    assert resolve_attention_backend("auto", cpu) == "torch"
+    assert resolve_attention_backend("triton", cpu) == "triton"  # construction is device-agnostic
+    assert resolve_attention_backend(None, cpu, use_te_attention=False) == "torch"
+    with pytest.raises(ValueError, match="contradicts"):
+        resolve_attention_backend("triton", cpu, use_te_attention=False)
+    with pytest.raises(ValueError, match="one of"):
+        resolve_attention_backend("flash", cpu)
+    with pytest.raises(ImportError, match="'triton', 'torch' or 'auto'"):
+        resolve_attention_backend("te", cpu)  # no transformer-engine here
+
+
+def test_triton_backend_without_a_usable_triton_takes_the_pytorch_path():
+    """attention_backend='triton' on the CPU without the interpreter: the same logits as 'torch'
+    (the model then builds the mask and the core attention falls back), padded and packed."""
+    from megatron_rlhf.models.bloom import BloomModel
+
+    ids = torch.randint(4, ARCH_A.vocab_size, (2, 7))
+    padded = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    packed = torch.tensor([[1, 1, 2, 2, 2, 3, 0]])
+    logits = {}
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        model = BloomModel(ARCH_A, attention_backend=backend)
+        with torch.no_grad():
+            logits[backend] = (model(ids, padded), model(ids[:1], packed))
+    for got, want in zip(logits["triton"], logits["torch"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
