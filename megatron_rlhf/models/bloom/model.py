@@ -262,8 +262,8 @@ class BloomModel(GPTModel):
 
     def _packed_sequences(self, padding_mask: torch.Tensor, query_length: int, context):
         """Megatron's THD ``PackedSeqParams`` for one packed row (a (1, S) mask holding sequence
-        ids 1..k, k > 1; data/packing.py) on the PyTorch attention path, whose core attention
-        then runs each sequence alone (models/bloom/attention.py): the cost of k short
+        ids 1..k, k > 1; data/packing.py) on the PyTorch or Triton attention path, whose core
+        attention then runs each sequence alone (models/bloom/attention.py): the cost of k short
         sequences, not of one S x S score matrix. ``cu_seqlens`` ends at the last real token:
         trailing padding (id 0) gets no attention (its outputs are unused). None (the masked
         path) for anything else: a KV cache, TE layers, sequence parallelism (the row is split
@@ -292,7 +292,7 @@ class BloomModel(GPTModel):
     def _key_positions(self, padding_mask: torch.Tensor, query_length: int):
         """Megatron's ``attention_bias`` for every layer: fp32 key positions (B, Sk) counted from
         the first real token of each row (of each packed sequence), from which the core attention builds the query-relative
-        ALiBi bias; None for a batch TE's fused ALiBi takes (TE layers, no KV cache, every row
+        ALiBi bias; None for a batch TE takes (TE layers, no KV cache, every row
         right-padded), decided here once per forward (one host sync, TE layers only)."""
         if (
             self.uses_te_attention
