@@ -18,20 +18,15 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from triton_interpreter import REPO, run_checks, run_python
+from triton_interpreter import interpreter_results as run_under_interpreter
 
 triton = pytest.importorskip("triton")
-
-REPO = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- 1. compile for sm_90
 
@@ -300,39 +295,13 @@ def _run_checks(out: Path) -> None:
 
     assert _dispatch.INTERPRET and _dispatch.HAVE_TRITON, "run with TRITON_INTERPRET=1"
     triton_alibi_attention.BLOCK_M = triton_alibi_attention.BLOCK_N = 16
-    results = {}
-    for name, check in CHECKS.items():
-        seed = torch.seed() % 2**31
-        try:
-            detail = check(torch.Generator().manual_seed(seed))
-            results[name] = {"ok": True, "detail": f"seed {seed}: {detail}"}
-        except Exception:  # recorded for the parent test to report
-            results[name] = {
-                "ok": False,
-                "detail": f"seed {seed}: {traceback.format_exc()[-3000:]}",
-            }
-    out.write_text(json.dumps(results, indent=1))
-
-
-def _interpreter_env() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    return env
+    run_checks(CHECKS, out)
 
 
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("attention_interpret") / "results.json"
-    proc = subprocess.run(
-        [sys.executable, __file__, "--out", str(out)],
-        env=_interpreter_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"interpreter run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    return run_under_interpreter(__file__, out)
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
@@ -344,13 +313,7 @@ def test_fused_attention_under_interpreter(check, interpreter_results):
 @pytest.mark.slow
 def test_attention_benchmark_script_runs_under_interpreter():
     """benchmarks/gpu_attention.py cannot time anything here; --smoke runs every line of it."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu_attention.py"), "--smoke"],
-        env=_interpreter_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_python([str(REPO / "benchmarks" / "gpu_attention.py"), "--smoke"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "MISMATCH" not in proc.stdout
     assert "triton" in proc.stdout and "total" in proc.stdout
