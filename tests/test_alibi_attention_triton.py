@@ -9,7 +9,8 @@
    and fp32; a TP rank's slopes through the core attention module; positions far from 0 (where
    an absolute ``slope * pos_k`` bias would lose fp32 bits: the one place the query-relative
    offset is visible, since a softmax row ignores a constant); and ``BloomModel`` with
-   ``attention_backend="triton"`` against ``"torch"``, forward and backward, padded and packed.
+   ``attention_backend="triton"`` against ``"torch"``, forward and backward, padded and packed,
+   and generation with and without a KV cache.
    Triton reads that variable when kernels are decorated, so this file re-runs itself in a
    subprocess: ``python tests/test_alibi_attention_triton.py --out results.json``.
 3. ``benchmarks/gpu_attention.py --smoke`` runs under the interpreter (slow).
@@ -280,6 +281,35 @@ def check_bloom_model(gen):
     return f"logits {logit_err:.1g}, packed {packed_err:.1g}, grads {grad_err:.1g}"
 
 
+def check_bloom_generate(gen):
+    """Generation with a KV cache (prefill through the kernel, decode on the PyTorch path) and
+    without one (every step through the kernel) gives the tokens of attention_backend='torch'."""
+    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.generation.engine import SamplingConfig, generate
+    from megatron_rlhf.models.bloom import BloomModel
+    from megatron_rlhf.models.bloom.config import BloomArchitecture
+
+    initialize(ParallelConfig())
+    try:
+        arch = BloomArchitecture(vocab_size=100, hidden_size=48, num_layers=2, num_heads=6)
+        ids = torch.randint(4, 100, (3, 7), generator=gen)
+        mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1], [1] * 7])
+        tokens = {}
+        for backend in ("torch", "triton"):
+            torch.manual_seed(0)
+            model = BloomModel(arch, attention_backend=backend).eval()
+            for kv_cache in (True, False):
+                sampling = SamplingConfig(
+                    max_new_tokens=5, row_seeds=(1, 2, 3), eos_id=-1, use_kv_cache=kv_cache
+                )
+                out = generate(model, ids, mask, sampling)
+                tokens[backend, kv_cache] = out.response_ids.tolist()
+    finally:
+        destroy()
+    assert len({str(t) for t in tokens.values()}) == 1, tokens
+    return f"{len(tokens)} runs, the same tokens"
+
+
 CHECKS = {
     "padded": check_padded,
     "segments_and_fewer_queries": check_segments_and_fewer_queries,
@@ -287,6 +317,7 @@ CHECKS = {
     "tp_rank_slopes": check_tp_rank_slopes,
     "far_positions": check_far_positions,
     "bloom_model": check_bloom_model,
+    "bloom_generate": check_bloom_generate,
 }
 
 
