@@ -6,6 +6,9 @@
   never materialising the logits (Cut-Cross-Entropy).
 - ``kl_penalty``, ``shaped_rewards``, ``gae``, ``masked_whiten``: the per-token PPO quantities,
   one Triton kernel over the batch on GPU, vectorised (no loop over T) on CPU.
+- ``fused_alibi_attention``, ``fused_packed_alibi_attention``: BLOOM's causal ALiBi attention as
+  one Triton flash-attention kernel (forward and backward, O(S) memory), for padded and packed
+  rows; Triton only (the PyTorch reference is ``models/bloom/attention.py``, which chooses).
 
 Each has a PyTorch path (the reference, and the CPU path) and a Triton path, chosen per call
 (``_dispatch.py``); ``pytorch_only()`` forces the former.
@@ -13,10 +16,13 @@ Each has a PyTorch path (the reference, and the CPU path) and a Triton path, cho
 
 from ._dispatch import pytorch_only
 from .advantages import gae, kl_penalty, masked_whiten, shaped_rewards
+from .alibi_attention import fused_alibi_attention, fused_packed_alibi_attention
 from .hidden_logprobs import token_logprobs_from_hidden
 from .logprobs import token_logprobs
 
 __all__ = [
+    "fused_alibi_attention",
+    "fused_packed_alibi_attention",
     "gae",
     "kl_penalty",
     "masked_whiten",

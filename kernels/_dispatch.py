@@ -74,7 +74,7 @@ def triton_launches() -> bool:
     except Exception as err:  # no compiler, no Python.h, an unsupported GPU, a driver error
         warnings.warn(
             f"Triton cannot compile or launch a kernel here ({type(err).__name__}: {err}); "
-            "the log-prob and advantage kernels take their PyTorch paths",
+            "the log-prob, advantage and attention kernels take their PyTorch paths",
             stacklevel=2,
         )
         return False

@@ -324,11 +324,14 @@ def placement(args) -> None:
                 ARCH_B, head=head, num_scalar_outputs=2, params_dtype=torch.bfloat16,
                 device="meta",
             )  # fmt: skip
-            tensors = list(model.named_parameters()) + list(model.named_buffers())
+            buffers = list(model.named_buffers(remove_duplicate=False))
+            tensors = list(model.named_parameters()) + buffers
             off = [n for n, t in tensors if t.device.type != "meta"]
             fp32 = {n for n, t in tensors if t.dtype != torch.bfloat16}
-            slopes = {n for n, _ in model.named_buffers() if n.endswith("core_attention.slopes")}
-            ok = not off and fp32 == slopes and len(slopes) == ARCH_B.num_layers // pp
+            slopes = {n: t for n, t in buffers if n.endswith("core_attention.slopes")}
+            shared = len({id(t) for t in slopes.values()}) == 1  # one tensor per model and rank
+            ok = not off and fp32 == set(slopes) and len(slopes) == ARCH_B.num_layers // pp
+            ok = ok and shared
             harness.record(f"meta_bf16_{head}_tp{tp}pp{pp}", ok, f"off meta {off}, not bf16 {fp32}")
 
 

@@ -115,9 +115,11 @@ def test_bf16_model_is_bf16_except_the_alibi_slopes(tmp_path, head):
         load_bloom(tmp_path, head=head, num_scalar_outputs=2, params_dtype=torch.bfloat16),
     ):
         not_bf16 = {n for n, (_, dtype) in _placement(model).items() if dtype != torch.bfloat16}
-        slopes = {n for n, _ in model.named_buffers() if n.endswith("core_attention.slopes")}
+        buffers = model.named_buffers(remove_duplicate=False)
+        slopes = {n for n, _ in buffers if n.endswith("core_attention.slopes")}
         assert len(slopes) == ARCH_B.num_layers
-        assert not_bf16 == slopes, not_bf16 - slopes
+        assert len({id(model.get_buffer(name)) for name in slopes}) == 1  # shared by the layers
+        assert not_bf16 and not_bf16 <= slopes, not_bf16 - slopes
         assert all(model.get_buffer(name).dtype == torch.float32 for name in slopes)
 
 
@@ -225,13 +227,17 @@ def test_te_extra_state_does_not_break_strict_loads(tmp_path, monkeypatch):
 
 
 def test_te_alibi_cache_is_refreshed_when_another_models_slopes_are_in_it(monkeypatch):
-    """TE keeps one process-wide ALiBi cache and refreshes it only in its layer 1: a second
-    model with as many heads per rank (or a later pipeline stage) would reuse the first one's
-    slopes. Our TE wrapper forces the refresh whenever the cached slopes are not its own."""
+    """TE keeps one process-wide ALiBi cache (slopes and its (B, H, S, S) bias) and refreshes it
+    only in its layer 1: a second model with as many heads per rank (or a later pipeline stage)
+    would reuse the first one's slopes. Our TE wrapper forces the refresh whenever the cached
+    slopes are not its own, and every layer of one model shares one slopes tensor, so a forward
+    refreshes the cache once (in its first layer), not once per layer."""
     import sys
     import types
 
+    from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.models.bloom import attention as attention_module
+    from megatron_rlhf.models.bloom import spec as spec_module
     from megatron_rlhf.models.bloom.config import transformer_config
     from megatron_rlhf.models.bloom.model import attention_mask_for
 
@@ -261,6 +267,7 @@ def test_te_alibi_cache_is_refreshed_when_another_models_slopes_are_in_it(monkey
     FakeTEAttention.__module__ = te_module.__name__
     monkeypatch.setitem(sys.modules, te_module.__name__, te_module)
     monkeypatch.setattr(attention_module, "te_attention_class", lambda: FakeTEAttention)
+    monkeypatch.setattr(spec_module, "te_attention_class", lambda: FakeTEAttention)
     config = transformer_config(ARCH_A, tp=1, pp=1)
     first, second = (
         attention_module.TEAlibiDotProductAttention(config, 2, None, "self") for _ in range(2)
@@ -272,6 +279,23 @@ def test_te_alibi_cache_is_refreshed_when_another_models_slopes_are_in_it(monkey
         module(q, q, q, mask)
     assert seen == [True, False, True, False, True]
     assert te_module._alibi_cache["_alibi_slopes"] is first.slopes
+
+    # whole models: one slopes tensor per model, one refresh per forward (layer 1), not per layer
+    models = [BloomModel(ARCH_A, attention_backend="te") for _ in range(2)]
+    for model in models:
+        cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+        assert all(core.slopes is cores[0].slopes for core in cores)
+    ids = torch.randint(4, ARCH_A.vocab_size, (2, 6))
+    right_padded = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    seen.clear()
+    for model in (models[0], models[1], models[0]):
+        with torch.no_grad():
+            model(ids, right_padded)
+    assert seen == ([True] + [False] * (ARCH_A.num_layers - 1)) * 3
+    assert (
+        te_module._alibi_cache["_alibi_slopes"]
+        is models[0].decoder.layers[0].self_attention.core_attention.slopes
+    )
 
 
 def _recording_optimizers(engine, calls: list) -> None:
@@ -409,3 +433,73 @@ def test_vllm_is_given_the_share_of_the_gpu_that_is_free():
     assert fraction < 0.9
     with pytest.raises(InputError, match=r"needs 70.0 GiB .* 71.0 GiB are free of 131.0 GiB"):
         gpu_memory_fraction(free=71 * gib, total=131 * gib, needed=70 * gib)
+
+
+def test_te_that_fails_to_import_on_cuda_warns_once(monkeypatch):
+    """TE installed but broken (a cuDNN or driver mismatch) on a CUDA machine: a loud warning
+    naming the error, once, instead of TE silently off in every command."""
+    import importlib.util
+    import warnings
+
+    from megatron_rlhf.models.bloom import attention as attention_module
+
+    def broken_te():
+        raise OSError("libcudnn.so.9: cannot open shared object file")
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(attention_module, "_import_te_attention", broken_te)
+    monkeypatch.setattr(attention_module, "_te_import_failure_warned", False)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: (
+            object() if name == "transformer_engine" else real_find_spec(name, *args)
+        ),
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.warns(RuntimeWarning, match="OSError: libcudnn.so.9"):
+        assert attention_module.te_attention_class() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert attention_module.te_attention_class() is None  # once
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(attention_module, "_te_import_failure_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert attention_module.te_attention_class() is None  # a CPU machine: quiet
+
+
+def test_attention_backend_resolution():
+    """auto: PyTorch on the CPU; the older use_te_attention switch maps onto te/torch; a
+    contradiction, an unknown name and TE without TE are errors that say what to write."""
+    from megatron_rlhf.models.bloom.spec import resolve_attention_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_attention_backend(None, cpu) == "torch"
+    assert resolve_attention_backend("auto", cpu) == "torch"
+    assert resolve_attention_backend("triton", cpu) == "triton"  # construction is device-agnostic
+    assert resolve_attention_backend(None, cpu, use_te_attention=False) == "torch"
+    with pytest.raises(ValueError, match="contradicts"):
+        resolve_attention_backend("triton", cpu, use_te_attention=False)
+    with pytest.raises(ValueError, match="one of"):
+        resolve_attention_backend("flash", cpu)
+    with pytest.raises(ImportError, match="'triton', 'torch' or 'auto'"):
+        resolve_attention_backend("te", cpu)  # no transformer-engine here
+
+
+def test_triton_backend_without_a_usable_triton_takes_the_pytorch_path():
+    """attention_backend='triton' on the CPU without the interpreter: the same logits as 'torch'
+    (the model then builds the mask and the core attention falls back), padded and packed."""
+    from megatron_rlhf.models.bloom import BloomModel
+
+    ids = torch.randint(4, ARCH_A.vocab_size, (2, 7))
+    padded = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    packed = torch.tensor([[1, 1, 2, 2, 2, 3, 0]])
+    logits = {}
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        model = BloomModel(ARCH_A, attention_backend=backend)
+        with torch.no_grad():
+            logits[backend] = (model(ids, padded), model(ids[:1], packed))
+    for got, want in zip(logits["triton"], logits["torch"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

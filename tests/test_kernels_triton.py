@@ -14,15 +14,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import REPO, run_checks, run_python
+from triton_interpreter import interpreter_results as run_under_interpreter
 
 triton = pytest.importorskip("triton")
 
@@ -270,36 +267,13 @@ def _run_checks(out: Path) -> None:
     # small blocks: several vocabulary blocks and splits per row, several GAE blocks per row
     triton_logprobs.BLOCK_V, triton_logprobs.TARGET_PROGRAMS = 32, 40
     triton_advantages.BLOCK_T = 8
-    results = {}
-    for name, check in CHECKS.items():
-        seed = torch.seed() % 2**31
-        try:
-            detail = check(torch.Generator().manual_seed(seed))
-            results[name] = {"ok": True, "detail": f"seed {seed}: {detail}"}
-        except Exception:  # recorded for the parent test to report
-            results[name] = {
-                "ok": False,
-                "detail": f"seed {seed}: {traceback.format_exc()[-3000:]}",
-            }
-    out.write_text(json.dumps(results, indent=1))
+    run_checks(CHECKS, out)
 
 
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("triton_interpret") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    repo = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, __file__, "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"interpreter run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    return run_under_interpreter(__file__, out, quiet=False)
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
@@ -311,16 +285,7 @@ def test_triton_interpreter(check, interpreter_results):
 @pytest.mark.slow
 def test_gpu_benchmark_script_runs_under_interpreter():
     """benchmarks/gpu_kernels.py cannot run here; its --smoke mode runs every line of it."""
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(repo / "benchmarks" / "gpu_kernels.py"), "--smoke"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_python([str(REPO / "benchmarks" / "gpu_kernels.py"), "--smoke"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "MISMATCH" not in proc.stdout
     for heading in ("agreement", "log-probs", "GAE"):

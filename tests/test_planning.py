@@ -246,3 +246,33 @@ def test_mfu_counts_the_standard_flops():
     flops = hardware.train_flops_per_token(n, layers, hidden, seq) * 1e6
     assert flops == pytest.approx(1e6 * (6 * n + 12 * layers * hidden * seq))
     assert hardware.mfu(flops, 10.0, 8, h100) == pytest.approx(flops / 10 / (8 * 989e12))
+
+
+def test_attention_memory_follows_the_backend():
+    """A layer's saved activations are linear in s with the Triton kernel (the fp32 log-sum-exp
+    beside the s*b*h tensors); the PyTorch path and TE (unfused with ALiBi) add the
+    (a/t) s^2 b scores."""
+    from megatron_rlhf.distributed.layouts import Layout
+    from megatron_rlhf.planning.memory import (
+        Workload,
+        fused_attention,
+        layer_activation_bytes,
+        layer_forward_bytes,
+    )
+    from megatron_rlhf.planning.shapes import ModelShape
+
+    assert fused_attention("triton")
+    assert not fused_attention("te") and not fused_attention("torch")
+    shape = ModelShape(name="7b1-like", num_layers=30, hidden_size=4096, num_heads=32)
+    layout, seq, rows = Layout(tp=4, pp=1, dp=1), 2048, 2
+
+    def saved(backend: str, length: int) -> float:
+        work = Workload(micro_batch=rows, seq_len=length, fused_attention=fused_attention(backend))
+        return layer_activation_bytes(shape, layout, work, length)
+
+    assert saved("triton", 2 * seq) == pytest.approx(2 * saved("triton", seq))
+    scores_growth = 2 * (32 / 4) * seq**2 * rows * (4 + 2)  # (2s)^2 - 2 s^2, fp32 + bf16 probs
+    for backend in ("torch", "te"):
+        assert saved(backend, 2 * seq) - 2 * saved(backend, seq) == pytest.approx(scores_growth)
+    unfused, fused = (layer_forward_bytes(shape, layout, rows, seq, 2, f) for f in (False, True))
+    assert fused < unfused

@@ -14,7 +14,10 @@ vocabulary, ``t`` TP, ``e`` bytes per activation element (bf16 2 on GPUs, fp32 4
   ``4 sbh`` replicated over TP (two LayerNorm inputs and outputs; ``/t`` with sequence
   parallelism) + ``12 sbh / t`` (QKV, attention context, fc1 output, GELU output) elements, the
   fp32 softmax output ``a s^2 b / t`` (4 B each, plus the e-byte probabilities it is cast to when
-  e < 4) and the LayerNorm statistics. A 1F1B pipeline keeps ``min(pp, microbatches)``
+  e < 4) and the LayerNorm statistics. Attention by backend (:func:`fused_attention`): the fused
+  Triton kernel keeps only the fp32 log-sum-exp ``a s b / t`` (O(s)); the PyTorch path and
+  TransformerEngine with ALiBi (its unfused attention: a (b, a/t, s, s) fp32 bias and the scores)
+  keep O(s^2). A 1F1B pipeline keeps ``min(pp, microbatches)``
   micro-batches in flight on its first stage. Full recompute keeps each layer's input
   (``sbh``) and one layer's activations at a time.
 - The LM-head working set of the last stage: the logits shard ``b s v/t`` the output layer
@@ -61,8 +64,9 @@ class Workload:
     distributed_optimizer: bool = True
     """Shard Adam state (and the fp32 master weights) over the data-parallel replicas."""
     fused_attention: bool = False
-    """TransformerEngine's fused ALiBi attention (GPUs): the (s x s) scores are never stored,
-    only the fp32 log-sum-exp per query; False: our PyTorch core attention (the CPU path)."""
+    """The fused Triton ALiBi attention (``attention_backend="triton"``, GPUs): the (s x s) scores
+    are never stored, only the fp32 log-sum-exp per query; False: the PyTorch core attention or
+    TransformerEngine's (unfused with ALiBi), O(s^2). Set it with :func:`fused_attention`."""
     packed_sequence_len: int | None = None
     """Packed micro-batches (``train.packing`` / ``ppo.packing``): ``micro_batch`` 1 row of
     ``seq_len`` tokens (the budget) holding sequences of at most this many tokens, each
@@ -106,6 +110,13 @@ class Memory:
         return Memory(
             **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
         )
+
+
+def fused_attention(attention_backend: str) -> bool:
+    """Whether a model's resolved ``attention_backend`` keeps O(s) attention memory: only the
+    Triton kernel does. TE is O(s^2) here: given ALiBi slopes and a padding mask it runs its
+    unfused attention (cuDNN refuses a bias with padding; flash-attn is not a dependency)."""
+    return attention_backend == "triton"
 
 
 def static_memory(

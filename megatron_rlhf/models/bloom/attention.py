@@ -13,8 +13,7 @@ in the model's dtype. A softmax row does not change when a constant is added to 
 relative to the query, ``slope_h * (pos_k - pos_q)``, gives the same probabilities; it is small
 for the near keys that carry the weight, and it is added in fp32 to fp32 scores. In bf16 the
 absolute bias of a key 1,000 tokens in is ~700 for the steepest head, where one bf16 step is 4:
-logits drift with length (max error 3.3 at 1,024 tokens against 0.3 at 64). TransformerEngine's
-fused ALiBi is relative and fp32 too, so training (TE) and generation (this path) agree.
+logits drift with length (max error 3.3 at 1,024 tokens against 0.3 at 64).
 
 Key positions come from the padding mask (``BloomModel`` passes them as Megatron's
 ``attention_bias``, fp32 (B, Sk)), so left-padded rows see the same biases as their unpadded
@@ -24,22 +23,44 @@ sequences back to back) comes in Megatron-Core's THD layout instead (``PackedSeq
 ``BloomModel``): :func:`packed_alibi_attention` runs each sequence alone, causal, positions
 from its first token, which is the block-diagonal mask's result without the T x T scores.
 
-:class:`TEAlibiDotProductAttention` (GPU, when transformer-engine imports) runs TE's fused
-attention with ``core_attention_bias_type="alibi"`` and this rank's slopes passed explicitly,
-for full-length right-padded batches (``BloomModel`` decides once per forward and then passes no
-positions); everything else takes the PyTorch path.
+Three core attentions, chosen by ``BloomModel``'s ``attention_backend`` (``spec.py``):
+- ``torch``: :class:`AlibiDotProductAttention`, the functions above. O(S^2) memory per layer
+  (fp32 scores of every head).
+- ``triton``: :class:`FusedAlibiDotProductAttention`, the same math as one fused Triton kernel
+  (``megatron_rlhf.kernels.alibi_attention``): fp32 relative bias and softmax, O(S) extra memory
+  (the log-sum-exp), for training, scoring and prefill, packed and padded rows. ``BloomModel``
+  then passes ``attention_bias`` as (B, 2, Sk): key positions and key segment ids (the key mask),
+  and no (B, 1, S, S) mask unless a KV cache is in use (decode takes the PyTorch path).
+- ``te``: :class:`TEAlibiDotProductAttention` (GPU, when transformer-engine imports), for
+  full-length right-padded batches (``BloomModel`` decides once per forward and then passes no
+  positions); everything else takes the PyTorch path. This is *not* a fused ALiBi kernel: with
+  explicit slopes TE turns ALiBi into a ``post_scale_bias``, cuDNN refuses a bias with padding
+  masks and flash-attn is not a dependency, so TE runs ``UnfusedDotProductAttention``, which
+  materialises a (B, H, S, S) fp32 bias and rounds score + bias to bf16 before the softmax: O(S^2)
+  memory like the PyTorch path, and bf16 numerics that differ from generation's fp32 bias.
+
+Slopes: one fp32 tensor per (model, TP rank), shared by every layer's core attention
+(``BloomModel`` builds it and passes it through the layer spec); a non-persistent buffer, so
+state dicts do not hold it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import sys
+import warnings
 
 import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 from megatron_rlhf.distributed.parallel import current_groups
+from megatron_rlhf.kernels.alibi_attention import (
+    fused_alibi_attention,
+    fused_alibi_available,
+    fused_packed_alibi_attention,
+)
 from megatron_rlhf.models.bloom.alibi import alibi_slopes_for_rank
 
 
@@ -50,13 +71,21 @@ def _tp_rank_and_size(pg_collection) -> tuple[int, int]:
     return tp_group.rank(), tp_group.size()
 
 
-def _register_rank_slopes(module: torch.nn.Module, num_heads: int, pg_collection) -> None:
-    """``module.slopes``: this TP rank's ALiBi slopes, fp32, a non-persistent buffer created on
-    the default device (``BloomModel`` builds under ``torch.device(compute device)``)."""
+def rank_slopes(num_heads: int, pg_collection=None) -> torch.Tensor:
+    """This TP rank's ALiBi slopes (H/tp,), fp32, on the default device (``BloomModel`` builds
+    under ``torch.device(compute device)``)."""
     tp_rank, tp_size = _tp_rank_and_size(pg_collection)
-    module.register_buffer(
-        "slopes", alibi_slopes_for_rank(num_heads, tp_rank, tp_size), persistent=False
-    )
+    return alibi_slopes_for_rank(num_heads, tp_rank, tp_size)
+
+
+def _register_rank_slopes(
+    module: torch.nn.Module, num_heads: int, pg_collection, slopes: torch.Tensor | None
+) -> None:
+    """``module.slopes``: ``slopes`` (the model's one tensor for this TP rank) or, for a module
+    built alone, this rank's own; a non-persistent buffer."""
+    if slopes is None:
+        slopes = rank_slopes(num_heads, pg_collection)
+    module.register_buffer("slopes", slopes, persistent=False)
 
 
 def alibi_attention(
@@ -139,6 +168,7 @@ class AlibiDotProductAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        slopes: torch.Tensor | None = None,
     ):
         super().__init__(config=config)
         self.head_dim = config.kv_channels
@@ -146,7 +176,7 @@ class AlibiDotProductAttention(MegatronModule):
         self.dropout = torch.nn.Dropout(
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
-        _register_rank_slopes(self, config.num_attention_heads, pg_collection)
+        _register_rank_slopes(self, config.num_attention_heads, pg_collection, slopes)
 
     def forward(
         self,
@@ -179,13 +209,78 @@ class AlibiDotProductAttention(MegatronModule):
         return {}
 
 
-def te_attention_class():
-    """TransformerEngine's DotProductAttention, or None when TE is not importable."""
-    try:
-        from transformer_engine.pytorch import DotProductAttention
-    except Exception:  # ImportError, or a CUDA/driver error inside TE's import
-        return None
+class FusedAlibiDotProductAttention(AlibiDotProductAttention):
+    """:class:`AlibiDotProductAttention` through the fused Triton kernel where it runs (CUDA with
+    a working Triton, or ``TRITON_INTERPRET=1``), no attention dropout active, and every query
+    is new (Sq = Sk: training, scoring, prefill); otherwise the PyTorch path (decode with a KV
+    cache). ``attention_bias`` is (B, 2, Sk): key positions and key segment ids; BloomModel
+    builds no (B, 1, Sq, Sk) mask (``attention_mask`` None) when the kernel will run."""
+
+    def forward(
+        self,
+        query: torch.Tensor,  # (Sq, B, H/tp, D)
+        key: torch.Tensor,  # (Sk, B, H/tp, D)
+        value: torch.Tensor,  # (Sk, B, H/tp, D)
+        attention_mask: torch.Tensor | None,  # (B, 1, Sq, Sk) bool, or None
+        attn_mask_type=None,
+        attention_bias=None,  # (B, 2, Sk) fp32 key positions and segment ids
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        fused = fused_alibi_available(query) and not (self.training and self.dropout.p > 0)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd" and fused:
+            return fused_packed_alibi_attention(
+                query, key, value, packed_seq_params.cu_seqlens_q, self.slopes, self.softmax_scale
+            )
+        if packed_seq_params is not None:
+            return super().forward(query, key, value, None, packed_seq_params=packed_seq_params)
+        if attention_bias is None or attention_bias.dim() != 3:
+            raise ValueError(
+                "the Triton BLOOM attention takes attention_bias (B, 2, Sk): key positions and "
+                "segment ids (BloomModel passes them with attention_backend='triton')"
+            )
+        if fused and query.shape[0] == key.shape[0]:
+            return fused_alibi_attention(
+                query, key, value, attention_bias[:, 0], attention_bias[:, 1], self.slopes,
+                self.softmax_scale,
+            )  # fmt: skip
+        if attention_mask is None:
+            raise ValueError(
+                "the Triton kernel cannot run here (no CUDA Triton, active attention dropout or "
+                "a KV cache) and no attention mask was given"
+            )
+        return super().forward(
+            query, key, value, attention_mask, attention_bias=attention_bias[:, 0]
+        )
+
+
+_te_import_failure_warned = False
+
+
+def _import_te_attention():
+    from transformer_engine.pytorch import DotProductAttention
+
     return DotProductAttention
+
+
+def te_attention_class():
+    """TransformerEngine's DotProductAttention, or None when TE is not importable. When TE is
+    installed but fails to import on a CUDA machine (a CUDA, cuDNN or driver mismatch), this
+    warns once, naming the error: TE attention is then off in every command."""
+    global _te_import_failure_warned
+    try:
+        return _import_te_attention()
+    except Exception as err:  # ImportError, or a CUDA/driver error inside TE's import
+        installed = importlib.util.find_spec("transformer_engine") is not None
+        if installed and torch.cuda.is_available() and not _te_import_failure_warned:
+            _te_import_failure_warned = True
+            warnings.warn(
+                f"transformer-engine is installed but does not import on this CUDA machine "
+                f"({type(err).__name__}: {err}); TE attention is OFF in every model. Fix the "
+                "install (its CUDA/cuDNN build must match torch's) or uninstall it.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return None
 
 
 def drop_missing_extra_state(module: torch.nn.Module) -> None:
@@ -214,13 +309,16 @@ def te_alibi_cache(te_attention: torch.nn.Module) -> dict | None:
 
 
 class TEAlibiDotProductAttention(MegatronModule):
-    """GPU path: TE fused attention with ALiBi and this TP rank's slopes passed explicitly.
+    """GPU path: TE's DotProductAttention with ALiBi and this TP rank's slopes passed explicitly.
 
-    TE's default slopes come from the *local* head count, which is wrong under TP, so this rank's
-    slice of the global slopes is passed on every call. TE keeps one ALiBi cache per process and
-    refreshes it only in its layer number 1: when the cached slopes are not this module's (another
-    model with as many heads per rank, a later pipeline stage), the refresh is forced. TE's fused
-    kernels reduce a padding mask to per-row valid-token counts (right-padding semantics), so
+    What TE runs then is its *unfused* attention (see the module docstring): a (B, H, S, S) fp32
+    bias, score + bias rounded to bf16 before the softmax. TE's default slopes come from the
+    *local* head count, which is wrong under TP, so this rank's slice of the global slopes is
+    passed on every call. TE keeps one ALiBi cache per process (its bias included) and refreshes
+    it only in its layer number 1: when the cached slopes are not this model's (another model
+    with as many heads per rank, a later pipeline stage), the refresh is forced; every layer of
+    one model shares one slopes tensor, so that happens once per model, not once per layer. TE
+    reduces a padding mask to per-row valid-token counts (right-padding semantics), so
     ``BloomModel`` passes key positions (``attention_bias``) for batches TE cannot take (left
     padding, a KV cache), which then run :func:`alibi_attention`.
     """
@@ -233,7 +331,9 @@ class TEAlibiDotProductAttention(MegatronModule):
         _tp_rank, tp_size = _tp_rank_and_size(kwargs.get("pg_collection"))
         self.heads_per_rank = divide(config.num_attention_heads, tp_size)
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
-        _register_rank_slopes(self, config.num_attention_heads, kwargs.get("pg_collection"))
+        _register_rank_slopes(
+            self, config.num_attention_heads, kwargs.get("pg_collection"), kwargs.get("slopes")
+        )
         self.te_attention = te_attention(
             num_attention_heads=self.heads_per_rank,
             kv_channels=config.kv_channels,

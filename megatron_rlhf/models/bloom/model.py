@@ -29,14 +29,16 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from megatron_rlhf.distributed.cpu_compat import tensor_cuda_is_identity
 from megatron_rlhf.distributed.parallel import compute_device, current_groups
+from megatron_rlhf.kernels.alibi_attention import fused_alibi_available
 from megatron_rlhf.models.bloom.alibi import positions_from_mask
+from megatron_rlhf.models.bloom.attention import rank_slopes
 from megatron_rlhf.models.bloom.config import (
     BloomArchitecture,
     padded_vocab_size,
     transformer_config,
 )
 from megatron_rlhf.models.bloom.layers import BloomLayerNorm
-from megatron_rlhf.models.bloom.spec import bloom_block_spec, resolve_te_attention
+from megatron_rlhf.models.bloom.spec import bloom_block_spec, resolve_attention_backend
 from megatron_rlhf.models.bloom.vocab import BloomOutputLayer, BloomWordEmbedding
 
 HEADS = ("lm", "scalar")
@@ -74,6 +76,7 @@ class BloomModel(GPTModel):
         num_scalar_outputs: int = 1,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
+        attention_backend: str | None = None,
         use_te_attention: bool | None = None,
         recompute_activations: bool = False,
         init_weights: bool = True,
@@ -81,7 +84,9 @@ class BloomModel(GPTModel):
         pg_collection=None,
     ):
         """``pg_collection``: the model's Megatron-Core ``ProcessGroupCollection`` (its TP, PP,
-        ... groups), kept as ``self.pg_collection``; default: the groups in force now."""
+        ... groups), kept as ``self.pg_collection``; default: the groups in force now.
+        ``attention_backend``: auto | triton | te | torch (``spec.resolve_attention_backend``;
+        ``use_te_attention`` is the older switch), kept resolved as ``self.attention_backend``."""
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")
         device = compute_device() if device is None else torch.device(device)
@@ -99,8 +104,9 @@ class BloomModel(GPTModel):
         )
         config.perform_initialization = init_weights  # False when a checkpoint overwrites all
         pre_process, post_process = pp_rank == 0, pp_rank == pp - 1
-        use_te_attention = resolve_te_attention(use_te_attention, device)
-        spec = bloom_block_spec(get_num_layers_to_build(config, pp_rank=pp_rank), use_te_attention)
+        backend = resolve_attention_backend(attention_backend, device, use_te_attention)
+        slopes = rank_slopes(arch.num_heads, pg_collection).to(device)  # one for every layer
+        spec = bloom_block_spec(get_num_layers_to_build(config, pp_rank=pp_rank), backend, slopes)
         # Megatron-Core creates its CPU-initialised tensors (and we create ours) on the default
         # device; on a GPU it passes torch.cuda.current_device() itself, the same device.
         # tensor_cuda_is_identity: language_module.py:244 calls weight.data.cuda() (CPU only).
@@ -120,7 +126,8 @@ class BloomModel(GPTModel):
             self._add_bloom_modules(arch, head, num_scalar_outputs, pre_process, post_process)
         if not init_weights:
             mark_tensor_parallel_weights(self)
-        self.uses_te_attention = use_te_attention
+        self.attention_backend = backend
+        self.uses_te_attention = backend == "te"
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """Megatron-Core's sharded state dict, its replica ids taken from this model's own
@@ -204,6 +211,10 @@ class BloomModel(GPTModel):
         packed = self._packed_sequences(padding_mask, query_length, inference_context)
         if packed is not None:  # one row of sequences: attention within each, no T x T mask
             attention_mask, key_positions = None, None
+        elif self.attention_backend == "triton":
+            attention_mask, key_positions = self._fused_attention_inputs(
+                padding_mask, query_length, inference_context
+            )
         else:
             attention_mask = attention_mask_for(padding_mask, query_length)
             key_positions = self._key_positions(padding_mask, query_length)
@@ -251,8 +262,8 @@ class BloomModel(GPTModel):
 
     def _packed_sequences(self, padding_mask: torch.Tensor, query_length: int, context):
         """Megatron's THD ``PackedSeqParams`` for one packed row (a (1, S) mask holding sequence
-        ids 1..k, k > 1; data/packing.py) on the PyTorch attention path, whose core attention
-        then runs each sequence alone (models/bloom/attention.py): the cost of k short
+        ids 1..k, k > 1; data/packing.py) on the PyTorch or Triton attention path, whose core
+        attention then runs each sequence alone (models/bloom/attention.py): the cost of k short
         sequences, not of one S x S score matrix. ``cu_seqlens`` ends at the last real token:
         trailing padding (id 0) gets no attention (its outputs are unused). None (the masked
         path) for anything else: a KV cache, TE layers, sequence parallelism (the row is split
@@ -281,7 +292,7 @@ class BloomModel(GPTModel):
     def _key_positions(self, padding_mask: torch.Tensor, query_length: int):
         """Megatron's ``attention_bias`` for every layer: fp32 key positions (B, Sk) counted from
         the first real token of each row (of each packed sequence), from which the core attention builds the query-relative
-        ALiBi bias; None for a batch TE's fused ALiBi takes (TE layers, no KV cache, every row
+        ALiBi bias; None for a batch TE takes (TE layers, no KV cache, every row
         right-padded), decided here once per forward (one host sync, TE layers only)."""
         if (
             self.uses_te_attention
@@ -290,6 +301,16 @@ class BloomModel(GPTModel):
         ):
             return None
         return positions_from_mask(padding_mask).float()
+
+    def _fused_attention_inputs(self, padding_mask: torch.Tensor, query_length: int, context):
+        """The Triton core attention's (mask, ``attention_bias``): key positions and segment ids
+        (B, 2, Sk) fp32, and no (B, 1, Sq, Sk) mask when the kernel runs (no KV cache, Triton
+        usable on this device), else the mask for the PyTorch path."""
+        key_info = torch.stack([positions_from_mask(padding_mask), padding_mask.long()], 1)
+        activations = padding_mask.new_empty(0, dtype=self.config.params_dtype)  # dtype, device
+        runs = context is None and fused_alibi_available(activations)
+        mask = None if runs else attention_mask_for(padding_mask, query_length)
+        return mask, key_info.float()
 
     def _scalar_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
         # Under SP the norm sees this rank's (S/tp, B, H) tokens, so its sequence-parallel
