@@ -26,9 +26,12 @@ from outside keeps what it did):
   4. gpu_tests    ``pytest -m gpu tests/test_gpu.py`` (a skip is a failure unless its reason
                   says the optional package is "not on this machine")
   5. kernels      ``benchmarks/gpu_kernels.py --tokens 2048`` (agreement, then tables)
-  6. scaling      ``tools/scaling_study.py`` for bloom-560m (actor/critic train, scoring,
+  6. attention    ``benchmarks/gpu_attention.py``: the fused Triton ALiBi attention against the
+                  PyTorch path (and TE where installed) at 512-4,096 tokens, BLOOM-7b1's and
+                  176B's heads per TP rank: agreement in bf16 steps, time, peak memory
+  7. scaling      ``tools/scaling_study.py`` for bloom-560m (actor/critic train, scoring,
                   generation): tokens/s, peak memory planned vs measured, MFU
-  7. plan         ``tools/plan_parallelism.py --json`` for the paper's 176B + 7B1 setting on
+  8. plan         ``tools/plan_parallelism.py --json`` for the paper's 176B + 7B1 setting on
                   80 x 80 GB, beside the measurements
 A check whose optional package is missing reports "not on this machine", neither a pass nor a
 failure; with the full stack installed (``pip install -e ".[gpu-cu13]"``, vLLM) every check runs.
@@ -142,7 +145,7 @@ def steps(output: Path) -> list[Step]:
         Step(
             name="setup",
             command=[*here, "--setup-only", "--output-dir", str(output)],
-            timeout_s=30,
+            timeout_s=25,
             planned_s=10,
             files=["benchmarks/gpu_wheelhouse.py", "benchmarks/gpu_wheelhouse.json"],
             dry_run=[[PYTHON, "benchmarks/gpu_wheelhouse.py", "--plan"]],
@@ -150,7 +153,7 @@ def steps(output: Path) -> list[Step]:
         Step(
             name="stack",
             command=[*here, "--stack-only", "--output-dir", str(output)],
-            timeout_s=30,
+            timeout_s=25,
             planned_s=15,
             files=["setup.py"],
             dry_run=[[*here, "--stack-only", "--report-only", "--output-dir", str(output)]],
@@ -163,7 +166,7 @@ def steps(output: Path) -> list[Step]:
                 "--output-dir",
                 str(output / "first_run"),
             ],
-            timeout_s=190,
+            timeout_s=180,
             planned_s=140,
             files=["benchmarks/gpu_first_run.py", "tests/ppo_fixtures.py"],
             dry_run=[
@@ -179,8 +182,8 @@ def steps(output: Path) -> list[Step]:
         Step(
             name="gpu_tests",
             command=[*pytest, "-m", "gpu", "-q", "-rs", "tests/test_gpu.py"],
-            timeout_s=60,
-            planned_s=40,
+            timeout_s=50,
+            planned_s=35,
             files=["tests/test_gpu.py", "pyproject.toml"],
             dry_run=[[*pytest, "-m", "gpu", "--collect-only", "-q", "tests/test_gpu.py"]],
         ),
@@ -193,6 +196,21 @@ def steps(output: Path) -> list[Step]:
             dry_run=[[PYTHON, "benchmarks/gpu_kernels.py", "--help"]],
         ),
         Step(
+            name="attention",
+            command=[
+                PYTHON,
+                "benchmarks/gpu_attention.py",
+                "--budget-s",
+                "22",
+                "--json",
+                str(output / "attention.json"),
+            ],  # fmt: skip
+            timeout_s=40,
+            planned_s=35,
+            files=["benchmarks/gpu_attention.py", "kernels/triton_alibi_attention.py"],
+            dry_run=[[PYTHON, "benchmarks/gpu_attention.py", "--help"]],
+        ),
+        Step(
             name="scaling",
             command=[
                 PYTHON,
@@ -202,8 +220,8 @@ def steps(output: Path) -> list[Step]:
                 scaling_dir,
                 "--overwrite",
             ],  # fmt: skip
-            timeout_s=70,
-            planned_s=50,
+            timeout_s=60,
+            planned_s=45,
             files=["tools/scaling_study.py", "megatron_rlhf/planning/tools/study.py"],
             dry_run=[
                 [PYTHON, "tools/scaling_study.py", "--help"],

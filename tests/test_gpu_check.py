@@ -31,6 +31,7 @@ def test_gpu_check_dry_run_passes(tmp_path):
         "first_run",
         "gpu_tests",
         "kernels",
+        "attention",
         "scaling",
         "plan",
     ]

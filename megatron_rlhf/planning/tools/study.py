@@ -75,8 +75,9 @@ def planned_bytes(shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work
         num_microbatches=work.microbatches,
         element_bytes=e,
         distributed_optimizer=torch.cuda.is_available(),
-        # TE never fuses BLOOM's ALiBi (explicit slopes + padding mask): it stores (B, H, S, S)
-        fused_attention=False,
+        # what the study's models run (attention_backend auto): the fused Triton kernel keeps
+        # O(s); PyTorch, and TE, which never fuses BLOOM's ALiBi, store (B, H, S, S)
+        fused_attention=memory.fused_attention(_attention_backend()),
         packed_sequence_len=sequence,
     )
     if stage == "actor_train":
@@ -88,6 +89,14 @@ def planned_bytes(shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work
     return memory.generate_memory(
         shape, layout, work.micro_batch, work.prompt_len, work.response_len, e, load.fused_attention
     ).total
+
+
+def _attention_backend() -> str:
+    """The backend ``BloomModel``'s default (``auto``) resolves to on this machine."""
+    from megatron_rlhf.distributed.parallel import compute_device
+    from megatron_rlhf.models.bloom.spec import resolve_attention_backend
+
+    return resolve_attention_backend("auto", compute_device())
 
 
 def run_row(shape: ModelShape, stage: str, work: StudyWork, seed: int = 0) -> dict:
