@@ -84,3 +84,30 @@ def test_moved_layout_keys_name_the_parallel_section(tmp_path, command, old, new
         load_config(cls, path, required[1:])
     layout = load_config(cls, None, [*required, f"{new}={value}"]).parallel
     assert getattr(layout, key) == (True if value == "true" else int(value))
+
+
+@pytest.mark.parametrize("command", ["train-sft", "train-reward", "train-ppo"])
+def test_attention_backend_is_a_model_setting_with_its_choices(command):
+    """``model.attention_backend`` (``models.`` for train-ppo, every role) reaches the model
+    builders; a name that is not a backend is refused naming the choices."""
+    from megatron_rlhf.ppo.config import TrainPPOConfig
+    from megatron_rlhf.reward.train import RewardTrainConfig
+    from megatron_rlhf.training.sft import SFTConfig
+
+    schema, required, key = {
+        "train-sft": (SFTConfig, ["model.load=m", "data.train=d", "train.output_dir=o"], "model"),
+        "train-reward": (
+            RewardTrainConfig,
+            ["model.load=m", "data.train=d", "train.output_dir=o"],
+            "model",
+        ),
+        "train-ppo": (
+            TrainPPOConfig,
+            ["models.actor=a", "models.critic=c", "data.prompts=p"],
+            "models",
+        ),
+    }[command]
+    config = load_config(schema, None, [*required, f"{key}.attention_backend=triton"])
+    assert getattr(config, key).attention_backend == "triton"
+    with pytest.raises(InputError, match=r"attention_backend='flash'; choose one of"):
+        load_config(schema, None, [*required, f"{key}.attention_backend=flash"])

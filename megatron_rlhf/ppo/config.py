@@ -31,6 +31,11 @@ class ModelsConfig:
     """am: score = a = r - e_tau(x) (AM-PPO); rm: score = r (RM-PPO)."""
     tokenizer: str | None = None
     """Tokenizer directory (for sample dumps); default: the actor's checkpoint directory."""
+    attention_backend: Literal["auto", "triton", "te", "torch"] = "auto"
+    """Every role's core attention: triton (the fused ALiBi kernel, O(s) memory; CUDA), te
+    (TransformerEngine, unfused with ALiBi), torch (O(s^2)); auto: triton on a GPU where it
+    compiles, else te where it imports, else torch. Decoding with a KV cache always takes the
+    PyTorch path."""
 
 
 @dataclass(kw_only=True)

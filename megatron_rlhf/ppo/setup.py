@@ -250,7 +250,11 @@ def build_roles(plan: PPOPlan, groups: dict, seed: int) -> Roles:
 
     config, checkpoints = plan.config, plan.checkpoints
     dtype = torch.bfloat16 if use_bf16(config.train.bf16, "train.bf16") else torch.float32
-    common = dict(params_dtype=dtype, sequence_parallel=config.parallel.sequence_parallel)
+    common = dict(
+        params_dtype=dtype,
+        sequence_parallel=config.parallel.sequence_parallel,
+        attention_backend=config.models.attention_backend,
+    )
     trained = dict(common, recompute_activations=config.train.recompute_activations)
 
     def load(role: str, **kwargs):

@@ -93,6 +93,7 @@ def build_engine(
         params_dtype=torch.bfloat16 if use_bf16(config.model.bf16) else torch.float32,
         sequence_parallel=config.parallel.sequence_parallel,
         recompute_activations=config.model.recompute_activations,
+        attention_backend=config.model.attention_backend,
     )
     if resume_from is None:
         model = load_bloom(config.model.load, **model_kwargs)

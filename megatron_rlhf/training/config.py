@@ -92,6 +92,10 @@ class ModelConfig:
     """Recompute each layer's activations in the backward pass (saves memory)."""
     seed: int = 1234
     """Model-parallel RNG seed."""
+    attention_backend: Literal["auto", "triton", "te", "torch"] = "auto"
+    """BLOOM's core attention: triton (the fused ALiBi kernel, O(s) memory; CUDA), te
+    (TransformerEngine, unfused with ALiBi), torch (O(s^2), every device); auto: triton on a GPU
+    where it compiles, else te where it imports, else torch."""
 
 
 @dataclass(kw_only=True)
