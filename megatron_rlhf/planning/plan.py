@@ -67,6 +67,10 @@ class PlanRequest:
     """Held back per GPU for the CUDA context, NCCL buffers and fragmentation."""
     gpu: hardware.GPU = field(default_factory=lambda: hardware.DEFAULT_GPU)
     """Hardware for the time estimate."""
+    attention_backend: str = "torch"
+    """The roles' core attention (``models.attention_backend``): ``triton`` keeps O(s)
+    attention memory, ``torch`` and ``te`` (unfused with ALiBi) store the (s x s) scores.
+    Planned as ``torch`` by default until the GPU check has measured the fused kernel."""
 
     @property
     def prompt(self) -> int:
@@ -151,9 +155,9 @@ def role_workload(request: PlanRequest, layout: Layout, recompute: bool) -> Work
         recompute=recompute,
         sequence_parallel=layout.tp > 1,
         distributed_optimizer=True,
-        # PPO batches are left-padded prompts then responses: TE's fused ALiBi takes only
-        # right-padded rows, so scoring and the update run the O(S^2) PyTorch attention.
-        fused_attention=False,
+        # the fused Triton kernel takes PPO's left-padded rows and keeps O(s); the PyTorch path
+        # and TE (unfused with ALiBi) store the (s x s) scores
+        fused_attention=memory.fused_attention(request.attention_backend),
     )
 
 
@@ -279,8 +283,14 @@ def _rollout_options(request: PlanRequest) -> list[_RoleOption]:
     for layout in candidate_layouts(shape, request.gpus):
         rows = max(1, request.rollout_sequences // layout.dp)
         gen = memory.generate_memory(
-            shape, layout, rows, request.prompt, request.response, 2, fused_attention=False
-        )  # left-padded prefill and KV-cached decode: the PyTorch attention
+            shape,
+            layout,
+            rows,
+            request.prompt,
+            request.response,
+            2,
+            fused_attention=memory.fused_attention(request.attention_backend),
+        )  # fmt: skip  (the prefill takes the backend; KV-cached decode the PyTorch path)
         seconds = {"rollout": _generate_seconds(request, shape, layout, gen.kv_cache)}
         transient = {
             "rollout": Memory(activations=gen.activations, logits=gen.logits, kv_cache=gen.kv_cache)

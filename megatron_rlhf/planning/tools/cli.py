@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu", default="H100", help="hardware for the time estimate (H200, H100, A100, ...)"
     )
     parser.add_argument("--reserve-gb", type=float, default=2.0, help="held back per GPU")
+    parser.add_argument(
+        "--attention-backend", default="torch", choices=["torch", "te", "triton"],
+        help="the roles' attention (models.attention_backend): triton keeps O(s) memory; "
+        "torch and te store (s x s) scores (default torch until the GPU check has measured triton)",
+    )  # fmt: skip
     parser.add_argument("--top", type=int, default=10, help="plans to print")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--write-config", help="write the best plan as a train-ppo YAML here")
@@ -142,6 +147,7 @@ def request_from_args(args):
         max_tokens_per_micro_batch=budget,
         reserve_gb=args.reserve_gb,
         gpu=gpu,
+        attention_backend=args.attention_backend,
     )
 
 
