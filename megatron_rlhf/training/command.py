@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_rlhf.utils import InputError, is_rank0
+from megatron_rlhf.utils import InputError
 
 
 def command_main(command: str, config_cls, run, argv: list[str], summary) -> int:
@@ -106,12 +106,6 @@ def reduce_metrics(metrics: dict) -> dict:
 
 def every(step: int, interval: int) -> bool:
     return interval > 0 and step % interval == 0
-
-
-def log(command: str, message: str) -> None:
-    """One line on rank 0's stderr, prefixed with the command."""
-    if is_rank0():
-        print(f"[{command}] {message}", file=sys.stderr, flush=True)
 
 
 def check_data_fits_model(dataset, key: str, model_dir: str, model_vocab: int) -> None:

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 
 from megatron_rlhf.training.config import RESUMABLE_CHANGES
-from megatron_rlhf.training.guards import NonFiniteGuard
 from megatron_rlhf.utils import InputError, is_rank0, print_summary, write_json
 
 
@@ -47,6 +47,7 @@ class Run:
         lr_key: str = "optim.lr",
     ):
         from megatron_rlhf.config import to_dict
+        from megatron_rlhf.training.guards import NonFiniteGuard
         from megatron_rlhf.training.run_dir import open_run
 
         self.command, self.config = command, config
@@ -94,8 +95,6 @@ class Run:
 
     def resumed(self, state: dict) -> None:
         """The trainer state of :attr:`resume_from` is loaded: the step and the guard's count."""
-        from megatron_rlhf.training.command import log
-
         self.step = self.saved_step = state.get("step", 0)
         self.guard.load_state_dict(state.get("nonfinite", {}))
         log(self.command, f"resumed from {self.resume_from} at step {self.step}")
@@ -103,7 +102,6 @@ class Run:
     def start(self, total_steps: int) -> RunLog:
         """Write ``config.json`` and open the run log at :attr:`step` (collective)."""
         from megatron_rlhf.config import to_dict
-        from megatron_rlhf.training.command import log
 
         if self.resume_from is not None and self.step >= total_steps:
             log(
@@ -140,6 +138,12 @@ class Run:
     def close(self) -> None:
         if self.log is not None:
             self.log.close()
+
+
+def log(command: str, message: str) -> None:
+    """One line on rank 0's stderr, prefixed with the command."""
+    if is_rank0():
+        print(f"[{command}] {message}", file=sys.stderr, flush=True)
 
 
 def finish(command: str, fields: dict, stopped_by: str | None) -> int:
