@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import signal
 import sys
-import time
 from pathlib import Path
 
 from megatron_rlhf.training.config import RESUMABLE_CHANGES
@@ -33,8 +32,9 @@ from megatron_rlhf.utils import InputError, is_rank0, print_summary, write_json
 
 
 class Run:
-    """A run in ``config.train.output_dir`` (``config.train``: resume, exit signals, steps,
-    ``max_nonfinite_skips``). Collective: build it on every rank."""
+    """A run in ``config.train.output_dir`` (``config.train``'s ``resume`` and
+    ``max_nonfinite_skips``; ``allowed``: the config keys that may change on resume; ``lr_key``:
+    what the guard's error tells to lower). Collective: build it on every rank."""
 
     def __init__(
         self,
@@ -69,7 +69,6 @@ class Run:
         self.saved_step: int | None = None
         self.stopped_by: signal.Signals | None = None
         self.log: RunLog | None = None
-        self.started = time.time()
 
     def restore(self, engines: dict, needs_state: bool = False) -> dict:
         """Load :attr:`resume_from` into ``engines`` ({role: TrainEngine}); the trainer state it
