@@ -3,9 +3,11 @@
 - Policy export: a train-ppo checkpoint exports its actor (HF ``generate``, greedy, gives our
   generation's tokens from the checkpoint) and its critic (HF sequence-classification score =
   our value at the last token); tests/test_ppo_training.py repeats it on a TP=2 checkpoint.
-- Non-finite guard: train-reward and train-ppo at learning rate 1e6 stop with exit code 2 and a
-  one-line error naming the step; the last good checkpoint stays intact and ``latest`` points at
-  it; checkpoint saving itself refuses a non-finite tensor; ``score`` refuses to write NaN.
+- One run lifecycle (training/run.py), the same in train-reward and train-ppo: at learning
+  rate 1e6 both stop with exit code 2 and a one-line error naming the step, the last good
+  checkpoint intact and ``latest`` pointing at it; a SIGTERM mid-run saves the step and exits
+  75, and the resumed run logs each step once, equal to the uninterrupted run. Checkpoint
+  saving itself refuses a non-finite tensor; ``score`` refuses to write NaN.
 """
 
 from __future__ import annotations
@@ -72,39 +74,90 @@ def assert_all_finite(checkpoint: Path) -> None:
     assert state and all(bool(torch.isfinite(t).all()) for t in state.values())
 
 
-# ---------------------------------------------------------------- non-finite guard
+# ---------------------------------------------------------------- one run lifecycle: guard, signal, resume
 
 
-def test_train_reward_at_lr_1e6_stops_and_keeps_the_last_good_checkpoint(
-    reward_setup, tmp_path, capsys
+def lifecycle_main(command: str):
+    """The ``main(argv)`` of ``command`` (train-reward or train-ppo), run in this process."""
+    from importlib import import_module
+
+    module = {"train-reward": "reward.train", "train-ppo": "ppo.train_cli"}[command]
+    return import_module(f"megatron_rlhf.{module}").main
+
+
+def lifecycle_argv(command: str, request, run: Path, *extra: str) -> list[str]:
+    """The arguments of the ``reward_run`` / ``ppo_run`` fixtures' runs in ``run``."""
+    if command == "train-reward":
+        setup = request.getfixturevalue("reward_setup")
+        return reward_argv(setup, run, "optim.lr=1e-3", "train.save_interval=1", *extra)
+    setup = request.getfixturevalue("ppo_setup")
+    return ["--config", str(setup["config"]), f"train.output_dir={run}", *PPO_SHORT, *extra]
+
+
+def logged(run: Path) -> list[dict]:
+    """metrics.jsonl without wall-clock figures."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    clock = ("time", "per_s", "seconds")
+    return [{k: v for k, v in row.items() if not any(c in k for c in clock)} for row in rows]
+
+
+@pytest.mark.parametrize("command", ["train-reward", "train-ppo"])
+def test_a_nonfinite_step_stops_with_exit_2_and_keeps_the_last_good_checkpoint(
+    command, request, tmp_path, capsys
 ):
-    from megatron_rlhf.reward.train import main
-
+    """training/run.py's guard, the same in both trainers: at learning rate 1e6 step 2 is
+    non-finite; the run stops with one line naming it before anything of step 2 is saved."""
     run = tmp_path / "run"
-    argv = reward_argv(reward_setup, run, "optim.lr=1e6", "train.steps=6", "train.save_interval=1")
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(
-        "train-reward: error: step 2: non-finite loss or gradient norm (grad_norm=nan, loss=nan"
+    rates = ["optim.lr=1e6"] if command == "train-reward" else ["actor_optim.lr=1e6"]
+    if command == "train-ppo":
+        rates.append("critic_optim.lr=1e6")
+    assert (
+        lifecycle_main(command)(lifecycle_argv(command, request, run, *rates, "train.steps=4")) == 2
     )
-    assert "no checkpoint of this step was written" in err and "optim.lr" in err
-    assert (run / "latest_checkpoint.txt").read_text().strip() == "step_0000001"
-    assert sorted(p.name for p in run.glob("step_*")) == ["step_0000001"]
-    assert_all_finite(run / "step_0000001")
-
-
-def test_train_ppo_at_lr_1e6_stops_and_keeps_the_last_good_checkpoint(ppo_setup, tmp_path, capsys):
-    from megatron_rlhf.ppo.train_cli import main
-
-    run = tmp_path / "run"
-    argv = ["--config", str(ppo_setup["config"]), f"train.output_dir={run}", *PPO_SHORT]
-    assert main([*argv, "actor_optim.lr=1e6", "critic_optim.lr=1e6", "train.steps=4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("train-ppo: error: step 2: non-finite loss or gradient norm (actor/")
-    assert "actor_optim.lr, critic_optim.lr" in err
+    named = "(grad_norm=nan, loss=nan" if command == "train-reward" else "(actor/"
+    assert err.startswith(f"{command}: error: step 2: non-finite loss or gradient norm {named}")
+    assert "no checkpoint of this step was written" in err
+    assert ("optim.lr" if command == "train-reward" else "actor_optim.lr, critic_optim.lr") in err
     assert (run / "latest_checkpoint.txt").read_text().strip() == "step_0000001"
     assert sorted(p.name for p in run.glob("step_*")) == ["step_0000001"]
+    assert [row["step"] for row in logged(run)] == [1]
     assert_all_finite(run / "step_0000001")
+
+
+@pytest.mark.parametrize("command", ["train-reward", "train-ppo"])
+def test_sigterm_saves_and_the_resumed_run_logs_each_step_once_as_if_uninterrupted(
+    command, request, tmp_path, monkeypatch, capsys
+):
+    """training/run.py's save on a signal and resume, the same in both trainers: SIGTERM during
+    step 1 (no checkpoint due) -> a checkpoint of step 1, exit 75; relaunched, step 2 is logged
+    once and every logged number equals the uninterrupted run's (``reward_run`` / ``ppo_run``)."""
+    import os
+    import signal
+
+    from megatron_rlhf.training.run import Run
+
+    reference = request.getfixturevalue("reward_run" if command == "train-reward" else "ppo_run")
+    run, end_step = tmp_path / "run", Run.end_step
+
+    def signalled(self, step, *args):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # caught: recorded, the step finishes
+        return end_step(self, step, *args)
+
+    argv = lifecycle_argv(command, request, run, "train.steps=2", "train.save_interval=100")
+    monkeypatch.setattr(Run, "end_step", signalled)
+    assert lifecycle_main(command)(argv) == 75
+    out, err = capsys.readouterr()
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_0000001"]
+    assert (run / "latest_checkpoint.txt").read_text().strip() == "step_0000001"
+    assert f"[{command}] stopped by SIGTERM after step 1; checkpoint {run / 'step_0000001'}" in err
+    assert f"[{command}] done: " in out and out.rstrip().endswith("stopped_by=SIGTERM")
+    monkeypatch.setattr(Run, "end_step", end_step)
+    assert lifecycle_main(command)(argv) == 0
+    assert f"[{command}] resumed from {run / 'step_0000001'} at step 1" in capsys.readouterr().err
+    assert [row["step"] for row in logged(run)] == [1, 2]
+    assert logged(run) == logged(reference)
 
 
 def test_guard_skips_up_to_the_budget_then_names_the_step():

@@ -1,4 +1,5 @@
-"""What a PPO run reads and writes besides models: data streams, logs, samples."""
+"""What a PPO run reads and writes besides models and the run log (training/run.py): data
+streams, samples."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlhf.config import to_dict
 from megatron_rlhf.generation.prompts import resolve_tokenizer
-from megatron_rlhf.utils import is_rank0
 
 
 class RunData:
@@ -114,63 +113,22 @@ class RunData:
         return metrics
 
 
-class RunLogger:
-    """TensorBoard scalars, metrics.jsonl, samples.jsonl and the progress bar (rank 0)."""
-
-    def __init__(self, output_dir: Path, config, step: int = 0):
-        self.enabled = is_rank0()
-        self.output_dir = output_dir
-        self.writer = None
-        if self.enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            output_dir.mkdir(parents=True, exist_ok=True)
-            (output_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2) + "\n")
-            # a resumed run's events after ``step`` are dropped, so each step appears once
-            self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=step + 1)
-        self.bar = None
-
-    def progress(self, steps):
-        from tqdm import tqdm
-
-        self.bar = tqdm(steps, desc="train-ppo", disable=not self.enabled)
-        return self.bar
-
-    def log(self, step: int, metrics: dict) -> None:
-        if not self.enabled:
-            return
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, step)
-        with open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"step": step, **metrics}) + "\n")
-        shown = {
-            "reward": f"{metrics['reward/mean']:.3f}",
-            "kl": f"{metrics.get('kl/mean', 0):.3f}",
-        }
-        if "throughput/mfu" in metrics:  # GPUs only
-            shown["mfu"] = f"{metrics['throughput/mfu']:.1%}"
-        self.bar.set_postfix(shown)
-
-    def dump_samples(self, step: int, experience, tokenizer) -> None:
-        if not self.enabled:
-            return
-        with open(self.output_dir / "samples.jsonl", "a", encoding="utf-8") as handle:
-            for row in range(experience.sequences.shape[0]):
-                prompt_mask = experience.attention_mask[row, : experience.prompt_length].bool()
-                prompt = experience.sequences[row, : experience.prompt_length][prompt_mask].tolist()
-                response = experience.responses[row][experience.response_mask[row].bool()].tolist()
-                record = {
-                    "step": step,
-                    "prompt_index": int(experience.prompt_index[row]),
-                    "score": float(experience.scores[row]),
-                    "prompt_token_ids": prompt,
-                    "response_token_ids": response,
-                }
-                if tokenizer is not None:
-                    record["prompt"] = tokenizer.decode(prompt, skip_special_tokens=True)
-                    record["response"] = tokenizer.decode(response, skip_special_tokens=True)
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+def dump_samples(path: Path, step: int, experience, tokenizer) -> None:
+    """Append step ``step``'s rollouts to ``path`` (``samples.jsonl``): prompt and response
+    token ids, score, and with a tokenizer their text."""
+    with open(path, "a", encoding="utf-8") as handle:
+        for row in range(experience.sequences.shape[0]):
+            prompt_mask = experience.attention_mask[row, : experience.prompt_length].bool()
+            prompt = experience.sequences[row, : experience.prompt_length][prompt_mask].tolist()
+            response = experience.responses[row][experience.response_mask[row].bool()].tolist()
+            record = {
+                "step": step,
+                "prompt_index": int(experience.prompt_index[row]),
+                "score": float(experience.scores[row]),
+                "prompt_token_ids": prompt,
+                "response_token_ids": response,
+            }
+            if tokenizer is not None:
+                record["prompt"] = tokenizer.decode(prompt, skip_special_tokens=True)
+                record["response"] = tokenizer.decode(response, skip_special_tokens=True)
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -10,7 +10,9 @@ Each step is the four stages of the paper's recipe, in order:
   advantages  (advantages.py)  -beta*KL shaped rewards (Eq. 2), GAE, DP-wide whitening
   update      (update.py)      PPO epochs; with rehearsal, L_PPO + gamma*NLL(D_R) (Eq. 9)
 Checkpoints (actor, critic, optimizers, schedules, KL controller, reward normaliser, RNG, data
-positions) are saved every ``train.save_interval`` steps and resumed exactly.
+positions) are saved every ``train.save_interval`` steps and resumed exactly. The run's
+lifecycle (run directory, resume, log, non-finite guard, save on a signal, summary) is
+training/run.py's, shared with ``train-sft`` and ``train-reward``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from megatron_rlhf.ppo.control import KLController, RewardNormalizer
 from megatron_rlhf.ppo.losses import behaviour_correction, explained_variance
 from megatron_rlhf.ppo.rejection import rejection_update, repeat_prompts, select_best
 from megatron_rlhf.ppo.rollout import rollout_global, step_row_seeds
-from megatron_rlhf.ppo.run_io import RunData, RunLogger
+from megatron_rlhf.ppo.run_io import RunData, dump_samples
 from megatron_rlhf.ppo.scoring import score_in_layouts
 from megatron_rlhf.ppo.setup import (
     PPOPlan,
@@ -40,25 +42,16 @@ from megatron_rlhf.ppo.setup import (
     world_size,
 )
 from megatron_rlhf.ppo.update import ppo_update
-from megatron_rlhf.training.command import say_if_finished, use_bf16
-from megatron_rlhf.training.guards import NonFiniteGuard
-from megatron_rlhf.training.run_dir import first_logged, open_run
-from megatron_rlhf.training.signals import EXIT_SAVED_ON_SIGNAL, ExitSignals, stopped_message
-from megatron_rlhf.utils import InputError, is_rank0, print_summary
+from megatron_rlhf.training import config as shared
+from megatron_rlhf.training.command import use_bf16
+from megatron_rlhf.training.run import Run, finish
+from megatron_rlhf.training.run_dir import first_logged
+from megatron_rlhf.training.signals import ExitSignals
+from megatron_rlhf.utils import is_rank0
 
-RESUMABLE_CHANGES = (
-    "train.steps",
-    "train.save_interval",
-    "train.log_interval",
-    "train.sample_interval",
-    "train.resume",
-    "train.max_nonfinite_skips",
-    "train.output_dir",
-    "train.exit_signals",
-    "parallel.",
-)
-"""Config keys that may differ when a run resumes (training/run_dir.py): the layouts too, since
-the checkpoint and the trainer state are layout-independent."""
+RESUMABLE_CHANGES = (*shared.RESUMABLE_CHANGES, "train.sample_interval", "parallel.")
+"""Config keys that may differ when a run resumes (training/run_dir.py): the shared ones, and
+the layouts too, since the checkpoint and the trainer state are layout-independent."""
 
 
 def train(args) -> int:
@@ -97,20 +90,22 @@ class PPOTrainer:
         self.normalizer = RewardNormalizer(
             config.ppo.reward_normalization, config.ppo.reward_ma_momentum
         )
-        self.guard = NonFiniteGuard(
-            train.max_nonfinite_skips, lr_key="actor_optim.lr, critic_optim.lr"
-        )
-        self.step, self.consumed_prompts, self.consumed_rehearsal = 0, 0, 0
-        self.output_dir = Path(train.output_dir)
-        self._resume(overwrite, force_config_change)
+        self.run = Run(
+            "train-ppo", config, overwrite=overwrite, force_config_change=force_config_change,
+            allowed=RESUMABLE_CHANGES, lr_key="actor_optim.lr, critic_optim.lr",
+        )  # fmt: skip
+        self.consumed_prompts, self.consumed_rehearsal = 0, 0
+        if self.run.resume_from is not None:
+            self.load_state(self.run.restore(self.engines(), needs_state=True))
+        self.step, self.output_dir = self.run.step, self.run.output_dir
         self.data = RunData(config, self.consumed_prompts, self.consumed_rehearsal)
-        self.logger = RunLogger(self.output_dir, config, self.step)
+        self.logger = self.run.start(train.steps)
 
     def fit(self, exit_signals: ExitSignals) -> int:
         config, start = self.config, time.time()
         first_reward = first_logged(self.output_dir, "reward/mean")  # steps before a resume
-        last_reward, stopped_by, done = None, None, self.step
-        for step in self.logger.progress(range(self.step, config.train.steps)):
+        last_reward, done = None, self.step
+        for step in range(self.step, config.train.steps):
             self.step = step
             timings, t0 = {}, time.time()
             controls = self.kl.state_dict(), self.normalizer.state_dict()
@@ -172,37 +167,45 @@ class PPOTrainer:
             self.consumed_rehearsal = self.data.consumed_rehearsal
             metrics |= self.rollout_metrics(experience, timings)
             metrics |= {f"rollout/{key}": value for key, value in correction.items()}
-            if not self.guard.check(self.step + 1, metrics):  # skipped: undo the step's controls
+            done = self.step + 1
+            if not self.run.check(done, metrics):  # skipped: undo the step's controls
                 self.kl.load_state_dict(controls[0])
                 self.normalizer.load_state_dict(controls[1])
             last_reward = metrics["reward/mean"]
             first_reward = last_reward if first_reward is None else first_reward
-            self.logger.log(self.step + 1, metrics)
-            if (self.step + 1) % config.train.sample_interval == 0:
-                self.logger.dump_samples(self.step + 1, experience, self.data.tokenizer)
-            done = self.step + 1
-            saved = done % config.train.save_interval == 0 or done == config.train.steps
-            if saved:
-                self.save(done)
-            stopped_by = exit_signals.agreed()
-            if stopped_by is not None:
-                if not saved:
-                    self.save(done)
-                stopped_message("train-ppo", stopped_by, done, self.output_dir / f"step_{done:07d}")
+            self.log(done, metrics, experience)
+            save_due = done % config.train.save_interval == 0 or done == config.train.steps
+            if self.run.end_step(done, save_due, self.save, exit_signals):
                 break
-        self.logger.close()
+        self.run.close()
         self.roles.rollout.close()
         destroy()
-        print_summary(
+        stopped_by = self.run.stopped_by
+        return finish(
             "train-ppo",
-            steps=done if stopped_by is not None else config.train.steps,
-            first_reward=first_reward,
-            last_reward=last_reward,
-            seconds=round(time.time() - start, 1),
-            output_dir=config.train.output_dir,
-            **({"stopped_by": stopped_by.name} if stopped_by is not None else {}),
+            dict(
+                steps=done if stopped_by is not None else config.train.steps,
+                first_reward=first_reward,
+                last_reward=last_reward,
+                seconds=round(time.time() - start, 1),
+                output_dir=config.train.output_dir,
+            ),
+            stopped_by.name if stopped_by is not None else None,
         )
-        return EXIT_SAVED_ON_SIGNAL if stopped_by is not None else 0
+
+    def log(self, step: int, metrics: dict, experience) -> None:
+        """The step's metrics (the bar shows the reward, the KL and on GPUs the MFU) and every
+        ``train.sample_interval`` steps its samples."""
+        shown = {
+            "reward": f"{metrics['reward/mean']:.3f}",
+            "kl": f"{metrics.get('kl/mean', 0):.3f}",
+        }
+        if "throughput/mfu" in metrics:  # GPUs only
+            shown["mfu"] = f"{metrics['throughput/mfu']:.1%}"
+        self.logger.advance(**shown)
+        self.logger.write(step, metrics)
+        if step % self.config.train.sample_interval == 0 and is_rank0():
+            dump_samples(self.output_dir / "samples.jsonl", step, experience, self.data.tokenizer)
 
     def sampling(self) -> SamplingConfig:
         """The step's sampling settings; each row's seed comes from ``step_row_seeds``."""
@@ -295,7 +298,11 @@ class PPOTrainer:
         )
         return metrics | {"throughput/response_tokens_per_s": responses / max(seconds, 1e-9)}
 
-    def save(self, step: int) -> None:
+    def engines(self) -> dict:
+        return {"actor": self.actor.engine, "critic": self.critic.engine}
+
+    def save(self, step: int) -> Path:
+        """Checkpoint ``step``: both engines, and the trainer state (:meth:`load_state`'s)."""
         from megatron_rlhf.checkpoint.dist import model_metadata
         from megatron_rlhf.training.checkpointing import save_training_checkpoint
 
@@ -305,7 +312,7 @@ class PPOTrainer:
             "consumed_rehearsal": self.consumed_rehearsal,
             "kl": self.kl.state_dict(),
             "normalizer": self.normalizer.state_dict(),
-            "nonfinite": self.guard.state_dict(),
+            "nonfinite": self.run.guard.state_dict(),
         }
         roles = {
             "actor": {"head": "lm", "num_scalar_outputs": 0, "prefix": "actor."},
@@ -324,53 +331,22 @@ class PPOTrainer:
             trainer_state=state,
             schedulers=schedulers,
         )
-        save_training_checkpoint(
+        return save_training_checkpoint(
             self.output_dir,
             step,
-            {"actor": self.actor.engine, "critic": self.critic.engine},
+            self.engines(),
             metadata,
             state,
             tokenizer_dir=self.config.models.tokenizer or self.config.models.actor,
         )
 
-    def _resume(self, overwrite: bool, force_config_change: bool) -> None:
-        from megatron_rlhf.training.checkpointing import load_training_checkpoint
-
-        latest = open_run(
-            self.output_dir,
-            to_dict(self.config),
-            resume=self.config.train.resume,
-            overwrite=overwrite,
-            force_config_change=force_config_change,
-            allowed=RESUMABLE_CHANGES,
-        )
-        if latest is None:
-            return
-        engines = {"actor": self.actor.engine, "critic": self.critic.engine}
-        state = load_training_checkpoint(latest, engines)
-        if not state:  # saved at another world size: the global state from the metadata
-            from megatron_rlhf.checkpoint.dist import read_metadata
-
-            meta = read_metadata(latest)
-            if "trainer_state" not in meta:
-                raise InputError(
-                    f"{latest}: saved at another world size by a version without a global "
-                    "trainer state; resume with the same launch"
-                )
-            state = meta["trainer_state"]
-            for role, engine in engines.items():
-                engine.load_scheduler_state(meta["schedulers"][role])
-        self.step = state["step"]
-        self.consumed_prompts, self.consumed_rehearsal = (
-            state["consumed_prompts"],
-            state["consumed_rehearsal"],
-        )
+    def load_state(self, state: dict) -> None:
+        """The trainer state :meth:`save` wrote, past what ``Run.restore`` restores (the step,
+        the guard): data positions, the KL controller and the reward normaliser."""
+        self.consumed_prompts = state["consumed_prompts"]
+        self.consumed_rehearsal = state["consumed_rehearsal"]
         self.kl.load_state_dict(state["kl"])
         self.normalizer.load_state_dict(state["normalizer"])
-        self.guard.load_state_dict(state.get("nonfinite", {}))
-        if is_rank0():
-            print(f"[train-ppo] resumed from {latest} at step {self.step}", flush=True)
-        say_if_finished("train-ppo", latest, self.step, self.config.train.steps)
 
 
 def reuses_rollout_logprobs(config) -> bool:

@@ -91,7 +91,7 @@ def config_problems(config: RewardTrainConfig) -> list[str]:
 
 def check_policy_column(config: RewardTrainConfig, dataset) -> None:
     """``am.policy_column`` and the Eq. 8 clip against the behaviour log-probs of ``dataset``."""
-    from megatron_rlhf.training.command import log
+    from megatron_rlhf.training.run import log
 
     column, count = config.am.policy_column, dataset.num_behaviour_policies
     if config.loss != "am" or column is None:

@@ -99,20 +99,16 @@ class RewardTask(loop.Task):
     def sharded_optimizer(self) -> bool:
         return self.config.backend == "deepspeed" or super().sharded_optimizer()
 
-    def build_engine(self, arch, total_steps, num_microbatches, guard, overwrite, force_change):
+    def build_engine(self, arch, total_steps, num_microbatches, run):
         from megatron_rlhf.reward.model import NUM_OUTPUTS
 
         if self.config.backend == "deepspeed":
             from megatron_rlhf.reward import train_deepspeed
 
-            return train_deepspeed.build_engine(
-                self.config, total_steps, num_microbatches, guard, overwrite, force_change
-            )
+            return train_deepspeed.build_engine(self.config, total_steps, num_microbatches, run)
         return command.build_engine(
-            self.name, self.config, arch, total_steps,
-            check_saved=_check_saved_loss(self.config), guard=guard, overwrite=overwrite,
-            force_config_change=force_change, head=self.head,
-            num_scalar_outputs=NUM_OUTPUTS[self.config.loss],
+            self.config, arch, total_steps, run, check_saved=_check_saved_loss(self.config),
+            head=self.head, num_scalar_outputs=NUM_OUTPUTS[self.config.loss],
         )  # fmt: skip
 
     def packs(self) -> bool:

@@ -51,27 +51,19 @@ def config_problems(config) -> list[str]:
     return problems
 
 
-def build_engine(
-    config,
-    total_steps: int,
-    num_microbatches: int,
-    guard,
-    overwrite: bool = False,
-    force_config_change: bool = False,
-):
-    """(engine, step, consumed samples, checkpoint resumed from or None): the model from
-    ``model.load``, or everything from the checkpoint ``training/run_dir.open_run`` picks in
-    ``train.output_dir`` (``guard``, a NonFiniteGuard, gets its saved count)."""
+def build_engine(config, total_steps: int, num_microbatches: int, run):
+    """(engine, consumed samples): the model from ``model.load``, or everything from the
+    checkpoint ``run`` (training/run.py) resumes from."""
     from megatron_rlhf.checkpoint import safe_pickle
     from megatron_rlhf.checkpoint.containment import require_contained
     from megatron_rlhf.checkpoint.dist import read_metadata
     from megatron_rlhf.reward.model import NUM_OUTPUTS
-    from megatron_rlhf.training.command import log, resume_point, use_bf16
+    from megatron_rlhf.training.command import use_bf16
     from megatron_rlhf.training.deepspeed_engine import DeepSpeedTrainEngine
 
     num_outputs = NUM_OUTPUTS[config.loss]
     bf16 = use_bf16(config.model.bf16)
-    resume_from = resume_point(config, overwrite, force_config_change)
+    resume_from = run.resume_from
     if resume_from is not None:
         require_contained(resume_from)  # DeepSpeed's own files too: no symlink out of the run
         saved = read_metadata(resume_from)
@@ -94,17 +86,16 @@ def build_engine(
         activation_checkpointing=config.model.recompute_activations,
     )
     if resume_from is None:
-        return engine, 0, 0, None
+        return engine, 0
     engine.engine.checkpoint_engine.load = safe_pickle.deepspeed_loader  # never weights_only=False
     engine.engine.load_checkpoint(
         str(resume_from / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, load_lr_scheduler_states=False
     )
     state = json.loads((resume_from / TRAINER_STATE).read_text())
     engine.load_scheduler_state(state["scheduler"])
-    guard.load_state_dict(state.get("nonfinite", {}))
     _restore_rng(resume_from)
-    log("train-reward", f"resumed from {resume_from} at step {state['step']}")
-    return engine, state["step"], state["consumed_samples"], resume_from
+    run.resumed(state)
+    return engine, state["consumed_samples"]
 
 
 def load_scalar_bloom(directory, num_outputs: int, dtype: torch.dtype):

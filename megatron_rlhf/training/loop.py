@@ -5,7 +5,9 @@ memory check, the engine, fresh or resumed), then takes optimizer steps: each on
 averaged over the reporting ranks, with throughput, through the non-finite guard
 (training/guards.py) into the run log; the held-out evaluation every ``train.eval_interval``
 steps and at the end; a checkpoint every ``train.save_interval`` steps and at the end; and, on
-an exit signal all ranks agree on (training/signals.py), a checkpoint and a stop.
+an exit signal all ranks agree on (training/signals.py), a checkpoint and a stop. The run
+directory, resume, log, guard and save on a signal are training/run.py's :class:`Run`, shared
+with ``train-ppo``.
 
 What differs between the commands is a :class:`Task`'s: the config checks, the data and how
 it is batched, the loss, the evaluation, and (``train-reward``'s DeepSpeed backend) the engine
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 from megatron_rlhf.training import command
-from megatron_rlhf.utils import InputError, is_rank0, write_json
+from megatron_rlhf.utils import InputError
 
 
 @dataclass
@@ -195,12 +197,10 @@ class Task:
         """Whether the optimizer state is sharded over data-parallel ranks (memory check)."""
         return torch.cuda.is_available()
 
-    def build_engine(self, arch, total_steps, num_microbatches, guard, overwrite, force_change):
-        """(engine, step, consumed samples, checkpoint resumed from or None)."""
-        return command.build_engine(
-            self.name, self.config, arch, total_steps, guard=guard, overwrite=overwrite,
-            force_config_change=force_change, head=self.head,
-        )  # fmt: skip
+    def build_engine(self, arch, total_steps, num_microbatches, run):
+        """(engine, consumed samples): fresh, or resumed from ``run.resume_from`` (training/
+        run.py; ``run.restore`` or ``run.resumed`` sets the step and the guard's count)."""
+        return command.build_engine(self.config, arch, total_steps, run, head=self.head)
 
     def step_metrics(self, metrics: dict, batches) -> dict:
         """A step's metrics as logged (given: averaged over the reporting ranks)."""
@@ -247,12 +247,11 @@ def train(
     name or None)}``. ``overwrite`` / ``force_config_change``: see training/run_dir.py;
     ``skip_memory_check``: see training/memory_check.py. Collective over every rank."""
     from megatron_rlhf.checkpoint import checkpoint_architecture
-    from megatron_rlhf.config import to_dict
     from megatron_rlhf.distributed import ParallelConfig, initialize
     from megatron_rlhf.distributed.parallel import model_groups
-    from megatron_rlhf.training.guards import NonFiniteGuard
     from megatron_rlhf.training.memory_check import check_trainer
-    from megatron_rlhf.training.signals import ExitSignals, stopped_message
+    from megatron_rlhf.training.run import Run
+    from megatron_rlhf.training.signals import ExitSignals
     from megatron_rlhf.training.throughput import train_step_throughput
 
     start_time, config = time.time(), task.config
@@ -281,14 +280,9 @@ def train(
         command.use_bf16(config.model.bf16), task.sharded_optimizer(), skip_memory_check,
         max_tokens=max_tokens,
     )  # fmt: skip
-    guard = NonFiniteGuard(config.train.max_nonfinite_skips)
-    engine, step, consumed, checkpoint = task.build_engine(
-        arch, total_steps, num_microbatches, guard, overwrite, force_config_change
-    )
-    command.say_if_finished(task.name, checkpoint, step, total_steps)
-    output_dir = Path(config.train.output_dir)
-    if is_rank0():
-        write_json(output_dir / "config.json", to_dict(config))
+    run = Run(task.name, config, overwrite=overwrite, force_config_change=force_config_change)
+    engine, consumed = task.build_engine(arch, total_steps, num_microbatches, run)
+    output_dir, step = run.output_dir, run.step
 
     groups = model_groups(engine.module)
     batches = task.batches(groups, data, num_microbatches, max_length, max_tokens)
@@ -296,15 +290,15 @@ def train(
     steps = batches.train_steps(data.train_set, config.train.seed, consumed)
     metadata = task.metadata()
     tokenizer_source = command.tokenizer_dir(data.dataset, config.model.load)
-    logger = command.RunLog(task.name, output_dir, step, total_steps)
-    history, last_eval, saved_step, stopped_by = [], None, step, None
+    logger = run.start(total_steps)
+    history, last_eval = [], None
 
-    def save() -> Path:
+    def save(step: int) -> Path:
         return task.save(
             engine,
             output_dir,
             {**metadata, "step": step, "eval": last_eval},
-            {"step": step, "consumed_samples": consumed, "nonfinite": guard.state_dict()},
+            {"step": step, "consumed_samples": consumed, "nonfinite": run.guard.state_dict()},
             tokenizer_source,
         )
 
@@ -319,35 +313,30 @@ def train(
             metrics = task.step_metrics(metrics, batches)
             step += 1
             consumed += config.train.global_batch_size
-            guard.check(step, metrics)
+            run.check(step, metrics)
             history.append(metrics)
             logger.advance(**task.progress(metrics))
             if command.every(step, config.train.log_interval):
-                logger.write("train", step, metrics)
+                logger.write(step, metrics, "train")
             last = step == total_steps
             if data.eval_set is not None and (
                 last or command.every(step, config.train.eval_interval)
             ):
                 last_eval = task.evaluate(engine, data.eval_set, batches)
-                logger.write("eval", step, task.eval_scalars(last_eval))
-            if last or command.every(step, config.train.save_interval):
-                checkpoint, saved_step = save(), step
-            stopped_by = exit_signals.agreed()
-            if stopped_by is not None:
-                if saved_step != step:
-                    checkpoint, saved_step = save(), step
-                stopped_message(task.name, stopped_by, step, checkpoint)
+                logger.write(step, task.eval_scalars(last_eval), "eval")
+            save_due = last or command.every(step, config.train.save_interval)
+            if run.end_step(step, save_due, save, exit_signals) is not None:
                 break
     finally:
         exit_signals.restore()
-        logger.close()
+        run.close()
     return {
         "step": step,
         "history": history,
         "eval": last_eval,
-        "checkpoint": str(checkpoint),
+        "checkpoint": str(run.checkpoint),
         "seconds": time.time() - start_time,
-        "stopped_by": stopped_by.name if stopped_by is not None else None,
+        "stopped_by": run.stopped_by.name if run.stopped_by is not None else None,
     }
 
 

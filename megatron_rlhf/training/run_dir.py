@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_rlhf.utils import InputError, is_rank0
+from megatron_rlhf.utils import InputError, atomic_output, is_rank0
 
 STEP_LOGS = ("metrics.jsonl", "samples.jsonl")
 RUN_FILES = ("latest_checkpoint.txt", "config.json", "config_changes.jsonl", *STEP_LOGS)
@@ -78,7 +78,8 @@ def config_changes(old: dict, new: dict) -> dict[str, tuple]:
 
 
 def truncate_step_logs(output_dir: Path, step: int) -> None:
-    """Drop every record of ``metrics.jsonl`` / ``samples.jsonl`` after ``step`` (rank 0)."""
+    """Drop every record of ``metrics.jsonl`` / ``samples.jsonl`` after ``step`` (rank 0; each
+    file replaced atomically). The only place the step logs are cut (training/run.py)."""
     if is_rank0():
         for name in STEP_LOGS:
             path = output_dir / name
@@ -88,7 +89,8 @@ def truncate_step_logs(output_dir: Path, step: int) -> None:
                     for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
                     if line.strip() and json.loads(line).get("step", 0) <= step
                 ]
-                path.write_text("".join(kept), encoding="utf-8")
+                with atomic_output(path) as tmp:
+                    tmp.write_text("".join(kept), encoding="utf-8")
     _barrier()
 
 

@@ -41,7 +41,6 @@ from megatron_rlhf.training.command import (
     check_data_fits_model,
     command_main,
     held_out_split,
-    log,
     to_device,
 )
 from megatron_rlhf.training.config import (
@@ -52,6 +51,7 @@ from megatron_rlhf.training.config import (
     config_problems,
     optim_problems,
 )
+from megatron_rlhf.training.run import log
 from megatron_rlhf.training.throughput import summed_over
 
 COMMAND = "train-sft"
