@@ -61,6 +61,6 @@ def rejection_update(experience: Experience, actor, micro_batch_size: int) -> di
         }
         for i in range(0, usable, micro_batch_size)
     ]
-    loss_fn = partial(nll_loss, 1.0, vocab_group(actor.groups))
+    loss_fn = partial(nll_loss, 1.0, vocab_group(actor.pg))
     metrics = actor.engine.step(microbatches, loss_fn)
     return {f"actor/{k}": v for k, v in metrics.items()} | {"kept": float(usable)}
