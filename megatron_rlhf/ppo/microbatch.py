@@ -183,5 +183,13 @@ def values_of(mb: MicroBatch, output: torch.Tensor) -> torch.Tensor:
     return mb.at(output, mb.predicting)[..., 0] * mb.response_mask
 
 
+def train_step(engine, microbatches: list[MicroBatch], loss_fn, lm_head: bool = False) -> dict:
+    """One optimizer step of a TrainEngine over typed microbatches: the engine takes each
+    forward's arguments (:meth:`MicroBatch.forward_inputs`), ``loss_fn(output, mb)`` reads the
+    :class:`MicroBatch`."""
+    inputs = [mb.forward_inputs(lm_head) | {"microbatch": mb} for mb in microbatches]
+    return engine.step(inputs, lambda output, given: loss_fn(output, given["microbatch"]))
+
+
 def _right_pad(rows: torch.Tensor, width: int, value: int) -> torch.Tensor:
     return torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=value)

@@ -226,11 +226,6 @@ class Role:
     def arch(self):
         return self.model.arch
 
-    @property
-    def dp(self) -> tuple[int, int]:
-        """(data-parallel size, this rank's data-parallel rank) of the role's layout."""
-        return self.pg.dp.size(), self.pg.dp.rank()
-
 
 @dataclass(eq=False)
 class Roles:

@@ -19,7 +19,13 @@ from megatron_rlhf.distributed.parallel import compute_device, is_last_stage, vo
 from megatron_rlhf.kernels import token_logprobs
 from megatron_rlhf.ppo.experience import Experience
 from megatron_rlhf.ppo.losses import masked_mean, policy_loss, ppo_sr_loss, sft_nll, value_loss
-from megatron_rlhf.ppo.microbatch import MicroBatch, microbatch, response_logprobs_of, values_of
+from megatron_rlhf.ppo.microbatch import (
+    MicroBatch,
+    microbatch,
+    response_logprobs_of,
+    train_step,
+    values_of,
+)
 
 
 def actor_loss(
@@ -130,9 +136,11 @@ def ppo_update(
                 rehearsal_nll_reduction=rehearsal_nll_reduction,
                 tp_group=vocab_group(actor.pg),
             )
-            actor_metrics = _step(actor, actor_mbs, loss_fn, lm_head=True)
+            actor_metrics = train_step(actor.engine, actor_mbs, loss_fn, lm_head=True)
             critic_mbs = _microbatches(experience, rows, critic.pg, counts, None, pad_id, **shapes)
-            critic_metrics = _step(critic, critic_mbs, partial(critic_loss, ppo.value_clip))
+            critic_metrics = train_step(
+                critic.engine, critic_mbs, partial(critic_loss, ppo.value_clip)
+            )
             actor_keys = ACTOR_METRICS + (("rehearsal_nll",) if rehearsal else ())
             for role, metrics, keys, count in (
                 (actor, actor_metrics, actor_keys, len(actor_mbs)),
@@ -144,13 +152,6 @@ def ppo_update(
                 for key, value in summed.items():
                     totals.setdefault(f"{role.name}/{key}", []).append(value)
     return {key: sum(values) / len(values) for key, values in totals.items()}
-
-
-def _step(role, microbatches: list[MicroBatch], loss_fn, lm_head: bool = False) -> dict:
-    """One optimizer step of ``role``'s TrainEngine over typed microbatches (the engine takes
-    each forward's arguments; the loss reads the :class:`MicroBatch`)."""
-    inputs = [mb.forward_inputs(lm_head) | {"microbatch": mb} for mb in microbatches]
-    return role.engine.step(inputs, lambda output, given: loss_fn(output, given["microbatch"]))
 
 
 def _microbatches(
