@@ -96,14 +96,14 @@ def score(
         mb = microbatch(experience.select(rows), packed=max_tokens is not None)
         for field, model in models.items():
             read, per_token = reading(model, field, reward_kind)
-            groups = model_groups(model)
+            pg = model_groups(model)
             output = pipeline_forward(model, **mb.forward_inputs(lm_head=model.head == "lm"))
             value = None
-            if is_last_stage(groups):
-                value = read(mb, output, temperature, vocab_group(groups)).float()
+            if is_last_stage(pg):
+                value = read(mb, output, temperature, vocab_group(pg)).float()
             shape = (rows.shape[0], n) if per_token else (rows.shape[0],)
             parts.setdefault(field, []).append(
-                broadcast_from_last_stage(value, shape, torch.float32, groups)
+                broadcast_from_last_stage(value, shape, torch.float32, pg)
             )
     for field, chunks in parts.items():
         setattr(experience, field, torch.cat(chunks))

@@ -39,7 +39,7 @@ def actor_loss(
     tp_group,
 ):
     """The actor's loss on one microbatch from its vocab-sharded logits, split over
-    ``tp_group`` (``vocab_group`` of the actor's groups), normalised as :class:`MicroBatch`
+    ``tp_group`` (``vocab_group(actor.pg)``), normalised as :class:`MicroBatch`
     states; the metrics are each microbatch's share."""
     logits = mb.lm_outputs(logits)  # (1, K, V/tp): the response positions, then rehearsal's
     logprobs, entropy = response_logprobs_of(mb, logits, temperature, tp_group, True)
