@@ -240,8 +240,8 @@ def scoring_part(size: str, args) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             save_random_hf_bloom(tmp, BloomArchitecture(**SIZES[size]), seed=seed)
             models = {
-                "reference": load_bloom(tmp, init_weights=False).eval(),
-                "reward": load_bloom(tmp, head="scalar", num_scalar_outputs=2).eval(),
+                "ref_logprobs": load_bloom(tmp, init_weights=False).eval(),
+                "scores": load_bloom(tmp, head="scalar", num_scalar_outputs=2).eval(),
             }
         experience = ragged_experience(seed, batch, SIZES[size]["vocab_size"])
         tokens = int(experience.attention_mask.sum())

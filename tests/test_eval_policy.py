@@ -287,7 +287,7 @@ def test_am_judge_scores_match_an_unpadded_forward(data, am_run):
 )
 def test_two_ranks_equal_one(data, am_run, tmp_path, layout):
     """Two ranks, as two data-parallel replicas of both roles, or with the policy at TP2 (one
-    replica) and the judge at TP1 (two replicas scoring alternate batches), give the
+    replica) and the judge at TP1 (two replicas, each scoring half the batches), give the
     single-process report."""
     argv = [*am_argv(data["root"]), "--output-dir", str(tmp_path), *layout]
     cmd = torchrun_command(2, "-m", "megatron_rlhf", "eval-policy", *argv)

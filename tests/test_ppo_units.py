@@ -55,6 +55,7 @@ def test_sft_rehearsal_term_is_exactly_gamma_nll(reduction):
     differs from rehearsal off by gamma * NLL(D_R rows), computed independently in float64
     (summed over each row's tokens and averaged over rows, or averaged over tokens)."""
     from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.ppo.microbatch import MicroBatch
     from megatron_rlhf.ppo.update import actor_loss
 
     initialize(ParallelConfig())
@@ -62,25 +63,35 @@ def test_sft_rehearsal_term_is_exactly_gamma_nll(reduction):
     ppo_rows, rehearsal_rows, width, vocab, prompt, response = 3, 2, 9, 37, 4, 5
     logits = torch.randn(ppo_rows + rehearsal_rows, width, vocab, generator=g)
     input_ids = torch.randint(0, vocab, (ppo_rows + rehearsal_rows, width), generator=g)
-    base = {
-        "num_ppo_rows": ppo_rows,
-        "prompt_length": prompt,
-        "old_logprobs": -torch.rand(ppo_rows, response, generator=g),
-        "advantages": torch.randn(ppo_rows, response, generator=g),
-        "response_mask": _ragged_mask(ppo_rows, response, g),
-        "loss_scale": 1,
-    }
-    base["tokens"] = float(base["response_mask"].sum())  # this microbatch is the global batch
+    response_mask = _ragged_mask(ppo_rows, response, g)
+    rows = torch.arange(ppo_rows)[:, None] * width
+    base = dict(
+        packed=False,
+        predicting=torch.where(
+            response_mask.bool(), rows + prompt - 1 + torch.arange(response)[None, :], 0
+        ),
+        response_mask=response_mask,
+        last=rows[:, 0] + width - 1,  # not read by the actor
+        prompt_end=rows[:, 0] + prompt - 1,
+        old_logprobs=-torch.rand(ppo_rows, response, generator=g),
+        advantages=torch.randn(ppo_rows, response, generator=g),
+        tokens=float(response_mask.sum()),  # this microbatch is the global batch
+        loss_scale=1,
+    )
     rehearsal_mask = torch.zeros(rehearsal_rows, width)
     rehearsal_mask[:, 3:7] = 1
     rehearsal_mask[1, 6] = 0
-    off = dict(base, input_ids=input_ids[:ppo_rows])
-    on = dict(
-        base,
+    target_rows, target_columns = rehearsal_mask[:, 1:].nonzero(as_tuple=True)
+    off = MicroBatch(
+        input_ids=input_ids[:ppo_rows], padding_mask=torch.ones(ppo_rows, width), **base
+    )
+    on = MicroBatch(
         input_ids=input_ids,
-        rehearsal_loss_mask=rehearsal_mask,
+        padding_mask=torch.ones(ppo_rows + rehearsal_rows, width),
+        rehearsal_positions=(ppo_rows + target_rows) * width + target_columns,
         rehearsal_tokens=float(rehearsal_mask[:, 1:].sum()),
         rehearsal_rows=rehearsal_rows,
+        **base,
     )
     gamma = 0.01
     loss_off, _ = actor_loss(0.2, gamma, 1.0, logits[:ppo_rows], off, tp_group=None)
@@ -181,10 +192,10 @@ def test_packed_scoring_equals_padded_scoring(tmp_path, budget):
     initialize(ParallelConfig())
     try:
         models = {
-            "actor": load_bloom(tmp_path / "lm").eval(),
-            "reference": load_bloom(tmp_path / "lm").eval(),
-            "critic": load_bloom(tmp_path / "lm", head="scalar", num_scalar_outputs=1).eval(),
-            "reward": load_bloom(tmp_path / "lm", head="scalar", num_scalar_outputs=2).eval(),
+            "logprobs": load_bloom(tmp_path / "lm").eval(),
+            "ref_logprobs": load_bloom(tmp_path / "lm").eval(),
+            "values": load_bloom(tmp_path / "lm", head="scalar", num_scalar_outputs=1).eval(),
+            "scores": load_bloom(tmp_path / "lm", head="scalar", num_scalar_outputs=2).eval(),
         }
 
         def experience():
@@ -296,3 +307,49 @@ def test_behaviour_correction_weights_and_metrics_match_float64():
         assert metrics["is_weight_max"] == pytest.approx(float(want.max()), rel=1e-6)
         assert metrics["is_capped_fraction"] == pytest.approx(sum(r > 2 for r in raw_all) / n)
         assert metrics["kl_behaviour_old"] == pytest.approx(sum(k3) / n, rel=1e-6)
+
+
+def test_microbatch_index_maps_read_what_padded_slicing_read():
+    """The typed micro-batch on ragged rows (left-padded prompts, responses ending early): in
+    the padded layout its index maps read what the padded slicing read (the response logits at
+    columns P - 1 .. P + N - 2, r at the last real token, e_tau at column P - 1); in the packed
+    layout, and after right-padding the grid, they point at the same tokens; rehearsal
+    positions predict the rows' loss-masked tokens."""
+    from megatron_rlhf.ppo.experience import Experience
+    from megatron_rlhf.ppo.microbatch import microbatch
+    from megatron_rlhf.reward.model import last_token_positions
+
+    g = torch.Generator().manual_seed(7)
+    p, n = 5, 4
+    prompts, responses = [2, 5, 1], [4, 1, 3]
+    sequences = torch.full((3, p + n), 3)
+    mask = torch.zeros((3, p + n), dtype=torch.long)
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        mask[row, p - prompt : p + response] = 1
+        sequences[row][mask[row].bool()] = torch.randint(4, 50, (prompt + response,), generator=g)
+    experience = Experience(
+        sequences=sequences, attention_mask=mask, response_mask=mask[:, p:],
+        prompt_index=torch.arange(3), prompt_length=p,
+    )  # fmt: skip
+    real = mask[:, p:].bool()
+    output = torch.randn(3, p + n, 2, generator=g)  # a scalar head's full-grid output
+    padded = microbatch(experience, packed=False)
+    at = padded.at
+    assert torch.equal(at(output, padded.predicting)[real], output[:, p - 1 : p - 1 + n][real])
+    assert torch.equal(at(output, padded.last), output[range(3), last_token_positions(mask)])
+    assert torch.equal(at(output, padded.prompt_end), output[:, p - 1])
+    rehearsal = [(torch.tensor([9, 8, 7, 6]), torch.tensor([0, 0, 1, 1]))]
+    targets = sequences[:, p:][real]
+    for mb in (
+        padded,
+        padded.padded_to(p + n + 3, 3),
+        microbatch(experience, packed=True),
+        microbatch(experience, packed=True, rehearsal=rehearsal),
+        microbatch(experience, packed=False, rehearsal=rehearsal).padded_to(20, 3),
+    ):
+        assert torch.equal(mb.targets(mb.response_positions())[0], targets)
+        grid = mb.input_ids.flatten()
+        assert torch.equal(grid[mb.last], sequences[torch.arange(3), last_token_positions(mask)])
+        assert torch.equal(grid[mb.prompt_end], sequences[:, p - 1])
+        if mb.rehearsal_positions is not None:
+            assert mb.targets(mb.rehearsal_positions)[0].tolist() == [7, 6]

@@ -31,7 +31,7 @@ from megatron_rlhf.distributed.layouts import Layout
 ROLE_API = (
     "megatron_rlhf builds every model on explicit process groups (distributed/groups.py): read "
     "the model's own groups with distributed.parallel.model_groups(model) (its "
-    "ProcessGroupCollection: .tp, .pp, .dp) or a Role's .groups, never Megatron-Core's "
+    "ProcessGroupCollection: .tp, .pp, .dp) or a Role's .pg, never Megatron-Core's "
     "parallel_state"
 )
 

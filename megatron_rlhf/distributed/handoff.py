@@ -12,6 +12,8 @@ the group's widest first. Nothing goes through the filesystem.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -48,3 +50,36 @@ def gather_rows(tensor: torch.Tensor, group, pad_value=0, left: bool = False) ->
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
     return torch.cat(parts).to(device)
+
+
+def dp_shard(rows, group):
+    """This DP rank's (of ``group``) part of the global ``rows`` (a tensor or a list)."""
+    return rows[dp_rows(len(rows), group.size(), group.rank())]
+
+
+def for_each_dp_shard(group, batch, compute: Callable, pad_values: dict | None = None):
+    """The replicated-batch contract in one call: every rank holds the global ``batch``; this
+    DP rank (of ``group``) computes on its share and every rank of the world gets the global
+    results back (each rank belongs to exactly one DP group of a layout).
+
+    ``batch`` is either a row count (the rows split as :func:`dp_rows`; ``compute(row
+    indices)`` returns ``{name: tensor (b, ...)}``, each gathered with :func:`gather_rows`,
+    dim 1 padded with ``pad_values[name]``, default 0) or a list of items of any length
+    (split into contiguous shares, the first ranks one longer; ``compute(items)`` returns one
+    result per item; the results come back in the list's order).
+    """
+    if isinstance(batch, int):
+        rows = dp_shard(torch.arange(batch), group)
+        return {
+            name: gather_rows(value, group, (pad_values or {}).get(name, 0))
+            for name, value in compute(rows).items()
+        }
+    size = group.size()
+    if size == 1:
+        return compute(batch)
+    base, longer = divmod(len(batch), size)
+    starts = [d * base + min(d, longer) for d in range(size + 1)]
+    rank = group.rank()
+    parts = [None] * size
+    dist.all_gather_object(parts, compute(batch[starts[rank] : starts[rank + 1]]), group=group)
+    return [result for part in parts for result in part]

@@ -296,7 +296,7 @@ def score_sets(experiences: dict, judge, judge_kind: str, reward_fn, batch_size:
     """Fill ``scores`` of every Experience with the judge model or the score function."""
     from megatron_rlhf.ppo.scoring import score
 
-    models = {} if judge is None else {"reward": judge}
+    models = {} if judge is None else {"scores": judge}
     for batches in experiences.values():
         for experience in batches:
             score(experience, models, judge_kind, 1.0, batch_size, reward_fn)
@@ -311,11 +311,12 @@ def score_in_judge_layout(
 ):
     """Fill ``scores`` of every generated batch (``outputs``: this policy replica's
     ``generate_sets`` results) with the judge in its own layout: every batch of every policy
-    replica is handed to every rank, the judge's data-parallel rank ``j`` scores batches
-    ``j, j + dp, ...`` (the same batches a single process scores) and the scores are gathered
-    back. Collective over the world."""
+    replica is handed to every rank, each data-parallel rank of the judge scores its share of
+    them (each batch scored whole, as a single process scores it) and the scores are gathered
+    back (``handoff.for_each_dp_shard``). Collective over the world."""
     import torch.distributed as dist
 
+    from megatron_rlhf.distributed.handoff import for_each_dp_shard
     from megatron_rlhf.ppo.scoring import score
 
     mine = [experience for out in outputs for batches in out.values() for experience in batches]
@@ -324,19 +325,17 @@ def score_in_judge_layout(
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (policy_groups.dp.rank(), shared))
     by_replica = dict(sorted((rank, batches) for rank, batches in everyone if batches is not None))
-    every_batch = [
-        (rank, i, b) for rank, batches in by_replica.items() for i, b in enumerate(batches)
-    ]
-    dp = judge.pg_collection.dp
-    scored = {}
-    for rank, i, experience in every_batch[dp.rank() :: dp.size()]:
-        score(experience, {"reward": judge}, judge_kind, 1.0, batch_size)
-        scored[(rank, i)] = experience.scores.cpu()
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, scored)
-    all_scores = {key: value for part in parts for key, value in part.items()}
-    for i, experience in enumerate(mine):
-        experience.scores = all_scores[(policy_groups.dp.rank(), i)].to(experience.sequences.device)
+    every_batch = [(rank, b) for rank, batches in by_replica.items() for b in batches]
+
+    def score_batches(items):
+        return [
+            score(b, {"scores": judge}, judge_kind, 1.0, batch_size).scores.cpu() for _, b in items
+        ]
+
+    scores = for_each_dp_shard(judge.pg_collection.dp, every_batch, score_batches)
+    ours = [s for (rank, _), s in zip(every_batch, scores) if rank == policy_groups.dp.rank()]
+    for experience, batch_scores in zip(mine, ours, strict=True):
+        experience.scores = batch_scores.to(experience.sequences.device)
 
 
 def _cpu(experience):

@@ -13,7 +13,7 @@ import torch
 from megatron_rlhf.distributed.parallel import vocab_group
 from megatron_rlhf.ppo.experience import Experience
 from megatron_rlhf.ppo.losses import sft_nll
-from megatron_rlhf.ppo.scoring import response_logprobs
+from megatron_rlhf.ppo.microbatch import MicroBatch, microbatch, response_logprobs_of, train_step
 
 
 def repeat_prompts(prompts: dict, times: int) -> dict:
@@ -32,16 +32,9 @@ def select_best(scores: torch.Tensor, samples_per_prompt: int, threshold: float 
     return rows[keep]
 
 
-def nll_loss(temperature: float, tp_group, logits: torch.Tensor, mb: dict):
-    logprobs = response_logprobs(
-        logits,
-        mb["input_ids"],
-        mb["prompt_length"],
-        mb["response_mask"].shape[1],
-        temperature,
-        tp_group=tp_group,
-    )
-    loss = sft_nll(logprobs, mb["response_mask"], "mean")  # token mean of the kept responses
+def nll_loss(temperature: float, tp_group, logits: torch.Tensor, mb: MicroBatch):
+    logprobs = response_logprobs_of(mb, mb.lm_outputs(logits), temperature, tp_group)
+    loss = sft_nll(logprobs, mb.response_mask, "mean")  # token mean of the kept responses
     return loss, {"nll": loss.detach()}
 
 
@@ -53,14 +46,9 @@ def rejection_update(experience: Experience, actor, micro_batch_size: int) -> di
     if usable == 0:
         return {"kept": 0.0}
     microbatches = [
-        {
-            "input_ids": experience.sequences[i : i + micro_batch_size],
-            "padding_mask": experience.attention_mask[i : i + micro_batch_size],
-            "prompt_length": experience.prompt_length,
-            "response_mask": experience.response_mask[i : i + micro_batch_size],
-        }
+        microbatch(experience.select(torch.arange(i, i + micro_batch_size)), packed=False)
         for i in range(0, usable, micro_batch_size)
     ]
-    loss_fn = partial(nll_loss, 1.0, vocab_group(actor.groups))
-    metrics = actor.engine.step(microbatches, loss_fn)
+    loss_fn = partial(nll_loss, 1.0, vocab_group(actor.pg))
+    metrics = train_step(actor.engine, microbatches, loss_fn, lm_head=True)
     return {f"actor/{k}": v for k, v in metrics.items()} | {"kept": float(usable)}

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
+from megatron_rlhf.distributed.handoff import for_each_dp_shard
 from megatron_rlhf.generation import GenerationOutput, SamplingConfig
 from megatron_rlhf.ppo.experience import Experience
 
@@ -21,18 +21,22 @@ def rollout(engine, prompts: dict, sampling: SamplingConfig) -> Experience:
 def rollout_global(engine, prompts: dict, sampling: SamplingConfig, row_seeds) -> Experience:
     """The global batch's responses on every rank: each DP rank of ``engine.groups`` generates
     its rows (row ``i`` sampled from ``row_seeds[i]``), then the rows are gathered back."""
-    dp = engine.groups.dp
+
+    def generate(rows):
+        out: GenerationOutput = engine.generate(
+            prompts["input_ids"][rows],
+            prompts["attention_mask"][rows],
+            replace(sampling, row_seeds=tuple(int(row_seeds[row]) for row in rows)),
+        )
+        return {
+            "ids": out.response_ids,
+            "mask": out.response_mask,
+            "logprobs": out.response_logprobs,
+        }
+
     batch = prompts["input_ids"].shape[0]
-    rows = dp_rows(batch, dp.size(), dp.rank())
-    out: GenerationOutput = engine.generate(
-        prompts["input_ids"][rows],
-        prompts["attention_mask"][rows],
-        replace(sampling, row_seeds=tuple(int(seed) for seed in row_seeds[rows])),
-    )
-    response_ids = gather_rows(out.response_ids, dp, sampling.pad_id)
-    response_mask = gather_rows(out.response_mask, dp, 0)
-    logprobs = gather_rows(out.response_logprobs, dp, 0.0)
-    return _experience(prompts, response_ids, response_mask, logprobs)
+    out = for_each_dp_shard(engine.groups.dp, batch, generate, {"ids": sampling.pad_id})
+    return _experience(prompts, out["ids"], out["mask"], out["logprobs"])
 
 
 def step_row_seeds(seed: int, step: int, rows: int) -> list[int]:

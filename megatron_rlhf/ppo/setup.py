@@ -219,17 +219,12 @@ class Role:
 
     name: str
     model: torch.nn.Module
-    groups: object  # its ProcessGroupCollection (model.pg_collection): .tp, .pp, .dp
+    pg: object  # its ProcessGroupCollection (model.pg_collection): .tp, .pp, .dp
     engine: object = None  # training.TrainEngine of the actor and the critic
 
     @property
     def arch(self):
         return self.model.arch
-
-    @property
-    def dp(self) -> tuple[int, int]:
-        """(data-parallel size, this rank's data-parallel rank) of the role's layout."""
-        return self.groups.dp.size(), self.groups.dp.rank()
 
 
 @dataclass(eq=False)
@@ -241,9 +236,9 @@ class Roles:
     rollout: object  # generation.engines.RolloutEngine
 
 
-def build_roles(plan: PPOPlan, groups: dict, seed: int) -> Roles:
-    """Load every model on its own layout's groups (the model-parallel RNG seeded per layout),
-    wrap the actor and the critic in their TrainEngines, and set up the rollout engine."""
+def build_roles(plan: PPOPlan, role_groups: dict, seed: int) -> Roles:
+    """Load every model on its own layout's groups (``role_groups``: each role's LayoutGroups
+    from ``initialize_layouts``; the model-parallel RNG seeded per layout), wrap the actor and the critic in their TrainEngines, and set up the rollout engine."""
     from megatron_rlhf.distributed.groups import seed_layout
     from megatron_rlhf.generation.engines import build_rollout_engine
     from megatron_rlhf.training import TrainEngine
@@ -258,26 +253,25 @@ def build_roles(plan: PPOPlan, groups: dict, seed: int) -> Roles:
     trained = dict(common, recompute_activations=config.train.recompute_activations)
 
     def load(role: str, **kwargs):
-        seed_layout(groups[role], seed)
-        pg_collection = groups[role].pg_collection
-        model = load_bloom(checkpoints[role], pg_collection=pg_collection, **kwargs)
-        return model, pg_collection
+        seed_layout(role_groups[role], seed)
+        pg = role_groups[role].pg_collection
+        return load_bloom(checkpoints[role], pg_collection=pg, **kwargs), pg
 
     updates = config.train.steps * config.ppo.epochs * config.ppo.num_minibatches
-    actor_model, actor_groups = load("actor", head="lm", init_weights=False, **trained)
+    actor_model, actor_pg = load("actor", head="lm", init_weights=False, **trained)
     actor = Role(
         "actor",
         actor_model,
-        actor_groups,
+        actor_pg,
         TrainEngine(actor_model, config.actor_optim, updates, "actor."),
     )
-    reference_model, reference_groups = load("reference", head="lm", init_weights=False, **common)
-    reference = Role("reference", reference_model.eval(), reference_groups)
+    reference_model, reference_pg = load("reference", head="lm", init_weights=False, **common)
+    reference = Role("reference", reference_model.eval(), reference_pg)
     critic_info = checkpoints["critic"]
     critic_is_value_model = (
         not critic_info.is_hf and critic_info.meta.get("num_scalar_outputs") == 1
     )
-    critic_model, critic_groups = load(
+    critic_model, critic_pg = load(
         "critic",
         head="scalar",
         num_scalar_outputs=1,
@@ -288,16 +282,16 @@ def build_roles(plan: PPOPlan, groups: dict, seed: int) -> Roles:
     critic = Role(
         "critic",
         critic_model,
-        critic_groups,
+        critic_pg,
         TrainEngine(critic_model, config.critic_optim, updates, "critic."),
     )
     reward = None
     if "reward" in checkpoints:
         outputs = 2 if config.models.reward_kind == "am" else 1
-        reward_model, reward_groups = load(
+        reward_model, reward_pg = load(
             "reward", head="scalar", num_scalar_outputs=outputs, init_weights=False, **common
         )
-        reward = Role("reward", reward_model.eval(), reward_groups)
+        reward = Role("reward", reward_model.eval(), reward_pg)
     for frozen in (reference, reward):
         if frozen is not None:
             frozen.model.requires_grad_(False)
@@ -324,8 +318,8 @@ def build_roles(plan: PPOPlan, groups: dict, seed: int) -> Roles:
     )
     rollout = build_rollout_engine(
         actor.model,
-        groups["actor"],
-        groups["rollout"],
+        role_groups["actor"],
+        role_groups["rollout"],
         build_copy,
         engine=config.rollout.engine,
         vllm_settings=vllm_settings,

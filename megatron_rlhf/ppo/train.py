@@ -18,13 +18,14 @@ training/run.py's, shared with ``train-sft`` and ``train-reward``.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megatron_rlhf.config import load_config, to_dict
 from megatron_rlhf.distributed import destroy
-from megatron_rlhf.distributed.handoff import dp_rows
+from megatron_rlhf.distributed.handoff import dp_shard
 from megatron_rlhf.generation import SamplingConfig
 from megatron_rlhf.ppo.advantages import compute_advantages, global_mean_var, global_moments
 from megatron_rlhf.ppo.config import TrainPPOConfig
@@ -80,7 +81,7 @@ class PPOTrainer:
         train = config.train
         self.roles = build_roles(plan, initialize_layouts(plan.layouts), seed=train.seed)
         self.actor, self.critic = self.roles.actor, self.roles.critic
-        self.reuse_rollout_logprobs = reuses_rollout_logprobs(config)
+        self.old_logprobs = OldLogprobs(reuses_rollout_logprobs(config))
         self.reward_fn = (
             import_reward_fn(config.models.reward_fn) if config.models.reward_fn else None
         )
@@ -122,8 +123,7 @@ class PPOTrainer:
                 self.sampling(),
                 step_row_seeds(config.train.seed, self.step, rows),
             )
-            if self.reuse_rollout_logprobs:
-                experience.logprobs = experience.rollout_logprobs
+            self.old_logprobs.take_from_rollout(experience)
             timings["rollout"], t0 = time.time() - t0, time.time()
             experience = score_in_layouts(
                 experience,
@@ -233,22 +233,21 @@ class PPOTrainer:
         width = experience.sequences.shape[1]
         return ppo.max_tokens_per_micro_batch or ppo.micro_batch_size * width
 
-    def scoring_roles(self) -> list:
-        roles = self.roles
-        scored = [roles.reference, roles.critic]
-        if not self.reuse_rollout_logprobs:
-            scored.insert(0, roles.actor)
-        if self.config.ppo.algorithm == "rejection_sampling":
-            scored = []
-        return scored + ([roles.reward] if roles.reward is not None else [])
+    def scoring_roles(self) -> dict:
+        """{Experience field: the Role that fills it} in the score stage."""
+        roles, scored = self.roles, {}
+        if self.config.ppo.algorithm != "rejection_sampling":
+            scored = self.old_logprobs.scorers(roles.actor)
+            scored |= {"ref_logprobs": roles.reference, "values": roles.critic}
+        return scored | ({"scores": roles.reward} if roles.reward is not None else {})
 
     def rejection_step(self, experience) -> dict:
-        ppo, (dp, dp_rank) = self.config.ppo, self.actor.dp
+        ppo, dp = self.config.ppo, self.actor.pg.dp
         kept = select_best(
             experience.scores, ppo.rejection_samples_per_prompt, ppo.rejection_threshold
         )
-        usable = len(kept) - len(kept) % (ppo.micro_batch_size * dp)
-        mine = kept[:usable][dp_rows(usable, dp, dp_rank)]
+        usable = len(kept) - len(kept) % (ppo.micro_batch_size * dp.size())
+        mine = dp_shard(kept[:usable], dp)
         return rejection_update(experience.select(mine), self.actor, ppo.micro_batch_size)
 
     def rollout_metrics(self, experience, timings: dict) -> dict:
@@ -267,14 +266,7 @@ class PPOTrainer:
             metrics["critic/explained_variance"] = explained_variance(
                 experience.values, experience.returns, mask
             )
-        recomputed = not self.reuse_rollout_logprobs and experience.logprobs is not None
-        if recomputed and self.config.rollout.temperature == 1.0:  # both at temperature 1
-            # How far the rollout's log-probs are from the actor's own forward over the same
-            # tokens: rounding (~1e-6 with our engine in fp32, ~1e-3 with vLLM on a sharp
-            # model); far more means the generating weights are not the actor's.
-            gap = (experience.rollout_logprobs - experience.logprobs).abs() * mask
-            metrics["rollout/logprob_diff_max"] = gap.max().item()
-            metrics["rollout/logprob_diff_mean"] = (gap.sum() / mask.sum().clamp(min=1)).item()
+        metrics |= self.old_logprobs.gap(experience, self.config.rollout.temperature)
         metrics |= {f"time/{stage}_s": seconds for stage, seconds in timings.items()}
         metrics |= self.throughput(experience, sum(timings.values()))
         metrics |= self.data.per_cluster_rewards(experience)
@@ -363,6 +355,37 @@ def reuses_rollout_logprobs(config) -> bool:
         ours = config.rollout.engine == "megatron"
         return ours and fp32 and config.rollout.temperature == 1.0
     return choice == "rollout"
+
+
+@dataclass(frozen=True)
+class OldLogprobs:
+    """Where log pi_old comes from, decided once (:func:`reuses_rollout_logprobs`): the
+    rollout's own log-probs, or an actor forward in the score stage. The step, the choice of
+    scoring roles and the rollout/actor gap diagnostic all ask this object."""
+
+    from_rollout: bool
+
+    def take_from_rollout(self, experience) -> None:
+        if self.from_rollout:
+            experience.logprobs = experience.rollout_logprobs
+
+    def scorers(self, actor) -> dict:
+        """{field: Role} that the score stage needs for log pi_old: the actor, or none."""
+        return {} if self.from_rollout else {"logprobs": actor}
+
+    def gap(self, experience, temperature: float) -> dict:
+        """How far the rollout's log-probs are from the actor's own forward over the same
+        tokens (recomputed, both at temperature 1): rounding (~1e-6 with our engine in fp32,
+        ~1e-3 with vLLM on a sharp model); far more means the generating weights are not the
+        actor's."""
+        if self.from_rollout or experience.logprobs is None or temperature != 1.0:
+            return {}
+        mask = experience.response_mask
+        gap = (experience.rollout_logprobs - experience.logprobs).abs() * mask
+        return {
+            "rollout/logprob_diff_max": gap.max().item(),
+            "rollout/logprob_diff_mean": (gap.sum() / mask.sum().clamp(min=1)).item(),
+        }
 
 
 def observed_kl(experience) -> tuple[float, int]:
