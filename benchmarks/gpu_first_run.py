@@ -195,9 +195,16 @@ def _logits_at_length(run: Run):
     return logits
 
 
+def _fp32_reference(run: Run, logits) -> torch.Tensor:
+    """The fp32 PyTorch logits both logit checks compare against, computed once a run."""
+    if getattr(run, "fp32_logits", None) is None:
+        run.fp32_logits = logits(torch.float32, False)
+    return run.fp32_logits
+
+
 def check_logits_bf16(run: Run) -> dict:
     logits = _logits_at_length(run)
-    reference = logits(torch.float32, False)
+    reference = _fp32_reference(run, logits)
     scale = reference.abs().max().item()
     if run.cpu:
         raise NeedsGPU(f"bf16 needs a GPU here (fp32 ran: scale {scale:.3g})")
@@ -217,7 +224,7 @@ def check_logits_te(run: Run) -> dict:
     if te_attention_class() is None:
         raise AssertionError("transformer-engine is installed but does not import")
     logits = _logits_at_length(run)
-    reference = logits(torch.float32, False)
+    reference = _fp32_reference(run, logits)
     scale = reference.abs().max().item()
     pytorch, te = logits(torch.bfloat16, False), logits(torch.bfloat16, True)
     figures = {

@@ -115,6 +115,7 @@ def test_gpu_stack_problems_name_what_to_fix():
     assert both == ["faiss-cpu and faiss-gpu are both installed (both provide `faiss`)"]
 
 
+@pytest.mark.slow  # launches Python
 def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path):
     """A step's children (torchrun workers, a train-ppo child) must not outlive its time limit
     holding the GPU: the whole process group goes."""
@@ -159,3 +160,27 @@ def test_wheelhouse_lock_pins_what_the_bare_image_lacks():
         assert wheel["file"].endswith(".whl") and wheel["version"] in wheel["file"]
         assert "cp312" in wheel["file"] or "py3-none-any" in wheel["file"]
     assert sum(w["bytes"] for w in lock["wheels"]) < 16 * 2**20
+
+
+@pytest.mark.slow  # launches Python
+def test_a_bare_copy_of_the_tree_imports_its_own_kernels(tmp_path):
+    """The GPU machine gets a copy of the working tree, not an install: with PYTHONPATH at the
+    copy, ``megatron_rlhf.kernels`` must be the copy's top-level ``kernels/`` (it raised
+    ModuleNotFoundError there, and here an editable install answered with another tree's)."""
+    import shutil
+
+    for name in ("megatron_rlhf", "kernels"):
+        shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "setup.py", tmp_path)
+    code = (
+        "import megatron_rlhf.kernels as k, megatron_rlhf.kernels.logprobs as l; "
+        "print(k.__file__); print(l.__file__)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [
+        str(tmp_path / "kernels" / "__init__.py"), str(tmp_path / "kernels" / "logprobs.py"),
+    ]  # fmt: skip

@@ -108,10 +108,9 @@ GPU_MEMORY_MARGIN_BYTES = 2 << 30  # CUDA graphs, NCCL and allocator slack vLLM 
 
 def weight_bytes(arch, tp: int, dtype: torch.dtype) -> int:
     """One TP rank's share of a BloomForCausalLM's weights (the LM head is tied)."""
-    h, layers = arch.hidden_size, arch.num_layers
-    per_layer = 12 * h * h + 13 * h  # QKV, dense, 4h MLP with biases, two LayerNorms
-    total = arch.vocab_size * h + layers * per_layer + 4 * h
-    return total * torch.finfo(dtype).bits // 8 // tp
+    from megatron_rlhf.planning.shapes import model_params  # reads hidden, layers, vocab
+
+    return model_params(arch) * torch.finfo(dtype).bits // 8 // tp
 
 
 def gpu_memory_fraction(free: int, total: int, needed: int) -> float:
