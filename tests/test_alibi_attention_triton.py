@@ -62,7 +62,7 @@ def test_attention_kernel_compiles_for_sm90_bf16(kernel, head_dim):
     assert _compile(kernel, "bf16", head_dim) > 1000
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.parametrize("head_dim", [64, 128])  # 80 compiles as 128 (the padded block)
 @pytest.mark.parametrize("kernel", list(_KERNELS))
 def test_attention_kernel_compiles_for_sm90_fp32(kernel, head_dim):
@@ -335,13 +335,14 @@ def interpreter_results(tmp_path_factory):
     return run_under_interpreter(__file__, out)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_fused_attention_under_interpreter(check, interpreter_results):
     result = interpreter_results[check]
     assert result["ok"], result["detail"]
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_attention_benchmark_script_runs_under_interpreter():
     """benchmarks/gpu_attention.py cannot time anything here; --smoke runs every line of it."""
     proc = run_python([str(REPO / "benchmarks" / "gpu_attention.py"), "--smoke"])

@@ -79,12 +79,12 @@ def results(tmp_path_factory):
     )
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=4)
 def test_worker_ran_exactly_the_expected_checks(results):
     assert sorted(results) == sorted(CHECKS)
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("check", CHECKS)
 def test_bloom_parallel(results, check):
     assert_check(results, check)

@@ -212,7 +212,7 @@ def test_a_shard_that_is_a_symlink_out_of_the_checkpoint_is_refused(lm_checkpoin
     assert load_lm(tmp_path / "linked") is not None  # a --load that is itself a symlink is fine
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 def test_deepspeed_states_with_a_payload_are_refused_on_resume(
     reward_setup,  # noqa: F811
     tmp_path,

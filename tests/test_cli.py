@@ -32,6 +32,7 @@ def _python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.launch
 def test_every_help_parses_before_any_heavy_import():
     """One fresh interpreter asks every command and tool for --help; none may load torch."""
     modules = [module for module, _ in COMMANDS.values()] + list(TOOLS.values())
@@ -127,7 +128,7 @@ def test_version_states_the_missing_backends_once(capsys):
         assert backend in out
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_main_from_a_script_without_main_guard_saves_once(tmp_path):
     """dist_checkpointing's writer used a spawn Manager, which re-ran such a script at the first
     save; Megatron-Core's fallback warnings are silenced too."""

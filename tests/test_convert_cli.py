@@ -82,7 +82,7 @@ def converted(tmp_path_factory):
     return dict(root=root, hf=hf_dir, mc=mc_dir, back=back_dir, logs=to_mcore.stdout + to_hf.stdout)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e(ranks=4)
 def test_round_trip_is_bit_exact_for_every_tensor(converted):
     original, back = _tensors(converted["hf"]), _tensors(converted["back"])
     assert sorted(original) == sorted(back)
@@ -104,7 +104,7 @@ def test_round_trip_is_bit_exact_for_every_tensor(converted):
     assert not list(converted["root"].glob("*.tmp-partial"))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e(ranks=4)
 def test_transformers_loads_the_exported_model_unchanged(converted):
     from transformers import BloomForCausalLM
 
@@ -115,7 +115,7 @@ def test_transformers_loads_the_exported_model_unchanged(converted):
     assert torch.equal(before, after)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e(ranks=4)
 def test_megatron_checkpoint_records_what_it_holds(converted):
     meta = json.loads((converted["mc"] / "megatron_rlhf.json").read_text())
     assert BloomArchitecture(**meta["architecture"]) == ARCH_B
@@ -124,7 +124,7 @@ def test_megatron_checkpoint_records_what_it_holds(converted):
     assert (converted["mc"] / "tokenizer.json").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e(ranks=4)
 def test_generate_cli_end_to_end(converted, tmp_path):
     """Text and token-id prompts through `python -m megatron_rlhf generate` on the TP2xPP2
     checkpoint (loaded at TP1): fields kept in order, greedy tokens as transformers'."""
@@ -177,7 +177,7 @@ def test_generate_cli_end_to_end(converted, tmp_path):
         assert diff <= 1e-4, (row, diff)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e(ranks=4)
 def test_megatron_to_hf_refuses_a_launch_of_the_wrong_size(
     converted, tmp_path, capsys, monkeypatch
 ):
@@ -222,6 +222,7 @@ def _to_mcore(load: Path, save: Path, *extra: str) -> list[str]:
     return ["hf-to-megatron", "--load", str(load), "--save", str(save), *extra]
 
 
+@pytest.mark.launch
 def test_cli_refuses_a_layout_that_does_not_divide_the_model(hf_small, tmp_path):
     save = tmp_path / "out"
     run = _run(CONVERT, *_to_mcore(hf_small, save, "--tp", "5", "--pp", "3"), timeout=120)

@@ -314,7 +314,7 @@ def test_loader_tail_and_side_fields(written):
     assert batch["input_ids"][:, -1].tolist() == [p[-1] for p in written["prompt"][:5]]
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=2)
 def test_loader_over_two_gloo_ranks(tmp_path, written):
     script = Path(__file__).with_name("dist_data_loader.py")
     results = run_checks(script, 2, tmp_path / "out", "--data", str(written["dir"]))

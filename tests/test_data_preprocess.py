@@ -556,6 +556,7 @@ def test_parquet_and_datasets_directories_match_jsonl(tmp_path, tokenizer_dir):
     assert preprocess_main(argv) == 2  # two splits and no --split
 
 
+@pytest.mark.launch
 def test_command_line(tmp_path, tokenizer_dir):
     write_jsonl(tmp_path / "p.jsonl", [{"text": "Hello world."}, {"text": "Bye."}])
     cmd = [

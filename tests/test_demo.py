@@ -41,7 +41,7 @@ def demo(tmp_path_factory):
     return root, out, proc
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_demo_runs_the_whole_pipeline(demo):
     _, out, proc = demo
     env, command = ENV, [*COMMAND, str(out)]
@@ -79,7 +79,7 @@ def test_demo_runs_the_whole_pipeline(demo):
     assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_tiny_examples_run_as_shipped(demo):
     root, _, _ = demo
     (root / "examples.py").write_text(EXAMPLES)

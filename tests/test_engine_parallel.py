@@ -52,7 +52,7 @@ def results(tmp_path_factory):
     )  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("check", CHECKS)
 def test_lm_training_matches_tp1(results, check):
     assert_check(results, check)

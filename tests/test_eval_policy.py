@@ -279,7 +279,7 @@ def test_am_judge_scores_match_an_unpadded_forward(data, am_run):
     assert am_run["report"]["settings"]["judge_kind"] == "am"
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize(
     "layout",
     [[], ["--parallel", "policy.tp=2", "judge.tp=1"]],

@@ -83,6 +83,7 @@ def test_summary_matches_reference(tmp_path, capsys):
     assert "[eval-reward] done:" in capsys.readouterr().out
 
 
+@pytest.mark.launch
 def test_cli_through_python_dash_m(tmp_path):
     scores = tmp_path / "s.jsonl"
     write_scores(scores, seed=1, size=60)

@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_gpu_check_dry_run_passes(tmp_path):
     out = tmp_path / "gpu_check"
     env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
@@ -115,7 +115,7 @@ def test_gpu_stack_problems_name_what_to_fix():
     assert both == ["faiss-cpu and faiss-gpu are both installed (both provide `faiss`)"]
 
 
-@pytest.mark.slow  # launches Python
+@pytest.mark.chaos  # launches Python
 def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path):
     """A step's children (torchrun workers, a train-ppo child) must not outlive its time limit
     holding the GPU: the whole process group goes."""
@@ -162,7 +162,7 @@ def test_wheelhouse_lock_pins_what_the_bare_image_lacks():
     assert sum(w["bytes"] for w in lock["wheels"]) < 16 * 2**20
 
 
-@pytest.mark.slow  # launches Python
+@pytest.mark.launch  # launches Python
 def test_a_bare_copy_of_the_tree_imports_its_own_kernels(tmp_path):
     """The GPU machine gets a copy of the working tree, not an install: with PYTHONPATH at the
     copy, ``megatron_rlhf.kernels`` must be the copy's top-level ``kernels/`` (it raised

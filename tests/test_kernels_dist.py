@@ -25,7 +25,7 @@ def results(tmp_path_factory):
     return run_checks(WORKER, 2, tmp_path_factory.mktemp("dist_kernels") / "results")
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("check", CHECKS)
 def test_dist_kernels(check, results):
     assert_check(results, check)

@@ -276,13 +276,14 @@ def interpreter_results(tmp_path_factory):
     return run_under_interpreter(__file__, out, quiet=False)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_triton_interpreter(check, interpreter_results):
     result = interpreter_results[check]
     assert result["ok"], result["detail"]
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_gpu_benchmark_script_runs_under_interpreter():
     """benchmarks/gpu_kernels.py cannot run here; its --smoke mode runs every line of it."""
     proc = run_python([str(REPO / "benchmarks" / "gpu_kernels.py"), "--smoke"])

@@ -206,7 +206,7 @@ def test_the_package_check_sees_a_cycle_and_an_upward_edge():
     ]
 
 
-@pytest.mark.slow  # launches Python
+@pytest.mark.launch  # launches Python
 def test_config_schemas_import_without_torch():
     """A command's config (and the planner that writes a train-ppo config) loads in
     milliseconds: the schemas import neither torch nor megatron-core."""

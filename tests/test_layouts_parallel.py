@@ -26,7 +26,7 @@ from torchrun_util import assert_check, run_checks
 
 from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
 
-pytestmark = pytest.mark.slow  # one 4-rank launch (~1 min) behind every test here
+pytestmark = pytest.mark.launch(ranks=4)  # one 4-rank launch (~1 min) behind every test here
 
 WORKER = Path(__file__).with_name("dist_layouts_worker.py")
 CHECKS = [

@@ -46,6 +46,7 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize(
     "command, flag",
     [
@@ -72,6 +73,7 @@ def test_a_second_command_on_a_locked_output_exits_2_naming_the_holder(
     assert time.time() - start < 120
 
 
+@pytest.mark.launch
 def test_the_lock_is_released_when_the_command_ends(tmp_path):
     """A command that ends (here with a bad input after taking the lock) leaves no lock file,
     and the next command on the same output gets past the lock."""

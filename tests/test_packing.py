@@ -186,7 +186,7 @@ def test_reward_packed_equals_padded(tmp_path, loss):
     _assert_equal(_packed_and_padded(run_one))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_ppo_update_packed_equals_padded(tmp_path):
     """Two train-ppo steps (2 epochs x 2 minibatches, Selective Rehearsal on, a 24-token
     budget): every logged loss, gradient norm and fraction equals the padded run's."""

@@ -101,7 +101,7 @@ def test_planned_packed_memory_within_15_percent_of_measured():
     )
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=2)
 def test_planned_memory_within_15_percent_of_measured_tiny_tp2(tmp_path):
     """Every stage at TP=2 over two gloo ranks (about 20 s). Gloo's worker thread frees many of
     the collectives' tensors; uncounted, those frees put generation at 0.68-0.77."""

@@ -58,7 +58,7 @@ def tp1_run(setup):
     return _rewards(output_dir)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_ppo_raises_a_known_reward(tp1_run, setup):
     first = sum(tp1_run[s]["reward/mean"] for s in (1, 2, 3)) / 3
     last = sum(tp1_run[s]["reward/mean"] for s in (10, 11, 12)) / 3
@@ -82,7 +82,7 @@ def tp2_run(setup):
     return output_dir
 
 
-@pytest.mark.slow
+@pytest.mark.e2e(ranks=2)
 def test_tp2_follows_the_tp1_trajectory(tp1_run, tp2_run):
     """Same seed, same data: TP=2 reproduces TP=1 until a near-tie sample flips (logits agree
     to ~1e-7, so the first steps are identical), and learns as well."""
@@ -95,7 +95,7 @@ def test_tp2_follows_the_tp1_trajectory(tp1_run, tp2_run):
     assert sum(tp2[s]["reward/mean"] for s in (10, 11, 12)) / 3 > 0.5
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_rollout_logprobs_as_old_logprobs_equal_a_recomputing_forward(setup):
     """ppo.old_logprobs: log pi_old taken from the rollout (the default here: fp32,
     temperature 1) and from an actor forward over the finished sequences (recompute) give
@@ -113,7 +113,7 @@ def test_rollout_logprobs_as_old_logprobs_equal_a_recomputing_forward(setup):
             assert reused[key] == pytest.approx(recomputed[key], rel=1e-4, abs=1e-6), key
 
 
-@pytest.mark.slow
+@pytest.mark.e2e(ranks=2)
 def test_tp2_checkpoint_exports_policy_and_critic_to_hf(tp2_run, tmp_path):
     """megatron-to-hf on a checkpoint saved at TP=2: the HF policy generates our tokens."""
     from test_checkpoint_integrity import check_export_matches_checkpoint
@@ -121,7 +121,7 @@ def test_tp2_checkpoint_exports_policy_and_critic_to_hf(tp2_run, tmp_path):
     check_export_matches_checkpoint(tp2_run / "step_0000012", tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 def test_killed_run_resumes_exactly(tp1_run, setup):
     """SIGKILL after the step-4 checkpoint, relaunch: steps 5..12 equal the uninterrupted run."""
     output_dir = setup["root"] / "killed"
@@ -154,7 +154,7 @@ def vllm_setup(tmp_path_factory):
     return make_ppo_setup(tmp_path_factory.mktemp("ppo_vllm"), hidden_size=64, num_heads=2)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason='vLLM is not installed: pip install -e ".[vllm]" '

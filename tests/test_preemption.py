@@ -144,7 +144,7 @@ def launch_until_step(command, run: Path, target: int, env: dict, timeout: float
     return proc
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 def test_sigterm_at_a_random_step_saves_and_the_resumed_run_is_bit_identical(
     reward_setup,  # noqa: F811
     tmp_path,
@@ -181,7 +181,7 @@ def test_sigterm_at_a_random_step_saves_and_the_resumed_run_is_bit_identical(
     assert wait_gone(marker) == []
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 def test_killing_the_trainer_leaves_no_child_behind(reward_setup, tmp_path):  # noqa: F811
     """Megatron's checkpoint writer keeps a forked Manager process; SIGKILL of the trainer
     alone (not its process group, as an OOM killer would) must take it down too."""
@@ -289,7 +289,7 @@ def stopped_and_killed_runs_resume_exactly(args: list[str], nproc: int, steps: i
         assert shards(resumed / final) and shards(resumed / final) == shards(reference / final)
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 def test_train_ppo_per_role_layouts_on_4_ranks_sigterm_then_resume_is_bit_identical(tmp_path):
     from ppo_fixtures import make_ppo_setup
 
@@ -302,7 +302,7 @@ def test_train_ppo_per_role_layouts_on_4_ranks_sigterm_then_resume_is_bit_identi
     stopped_and_killed_runs_resume_exactly(args, 4, steps, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 def test_train_reward_deepspeed_on_2_ranks_sigterm_then_resume_is_bit_identical(
     reward_setup,  # noqa: F811
     tmp_path,
@@ -317,7 +317,7 @@ def test_train_reward_deepspeed_on_2_ranks_sigterm_then_resume_is_bit_identical(
     stopped_and_killed_runs_resume_exactly(args, 2, steps, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 def test_train_sft_sigusr1_at_a_random_step_then_resume_is_bit_identical(tmp_path):
     """SIGUSR1, the signal Slurm's ``--signal`` sends: train-sft saves and resumes exactly."""
     from megatron_rlhf.data import write_sft_dataset

@@ -103,13 +103,13 @@ def runs(tmp_path_factory):
     return {"root": root, "results": results, "data": data, "megatron_ckpt": megatron_ckpt}
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("check", DIST_CHECKS)
 def test_deepspeed_launch(runs, check):
     assert_check(runs["results"], check)
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_losses_match_megatron_on_one_process(runs, stage):
     megatron = read_jsonl(runs["root"] / "megatron" / "metrics.jsonl")
@@ -126,7 +126,7 @@ def test_zero_losses_match_megatron_on_one_process(runs, stage):
     assert max(moved) - min(moved) > 1e-3, f"training did not change the loss: {moved}"
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=2)
 def test_both_trained_models_score_pairs_alike(runs):
     megatron = read_jsonl(runs["root"] / "scores_megatron.jsonl")
     deepspeed = read_jsonl(runs["root"] / "work" / "scores_tp2.jsonl")
@@ -136,7 +136,7 @@ def test_both_trained_models_score_pairs_alike(runs):
             assert abs(ours[key] - theirs[key]) < TOLERANCE * max(1.0, abs(theirs[key]))
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=2)
 def test_checkpoints_convert_both_ways(runs, tmp_path):
     """hf-to-megatron of the ZeRO-3 checkpoint scores as it does; megatron-to-hf of the
     Megatron-trained AM loads into the DeepSpeed model with both head outputs."""

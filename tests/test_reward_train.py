@@ -104,7 +104,7 @@ def dist_results(tmp_path_factory):
     )
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("check", DIST_CHECKS)
 def test_parallel_layouts_and_resume(dist_results, check):
     assert_check(dist_results, check)

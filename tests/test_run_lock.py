@@ -47,6 +47,7 @@ def snapshot(root: Path) -> dict:
     }
 
 
+@pytest.mark.launch
 def test_a_second_run_on_a_locked_directory_exits_2_naming_the_holder(
     reward_setup,  # noqa: F811
     tmp_path,
@@ -99,7 +100,7 @@ def test_a_record_from_another_host_is_refused_with_how_to_clear_it(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 def test_concurrent_launches_one_runs_the_other_exits_2(reward_setup, tmp_path):  # noqa: F811
     """Two launches on one directory: the first is stopped (SIGSTOP) while it holds the lock,
     the second runs to its end meanwhile (exit 2, the holder named), the first resumes and
@@ -160,6 +161,7 @@ def test_concurrent_launches_one_runs_the_other_exits_2(reward_setup, tmp_path):
     assert [r["step"] for r in metrics(run) if "train/loss" in r] == [1, 2, 3]
 
 
+@pytest.mark.launch
 def test_without_flock_the_record_alone_guards_the_directory(tmp_path, monkeypatch, capsys):
     import errno
 

@@ -137,7 +137,7 @@ def test_table_math_against_direct_computation():
     assert one_seed["table1"]["rm"]["ece"]["ci_low"] is None
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
     from megatron_rlhf.study import run
     from megatron_rlhf.study.stages import load_records

@@ -91,7 +91,7 @@ def reference(setup):
     return run_dir
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_loss_falls_and_run_writes_its_outputs(reference):
     series = _metrics(reference)
     losses = series["train/loss"]
@@ -121,7 +121,7 @@ def test_loss_falls_and_run_writes_its_outputs(reference):
         assert lr == pytest.approx(expected, rel=1e-9), step
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 def test_killed_run_resumes_exactly(setup, reference):
     """SIGKILL once a middle checkpoint exists, relaunch: every logged number equals the
     uninterrupted run's (the resumed run first drops metrics.jsonl lines after its checkpoint)."""
@@ -156,7 +156,7 @@ def test_killed_run_resumes_exactly(setup, reference):
     assert _metrics(run_dir) == _metrics(reference)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_hf_export_gives_the_same_logits(reference, tmp_path):
     from transformers import BloomForCausalLM
 

@@ -44,12 +44,13 @@ def results_tp2(tmp_path_factory):
     )  # fmt: skip
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("check", CHECKS)
 def test_vllm_engine(results, check):
     assert_check(results, check)
 
 
-@pytest.mark.slow
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize(
     "check", ["greedy_equals_megatron_and_transformers", "weights_synced_in_memory_after_updates"]
 )
@@ -57,7 +58,7 @@ def test_vllm_engine_at_tp2(results_tp2, check):
     assert_check(results_tp2, check)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e(ranks=2)
 def test_generate_cli_with_vllm_on_two_replicas_equals_transformers(tmp_path):
     """`generate --engine vllm` on 2 ranks (two vLLM data-parallel replicas): 3 prompts in
     batches of 1 give one rank a call more than the other (the engine's idle calls keep the

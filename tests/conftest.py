@@ -1,0 +1,103 @@
+"""What a test starts decides its marker, and its marker decides where it runs.
+
+The markers (declared in ``pyproject.toml``) say what a test launches:
+
+- ``launch``: it starts another Python process of one rank (a command, a script, the Triton
+  interpreter's subprocess).
+- ``e2e``: it runs one of our commands end to end (the demo, the study, a converter).
+- ``chaos``: it signals or kills a running job and checks what is left and the resume.
+
+``ranks=N`` on any of them (``launch(ranks=4)``) says it runs a torchrun launch of N ranks.
+Each of them implies ``slow``, so ``-m "not slow"`` stays the quick, in-process subset.
+
+**The guard.** A test that starts a Python interpreter (``subprocess`` or a ``multiprocessing``
+spawn), in its body or in a fixture it sets up, fails unless it carries one of the three markers:
+a launch costs seconds of imports, and the quick tier must stay quick as the suite grows.
+
+**Parallel runs** (``pytest -n 2 --dist loadgroup``, the README's test command): every test
+of 2 or more ranks or marked ``chaos`` joins one ``xdist_group``, so those run one at a time
+on one worker (they size their timeouts and signal timing for a machine they share with one
+other test at most); every other test is grouped by its file, so a module's fixtures are built
+once. The big groups are handed out first (xdist orders groups by their number of tests; the
+multi-rank group is the largest).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+LAUNCH_MARKERS = ("launch", "e2e", "chaos")
+SERIAL_GROUP = "ranks"
+
+_current: pytest.Item | None = None  # the test whose setup, call or teardown is running
+
+
+def _ranks(item: pytest.Item) -> int:
+    marks = (m for name in LAUNCH_MARKERS for m in item.iter_markers(name))
+    return max((int(m.kwargs.get("ranks", 1)) for m in marks), default=1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook, which reads the groups off the items
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(name) for name in LAUNCH_MARKERS):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("xdist_group"):
+            continue
+        serial = _ranks(item) >= 2 or item.get_closest_marker("chaos") is not None
+        group = SERIAL_GROUP if serial else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    global _current
+    _current = item
+    try:
+        yield
+    finally:
+        _current = None
+
+
+def _starts_python(args) -> bool:
+    if isinstance(args, (str, bytes, os.PathLike)):
+        words = [os.fsdecode(args)]
+    else:
+        words = [os.fsdecode(a) for a in list(args)[:1]]
+    first = words[0].split()[0] if words and words[0].split() else ""
+    name = os.path.basename(first)
+    return first == sys.executable or name.startswith(("python", "torchrun"))
+
+
+def _check_launch(what: str) -> None:
+    item = _current
+    if item is None or any(item.get_closest_marker(name) for name in LAUNCH_MARKERS):
+        return
+    raise pytest.fail.Exception(
+        f"{item.nodeid.split('@')[0]} starts a Python process ({what}) but is not marked "
+        f"{' / '.join(LAUNCH_MARKERS)}: mark it (tests/conftest.py says which marker means what)"
+    )
+
+
+_popen_init = subprocess.Popen.__init__
+_spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+
+def _guarded_popen_init(self, args, *rest, **kwargs):
+    if _starts_python(args):
+        _check_launch(f"subprocess: {args if isinstance(args, str) else list(args)[:4]}")
+    _popen_init(self, args, *rest, **kwargs)
+
+
+def _guarded_spawnv_passfds(path, args, passfds):
+    _check_launch(f"multiprocessing spawn: {path}")
+    return _spawnv_passfds(path, args, passfds)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init
+multiprocessing.util.spawnv_passfds = _guarded_spawnv_passfds
