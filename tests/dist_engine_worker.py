@@ -111,7 +111,8 @@ SFT_STEPS, SFT_BATCH, SFT_MAX_LENGTH, SFT_SEED = 3, 8, 12, 5
 def sft_command(args) -> None:
     """``train-sft`` (packed, the default) at TP2 and PP2 equals TP1 x DP2 and TP1 x DP2 padded
     (losses and gradient norms, rel 1e-5); its first loss equals transformers'."""
-    from megatron_rlhf.training.config import LayoutConfig, ModelConfig, OptimConfig
+    from megatron_rlhf.distributed.layouts import LayoutConfig
+    from megatron_rlhf.training.config import ModelConfig, OptimConfig
     from megatron_rlhf.training.sft import DataConfig, SFTConfig, TrainConfig, run
 
     runs = {}
