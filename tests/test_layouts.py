@@ -206,7 +206,7 @@ def test_global_state_is_sealed_while_layouts_own_their_groups_and_freed_after()
     import torch
     from megatron.core import parallel_state
 
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, initialize_layouts
+    from megatron_rlhf.distributed import destroy, initialize, initialize_layouts
     from megatron_rlhf.distributed.groups import GlobalParallelStateError
     from megatron_rlhf.distributed.layouts import Layout
     from megatron_rlhf.distributed.parallel import current_groups
@@ -232,7 +232,7 @@ def test_global_state_is_sealed_while_layouts_own_their_groups_and_freed_after()
         assert model.sharded_state_dict()  # replica ids from the model's own DP group
     finally:
         destroy()
-    initialize(ParallelConfig())
+    initialize()
     try:
         assert parallel_state.get_tensor_model_parallel_world_size() == 1
         assert BloomModel(arch).pg_collection.tp.size() == 1
