@@ -161,10 +161,10 @@ def measured(fn) -> tuple[object, dict]:
 def bench_ours(hf_dir: Path, ids, mask, args) -> tuple[dict, list[tuple]]:
     """Our engine at TP1 (model loaded from the HF directory); greedy, no early stop."""
     from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.generation import SamplingConfig, generate
 
-    initialize(ParallelConfig())
+    initialize()
     model = load_bloom(hf_dir, init_weights=False)
     generate(model, ids, mask, SamplingConfig(max_new_tokens=2, greedy=True))  # warm-up
     outputs, rows = {}, []

@@ -523,9 +523,9 @@ def main() -> int:
     if args.reps < 3 or len(args.seeds) < 2:
         parser.error("measure with >= 3 reps and >= 2 seeds")
     torch.set_num_threads(args.threads)
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
 
-    initialize(ParallelConfig())
+    initialize()
     print(f"machine: {os.cpu_count()} CPUs, {args.threads} threads, load {os.getloadavg()}")
     print(f"{args.reps} reps x seeds {args.seeds}; tokens/s min / median / max")
     print("| part | size | batch | not padded | padded | ratio of medians | per seed | max diff |")

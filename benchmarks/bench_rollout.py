@@ -137,10 +137,10 @@ def ours_and_hf(ours, hf, ids, mask, new_tokens: int) -> dict:
 def part1(args, root: Path) -> list[dict]:
     """Ours vs transformers, interleaved, per size and length."""
     from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.distributed import initialize
 
     torch.set_num_threads(args.threads)
-    initialize(ParallelConfig())
+    initialize()
     rows = []
     for size in SIZES:
         times = {(side, n): [] for side in ("ours", "hf") for n in args.new_tokens}
@@ -285,7 +285,7 @@ def part_vllm(args, root: Path) -> list[dict]:
 
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.checkpoint.hf_stream import hf_tensor_stream
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.generation import SamplingConfig, generate
     from megatron_rlhf.generation.vllm_engine import VLLMGenerator
     from megatron_rlhf.models.bloom.config import BloomArchitecture
@@ -295,7 +295,7 @@ def part_vllm(args, root: Path) -> list[dict]:
     for size in args.vllm_sizes:
         name = next(n for n in VLLM_SIZES if n.startswith(size))
         arch = BloomArchitecture(**VLLM_SIZES[name])
-        initialize(ParallelConfig())
+        initialize()
         # one engine per size; each seed's model reaches it through the in-memory sync
         generator = VLLMGenerator(
             arch, max_model_len=32 + max(args.new_tokens), max_rows=max(args.batches), seed=0

@@ -588,9 +588,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         write_json(output / f"{args.child}.json", timed(args.child, CHILD_CHECKS[args.child], run))
         return 0
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
 
-    initialize(ParallelConfig())
+    initialize()
     results = {}
     for name in args.only or CHECKS:
         results[name] = timed(name, CHECKS[name], run)

@@ -36,7 +36,7 @@ from torchrun_harness import Harness
 
 from megatron_rlhf.checkpoint import dist as dist_ckpt
 from megatron_rlhf.checkpoint import load_bloom
-from megatron_rlhf.distributed import ParallelConfig, initialize
+from megatron_rlhf.distributed import initialize
 from megatron_rlhf.distributed.pipeline import gather_vocab_shards, pipeline_forward
 from megatron_rlhf.generation import SamplingConfig, generate
 from megatron_rlhf.utils import InputError
@@ -50,7 +50,7 @@ harness.parser.add_argument("--work", type=Path, required=True)
 
 
 def use_layout(tp: int, pp: int, arch) -> None:
-    initialize(ParallelConfig(tp=tp, pp=pp), num_heads=arch.num_heads, num_layers=arch.num_layers)
+    initialize(tp, pp, arch=arch)
 
 
 def hf_model(directory):

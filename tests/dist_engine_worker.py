@@ -54,7 +54,7 @@ def engine_step(args) -> None:
     from megatron.core import parallel_state
 
     from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.distributed import initialize
     from megatron_rlhf.distributed.parallel import vocab_group
     from megatron_rlhf.training import OptimConfig, TrainEngine
     from megatron_rlhf.training.sft import sft_loss
@@ -76,7 +76,7 @@ def engine_step(args) -> None:
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        initialize(ParallelConfig(tp=tp, pp=pp))
+        initialize(tp, pp)
         model = load_bloom(args.hf)
         engine = TrainEngine(model, OptimConfig(lr=1e-2, warmup_fraction=0.0), total_steps=4)
         loss_fn = partial(sft_loss, tp_group=vocab_group(model.pg_collection))
@@ -111,7 +111,8 @@ SFT_STEPS, SFT_BATCH, SFT_MAX_LENGTH, SFT_SEED = 3, 8, 12, 5
 def sft_command(args) -> None:
     """``train-sft`` (packed, the default) at TP2 and PP2 equals TP1 x DP2 and TP1 x DP2 padded
     (losses and gradient norms, rel 1e-5); its first loss equals transformers'."""
-    from megatron_rlhf.training.config import LayoutConfig, ModelConfig, OptimConfig
+    from megatron_rlhf.distributed.layouts import LayoutConfig
+    from megatron_rlhf.training.config import ModelConfig, OptimConfig
     from megatron_rlhf.training.sft import DataConfig, SFTConfig, TrainConfig, run
 
     runs = {}
@@ -193,11 +194,11 @@ def kl_controller(args) -> None:
     count (neither one rank's share of the rollouts nor a sum of the replicas' copies)."""
     from types import SimpleNamespace
 
-    from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.distributed import initialize
     from megatron_rlhf.ppo.control import KLController
     from megatron_rlhf.ppo.train import observed_kl
 
-    initialize(ParallelConfig())  # TP1 PP1 on 2 ranks: DP = 2
+    initialize()  # TP1 PP1 on 2 ranks: DP = 2
     generator = torch.Generator().manual_seed(21)
     kl = [torch.rand(6, 5, generator=generator) * 3 for _ in range(2)]  # (B, N) per rank
     settings = dict(init_coef=0.1, adaptive=True, target=1.0, horizon=40)

@@ -112,9 +112,9 @@ def reference_first_loss(args, loss: str) -> float:
 def full_weights(directory: str, num_outputs: int) -> dict:
     """Every tensor of a checkpoint, loaded at TP1/PP1 on this rank."""
     from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.distributed import initialize
 
-    initialize(ParallelConfig(tp=1, pp=1))
+    initialize()
     model = load_bloom(directory, head="scalar", num_scalar_outputs=num_outputs)
     return {name: param.detach().clone() for name, param in model.named_parameters()}
 

@@ -42,12 +42,12 @@ def _setup(args):
     if STATE:
         return STATE
     from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.distributed import initialize
     from megatron_rlhf.generation import SamplingConfig, generate
     from megatron_rlhf.generation.engines import VLLMRolloutEngine
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
 
-    initialize(ParallelConfig(tp=args.tp))
+    initialize(args.tp)
     arch = tiny_architecture(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2)
     if dist.get_rank() == 0:
         save_random_hf_bloom(args.work / "hf", arch, seed=3)

@@ -64,9 +64,9 @@ def make_advantage_model(root: Path, hf_dir: Path) -> Path:
     script = (
         "from megatron_rlhf.checkpoint import load_bloom\n"
         "from megatron_rlhf.checkpoint import dist as ckpt\n"
-        "from megatron_rlhf.distributed import ParallelConfig, initialize, destroy\n"
+        "from megatron_rlhf.distributed import initialize, destroy\n"
         "if __name__ == '__main__':\n"
-        "    initialize(ParallelConfig())\n"
+        "    initialize()\n"
         f"    model = load_bloom({str(hf_dir)!r}, head='scalar', num_scalar_outputs=2)\n"
         f"    ckpt.save({str(target)!r}, model.sharded_state_dict(), ckpt.model_metadata(model))\n"
         "    destroy()\n"

@@ -251,11 +251,11 @@ def check_far_positions(gen):
 def check_bloom_model(gen):
     """BloomModel with attention_backend='triton' (no (B, 1, S, S) mask built) against 'torch':
     logits and every parameter's gradient, a padded batch with an empty row, a packed row."""
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.models.bloom.config import BloomArchitecture
 
-    initialize(ParallelConfig())
+    initialize()
     try:
         arch = BloomArchitecture(vocab_size=100, hidden_size=48, num_layers=2, num_heads=6)
         ids = torch.randint(0, 100, (3, 11), generator=gen)
@@ -284,12 +284,12 @@ def check_bloom_model(gen):
 def check_bloom_generate(gen):
     """Generation with a KV cache (prefill through the kernel, decode on the PyTorch path) and
     without one (every step through the kernel) gives the tokens of attention_backend='torch'."""
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.generation.engine import SamplingConfig, generate
     from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.models.bloom.config import BloomArchitecture
 
-    initialize(ParallelConfig())
+    initialize()
     try:
         arch = BloomArchitecture(vocab_size=100, hidden_size=48, num_layers=2, num_heads=6)
         ids = torch.randint(4, 100, (3, 7), generator=gen)

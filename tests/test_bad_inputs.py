@@ -198,7 +198,7 @@ CASES = [
     Case("generate-prompts-is-dir", "generate", lambda fx, t: _gen(fx, t, prompts=str(t / "d")),
          ["d", "is a directory"], lambda fx, t: (t / "d").mkdir()),
     Case("generate-tp-not-dividing-heads", "generate", lambda fx, t: _gen(fx, t, "--tp", "3"),
-         ["num_heads 4 is not divisible", "pick tp among [1, 2, 4]"]),
+         ["num_heads 4 is not divisible", "pick parallel.tp among [1, 2, 4]"]),
     Case("generate-token-id-out-of-vocab", "generate",
          lambda fx, t: _gen(fx, t, prompts=str(t / "p.jsonl")), ["p.jsonl:1", "out of range"],
          _write("p.jsonl", '{"prompt_token_ids": [5, 300]}\n')),

@@ -7,6 +7,7 @@ brute-force loops for the masks. The multi-process layouts are in ``test_bloom_p
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,6 @@ from dist_bloom_common import (
     save_hf_bloom,
 )
 
-from megatron_rlhf.distributed import ParallelConfig, validate
 from megatron_rlhf.models.bloom import alibi_slopes, alibi_slopes_for_rank, padded_vocab_size
 from megatron_rlhf.models.bloom.alibi import positions_from_mask
 from megatron_rlhf.utils import InputError
@@ -92,19 +92,6 @@ def test_attention_mask_for_matches_brute_force(query_length):
     assert got.dtype == torch.bool and torch.equal(got, expected)
 
 
-def test_validate_names_every_factor():
-    with pytest.raises(InputError) as err:
-        validate(ParallelConfig(tp=4, pp=3), world_size=6, num_heads=6, num_layers=4)
-    message = str(err.value)
-    assert "world size 6" in message and "tp*pp = 4*3 = 12" in message
-    assert "num_heads 6" in message and "parallel.tp=4" in message and "[1, 2, 3, 6]" in message
-    assert "num_layers 4" in message and "parallel.pp=3" in message and "[1, 2, 4]" in message
-    with pytest.raises(InputError, match="must be >= 1"):
-        validate(ParallelConfig(tp=0), world_size=1)
-    assert validate(ParallelConfig(tp=2, pp=2), world_size=8, num_heads=6, num_layers=4) == 2
-    assert validate(ParallelConfig(), world_size=3) == 3
-
-
 def test_initialize_validates_before_building_anything():
     import torch.distributed as dist
 
@@ -116,7 +103,7 @@ def test_initialize_validates_before_building_anything():
     try:
         os.environ.pop("WORLD_SIZE", None)
         with pytest.raises(InputError, match="world size 1 is not divisible by tp"):
-            initialize(ParallelConfig(tp=2), num_heads=6, num_layers=4)
+            initialize(tp=2, arch=SimpleNamespace(num_heads=6, num_layers=4))
         assert not dist.is_initialized()
     finally:
         _restore_env(saved)
@@ -150,7 +137,7 @@ def single_process():
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
     saved = {key: os.environ.get(key) for key in _DIST_ENV}
-    initialize(ParallelConfig())
+    initialize()
     yield
     destroy()
     _restore_env(saved)

@@ -216,7 +216,7 @@ def check_export_matches_checkpoint(checkpoint: Path, work: Path) -> None:
 
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.checkpoint.convert import main as convert
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.generation.cli import main as generate
     from megatron_rlhf.generation.prompts import left_pad
 
@@ -246,7 +246,7 @@ def check_export_matches_checkpoint(checkpoint: Path, work: Path) -> None:
     assert ours == theirs
     sequences = torch.randint(4, VOCAB, (3, 9), generator=generator)  # no pad id: last = end
     critic = BloomForSequenceClassification.from_pretrained(work / "critic").eval()
-    initialize(ParallelConfig())
+    initialize()
     try:
         model = load_bloom(checkpoint, head="scalar", num_scalar_outputs=1, init_weights=False)
         with torch.no_grad():

@@ -76,7 +76,7 @@ def load_lm(directory: Path):
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.distributed import parallel
 
-    parallel.initialize(parallel.ParallelConfig())
+    parallel.initialize()
     try:
         return load_bloom(directory)
     finally:

@@ -227,8 +227,8 @@ def test_cli_refuses_a_layout_that_does_not_divide_the_model(hf_small, tmp_path)
     save = tmp_path / "out"
     run = _run(CONVERT, *_to_mcore(hf_small, save, "--tp", "5", "--pp", "3"), timeout=120)
     assert run.returncode == 2, run.stderr
-    assert "num_heads 12 is not divisible by parallel.tp=5" in run.stderr
-    assert "num_layers 2 is not divisible by parallel.pp=3" in run.stderr
+    assert "parallel: num_heads 12 is not divisible by tp=5: pick parallel.tp" in run.stderr
+    assert "parallel: num_layers 2 is not divisible by pp=3: pick parallel.pp" in run.stderr
     assert not save.exists() and not list(tmp_path.glob("*tmp-partial*"))
 
 

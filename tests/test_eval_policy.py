@@ -32,13 +32,13 @@ def make_checkpoints(root: Path) -> None:
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.checkpoint.convert import main as convert
     from megatron_rlhf.checkpoint.dist import model_metadata
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.training import OptimConfig, TrainEngine
     from megatron_rlhf.training.checkpointing import save_training_checkpoint
 
     args = ["hf-to-megatron", "--load", str(root / "sft"), "--save", str(root / "am")]
     assert convert(args + ["--head", "scalar", "--num-scalar-outputs", "2"]) == 0
-    initialize(ParallelConfig())
+    initialize()
     try:
         policy = root / "policy"
         actor = load_bloom(policy, init_weights=False)
@@ -226,9 +226,9 @@ def test_policy_equal_to_sft_gives_all_ties(data, tmp_path, judge):
 def am_reference_scores(judge_dir: Path, samples: list[dict]) -> list[tuple[float, float]]:
     """a = r(last token) - e_tau(last prompt token), one unpadded sequence at a time."""
     from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
 
-    initialize(ParallelConfig())
+    initialize()
     try:
         judge = load_bloom(judge_dir, head="scalar", num_scalar_outputs=2, init_weights=False)
         judge.eval()

@@ -37,12 +37,12 @@ def single_gpu():
     """Megatron-Core parallel state at world size 1 on cuda:0."""
     import torch.distributed as dist
 
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
     saved = {key: os.environ.get(key) for key in _DIST_ENV}
-    initialize(ParallelConfig())
+    initialize()
     yield
     destroy()
     for key, value in saved.items():

@@ -31,7 +31,7 @@ def _hf_classifier(directory, num_labels: int, seed: int = 0):
 
 def test_hf_reward_model_scores_equal_transformers_logits(tmp_path):
     from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.distributed.pipeline import pipeline_forward
     from megatron_rlhf.reward.model import read_scalars
 
@@ -46,7 +46,7 @@ def test_hf_reward_model_scores_equal_transformers_logits(tmp_path):
         mask[row, :length] = 1
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask).logits[:, 0].double()  # (B,)
-    initialize(ParallelConfig())
+    initialize()
     try:
         model = load_bloom(tmp_path / "rm", head="scalar", num_scalar_outputs=1).eval()
         with torch.no_grad():

@@ -1,4 +1,5 @@
-"""Per-role layouts: inheritance, validation messages, the emitted section (pure, no launch)."""
+"""Layouts: the one validator's messages, per-role inheritance, the emitted section, the flag
+dialect (pure, no launch)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import yaml
 
 from megatron_rlhf.config import load_config
 from megatron_rlhf.distributed.layouts import (
+    Layout,
     ParallelSection,
     check_global_batch,
     layouts_to_dict,
-    resolve_layout,
     resolve_layouts,
+    validate_layouts,
 )
 from megatron_rlhf.utils import InputError
 
@@ -26,6 +28,51 @@ ISSUE_SECTION = [
 
 def _section(*overrides: str) -> ParallelSection:
     return load_config(ParallelSection, None, list(overrides))
+
+
+HEADS6_LAYERS4 = SimpleNamespace(num_heads=6, num_layers=4)
+
+
+@pytest.mark.parametrize(
+    "role, tp, pp, world, expected",
+    [
+        ("", 4, 1, 4, ["parallel: num_heads 6 is not divisible by tp=4",
+                       "pick parallel.tp among [1, 2, 3, 6]"]),
+        ("", 1, 3, 3, ["parallel: num_layers 4 is not divisible by pp=3",
+                       "pick parallel.pp among [1, 2, 4]"]),
+        ("", 2, 2, 6, ["parallel: world size 6 is not divisible by tp*pp = 2*2 = 4",
+                       "launch a multiple of 4 processes or change parallel.tp/pp"]),
+        ("", 0, 1, 1, ["parallel: tp=0 and pp=1 must be >= 1"]),
+        ("critic", 1, 0, 1, ["parallel.critic: tp=1 and pp=0 must be >= 1"]),
+        ("judge", 4, 3, 6, ["parallel.judge: world size 6 is not divisible by tp*pp = 4*3 = 12",
+                            "pick parallel.judge.tp among [1, 2, 3, 6]",
+                            "pick parallel.judge.pp among [1, 2, 4]"]),
+    ],
+)  # fmt: skip
+def test_the_validator_refuses_each_bad_layout_naming_its_key(role, tp, pp, world, expected):
+    """Every command's layout (train-sft/-reward, train-ppo's roles, the flag commands,
+    ``initialize``, the converters, the planner) goes through ``validate_layouts``: each
+    problem is named with its config key and the fix, all of them in one error."""
+    with pytest.raises(InputError) as err:
+        validate_layouts({role: (tp, pp)}, world, {role: HEADS6_LAYERS4})
+    message = str(err.value)
+    assert message.startswith("invalid parallel layout:\n  - ")
+    for part in expected:
+        assert part in message
+
+
+def test_the_validator_returns_one_layout_per_role():
+    """A valid layout comes back with its data-parallel size; a role without a model is
+    checked against the world size only; sequence parallelism is carried (it takes effect
+    where tp > 1, so tp = 1 is not refused)."""
+    layouts = validate_layouts(
+        {"": (2, 2), "reward": (3, 1)}, 12, {"": HEADS6_LAYERS4}, sequence_parallel=True
+    )
+    assert layouts == {
+        "": Layout(tp=2, pp=2, dp=3, sequence_parallel=True),
+        "reward": Layout(tp=3, pp=1, dp=4, sequence_parallel=True),
+    }
+    assert validate_layouts({"": (1, 1)}, 3, sequence_parallel=True)[""].dp == 3
 
 
 def test_old_config_gives_every_role_the_shared_layout():
@@ -43,7 +90,8 @@ def test_issue_layout_and_inheritance():
     assert layouts["reward"].as_dict() == {"tp": 1, "pp": 1, "dp": 4}
     assert layouts["rollout"].as_dict() == {"tp": 2, "pp": 1, "dp": 2}
     # rollout.pp unset -> the actor's pp, not parallel.pp
-    assert resolve_layout(_section("actor.pp=2", "rollout.tp=1"), "rollout", 4).pp == 2
+    rollout = resolve_layouts(_section("actor.pp=2", "rollout.tp=1"), 4, roles=("rollout",))
+    assert rollout["rollout"].pp == 2
 
 
 def test_emitted_section_round_trips(tmp_path):
@@ -158,7 +206,7 @@ def test_global_state_is_sealed_while_layouts_own_their_groups_and_freed_after()
     import torch
     from megatron.core import parallel_state
 
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, initialize_layouts
+    from megatron_rlhf.distributed import destroy, initialize, initialize_layouts
     from megatron_rlhf.distributed.groups import GlobalParallelStateError
     from megatron_rlhf.distributed.layouts import Layout
     from megatron_rlhf.distributed.parallel import current_groups
@@ -184,7 +232,7 @@ def test_global_state_is_sealed_while_layouts_own_their_groups_and_freed_after()
         assert model.sharded_state_dict()  # replica ids from the model's own DP group
     finally:
         destroy()
-    initialize(ParallelConfig())
+    initialize()
     try:
         assert parallel_state.get_tensor_model_parallel_world_size() == 1
         assert BloomModel(arch).pg_collection.tp.size() == 1

@@ -58,10 +58,10 @@ def test_rank_params_sum_to_the_model():
 
 def test_planned_memory_within_15_percent_of_measured_tiny():
     """One tiny model, every stage, one process: the profiler's peak vs the planner."""
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.planning.tools.study import SHAPES, STAGES, StudyWork, run_row
 
-    initialize(ParallelConfig())
+    initialize()
     try:
         rows = [run_row(SHAPES["tiny"], stage, StudyWork()) for stage in STAGES]
     finally:
@@ -78,13 +78,13 @@ def test_planned_packed_memory_within_15_percent_of_measured():
     well below what it plans for the same row under one 768 x 768 mask."""
     from dataclasses import replace
 
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.distributed.layouts import Layout
     from megatron_rlhf.planning.memory import Workload, train_memory
     from megatron_rlhf.planning.tools.study import SHAPES, StudyWork, run_row
 
     work = StudyWork(micro_batch=8, prompt_len=48, response_len=48, packed=True)
-    initialize(ParallelConfig())
+    initialize()
     try:
         rows = [run_row(SHAPES["tiny"], s, work) for s in ("actor_train", "critic_train", "score")]
     finally:
@@ -152,12 +152,12 @@ def test_pipelined_generation_plans_one_micro_batch_of_rows():
 
 
 def test_megatron_model_holds_the_planned_parameters():
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.models.bloom.config import BloomArchitecture
     from megatron_rlhf.models.bloom.model import BloomModel
 
     shape = ModelShape(name="t", num_layers=2, hidden_size=64, num_heads=4, vocab_size=1000)
-    initialize(ParallelConfig())
+    initialize()
     try:
         arch = BloomArchitecture(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4)
         for head in ("lm", "scalar"):

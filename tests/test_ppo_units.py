@@ -54,11 +54,11 @@ def test_sft_rehearsal_term_is_exactly_gamma_nll(reduction):
     """Eq. 9 at the loss level: with rehearsal on, the actor loss of the same microbatch
     differs from rehearsal off by gamma * NLL(D_R rows), computed independently in float64
     (summed over each row's tokens and averaged over rows, or averaged over tokens)."""
-    from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.distributed import initialize
     from megatron_rlhf.ppo.microbatch import MicroBatch
     from megatron_rlhf.ppo.update import actor_loss
 
-    initialize(ParallelConfig())
+    initialize()
     g = torch.Generator().manual_seed(2)
     ppo_rows, rehearsal_rows, width, vocab, prompt, response = 3, 2, 9, 37, 4, 5
     logits = torch.randn(ppo_rows + rehearsal_rows, width, vocab, generator=g)
@@ -173,7 +173,7 @@ def test_packed_scoring_equals_padded_scoring(tmp_path, budget):
     from dist_bloom_common import ARCH_A
 
     from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
     from megatron_rlhf.ppo.experience import Experience
     from megatron_rlhf.ppo.scoring import score
@@ -189,7 +189,7 @@ def test_packed_scoring_equals_padded_scoring(tmp_path, budget):
             4, ARCH_A.vocab_size, (prompt + response,), generator=g
         )
         mask[row, p - prompt : p + response] = 1
-    initialize(ParallelConfig())
+    initialize()
     try:
         models = {
             "logprobs": load_bloom(tmp_path / "lm").eval(),

@@ -369,7 +369,7 @@ def test_a_second_signal_during_the_save_does_not_cut_it_off(tmp_path, monkeypat
         write_manifest(directory)
 
     monkeypatch.setattr(manifest, "write_manifest", signalled_mid_save)
-    parallel.initialize(parallel.ParallelConfig())
+    parallel.initialize()
     signals = ExitSignals(["SIGTERM"])
     try:
         os.kill(os.getpid(), signal.SIGTERM)

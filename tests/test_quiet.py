@@ -15,10 +15,10 @@ ARCH = tiny_architecture(vocab_size=128, hidden_size=32, num_layers=2, num_heads
 
 def test_building_saving_and_loading_a_model_warns_nothing(tmp_path):
     from megatron_rlhf.checkpoint import dist as dist_ckpt
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.models.bloom import BloomModel
 
-    initialize(ParallelConfig())
+    initialize()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

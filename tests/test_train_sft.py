@@ -162,7 +162,7 @@ def test_hf_export_gives_the_same_logits(reference, tmp_path):
 
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.checkpoint.convert import main as convert
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
 
     checkpoint = reference / f"step_{STEPS:07d}"
     saved = {key: os.environ.get(key) for key in DIST_ENV}
@@ -171,7 +171,7 @@ def test_hf_export_gives_the_same_logits(reference, tmp_path):
             convert(["megatron-to-hf", "--load", str(checkpoint), "--save", str(tmp_path / "hf")])
             == 0
         )
-        initialize(ParallelConfig())
+        initialize()
         model = load_bloom(checkpoint).eval()
         lengths = [7, 3, 5]
         generator = torch.Generator().manual_seed(9)

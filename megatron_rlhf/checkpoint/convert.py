@@ -30,22 +30,25 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_rlhf.distributed.layouts import add_parallel_arguments, parallel_from_args
+from megatron_rlhf.distributed.layouts import (
+    add_parallel_arguments,
+    parallel_from_args,
+    validate_layouts,
+)
 from megatron_rlhf.utils import InputError, check_writable_parent, print_summary, run_command
 
 
 def hf_to_megatron(args) -> int:
     from megatron_rlhf.checkpoint import dist as dist_ckpt
     from megatron_rlhf.checkpoint.hf_io import HFReader, load_hf_into_model
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, validate
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.runtime import locks
 
     _default_head(args)
     reader = HFReader(args.load, head=args.head)
     arch = reader.arch
-    parallel = ParallelConfig(tp=args.tp, pp=args.pp)
-    validate(parallel, args.tp * args.pp, arch.num_heads, arch.num_layers)
+    validate_layouts({"": (args.tp, args.pp)}, args.tp * args.pp, {"": arch})  # before a launch
     _check_tokenizer_vocab(args.load, arch.vocab_size)
     _check_save(args)
     if "WORLD_SIZE" not in os.environ and args.tp * args.pp > 1:
@@ -57,7 +60,7 @@ def hf_to_megatron(args) -> int:
             f"exactly tp*pp = {args.tp * args.pp}"
         )
     start = time.time()
-    initialize(parallel, num_heads=arch.num_heads, num_layers=arch.num_layers)
+    initialize(args.tp, args.pp, arch=arch)
     model = BloomModel(
         arch, head=args.head, num_scalar_outputs=args.num_scalar_outputs, init_weights=False
     )
@@ -145,7 +148,7 @@ def megatron_to_hf(args) -> int:
     from megatron_rlhf.checkpoint import dist as dist_ckpt
     from megatron_rlhf.checkpoint.hf_io import INDEX_FILE, stage_layer_offset
     from megatron_rlhf.checkpoint.hf_names import full_hf_name, mapping_for
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize, validate
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.runtime import locks
 
@@ -154,7 +157,7 @@ def megatron_to_hf(args) -> int:
         return _copy_hf_format(args)
     meta, prefix = role_view(saved, args.role, args.load)
     arch, head = dist_ckpt.architecture_of(args.load), meta["head"]
-    validate(ParallelConfig(pp=args.pp), args.pp, arch.num_heads, arch.num_layers)
+    validate_layouts({"": (1, args.pp)}, args.pp, {"": arch})  # before a launch
     _check_save(args)
     if "WORLD_SIZE" not in os.environ and args.pp > 1:
         return _relaunch_under_torchrun(args.pp)
@@ -165,7 +168,7 @@ def megatron_to_hf(args) -> int:
             f"exactly --pp = {args.pp}"
         )
     start = time.time()
-    initialize(ParallelConfig(pp=args.pp), num_heads=arch.num_heads, num_layers=arch.num_layers)
+    initialize(pp=args.pp, arch=arch)
     model = BloomModel(
         arch,
         head=head,

@@ -1,8 +1,8 @@
 """Distributed setup (torch.distributed + Megatron-Core parallel state) and the CPU layer.
 
 The names below load ``parallel.py`` (and torch) on first use, so the pure modules of this
-package (``layouts.py``: the layout config and the ``--parallel`` flags) import without torch
-and every command's ``--help`` stays fast.
+package (``layouts.py``: the layout config, type and validator, and the ``--parallel`` flags)
+import without torch and every command's ``--help`` stays fast.
 """
 
 import importlib
@@ -10,13 +10,11 @@ import importlib
 from megatron_rlhf.utils import at_command_end
 
 __all__ = [
-    "ParallelConfig",
     "compute_device",
     "destroy",
     "init_process_group",
     "initialize",
     "initialize_layouts",
-    "validate",
 ]
 
 

@@ -1,6 +1,16 @@
-"""Per-role TP/PP layouts of ``train-ppo`` (the ``parallel:`` section) and their validation.
+"""Layouts: how models are split over a launch's ranks, as written, resolved and validated.
 
-Every PPO role, and the rollout, may sit in its own tensor/pipeline layout over the same world::
+Three things live here, and nowhere else:
+
+- the ``parallel:`` config section: :class:`LayoutConfig` for a command that loads one model
+  (``train-sft``, ``train-reward``), :class:`ParallelSection` for ``train-ppo``, where every
+  role may have its own layout; the flag commands write the same keys as ``--parallel
+  [ROLE.]tp=N`` (:func:`add_parallel_arguments`);
+- :class:`Layout`, the one resolved layout (tp, pp, dp, sequence parallelism) that everything
+  downstream takes: process groups, the memory planner, reports;
+- :func:`validate_layouts`, the one validator every command's layout goes through.
+
+train-ppo's section, with every role in its own tensor/pipeline layout over the same world::
 
     parallel:
       tp: 1            # default for every role
@@ -13,21 +23,37 @@ Every PPO role, and the rollout, may sit in its own tensor/pipeline layout over 
 
 Each role's data-parallel size is ``world / (tp * pp)``. A field left out of a role inherits:
 reference and rollout from the actor's resolved layout, actor/critic/reward from
-``parallel.tp/pp``; a config with only ``parallel.tp/pp`` gives every role that layout (the
-pre-per-role behaviour). This module is pure (no torch.distributed): planners import
-:func:`resolve_layouts` / :func:`layouts_to_dict` to read or emit a layout without a launch.
+``parallel.tp/pp``; a config with only ``parallel.tp/pp`` gives every role that layout. This
+module is pure (no torch): config schemas and planners import it without a launch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from megatron_rlhf.utils import InputError
 
 ROLES = ("actor", "reference", "critic", "reward", "rollout")
-"""The roles that own a layout; ``rollout`` is the actor's generation-time copy."""
+"""The roles that own a layout in train-ppo; ``rollout`` is the actor's generation-time copy."""
 
 INHERITS_FROM_ACTOR = ("reference", "rollout")
+
+
+@dataclass(kw_only=True)
+class LayoutConfig:
+    """The ``parallel:`` section of a command that trains one model (``train-sft``,
+    ``train-reward``); train-ppo's :class:`ParallelSection` adds a layout per role."""
+
+    tp: int = 1
+    """Tensor-parallel size (train-ppo: of every role that sets none): attention heads and the
+    vocabulary are split over tp ranks."""
+    pp: int = 1
+    """Pipeline-parallel size (train-ppo: of every role that sets none): consecutive decoder
+    layers are split over pp stages."""
+    sequence_parallel: bool = False
+    """Split LayerNorm/dropout activations along the sequence over the TP group (tp > 1;
+    train-ppo: every role's)."""
 
 
 @dataclass(kw_only=True)
@@ -41,15 +67,10 @@ class RoleLayoutConfig:
 
 
 @dataclass(kw_only=True)
-class ParallelSection:
-    """The ``parallel:`` section: defaults, then an optional layout per role."""
+class ParallelSection(LayoutConfig):
+    """train-ppo's ``parallel:`` section: the defaults (``tp``, ``pp``, ``sequence_parallel``
+    for every role), then an optional layout per role."""
 
-    tp: int = 1
-    """Default tensor-parallel size of every role that sets none."""
-    pp: int = 1
-    """Default pipeline-parallel size of every role that sets none."""
-    sequence_parallel: bool = False
-    """Split LayerNorm/dropout activations along the sequence over each role's TP group."""
     actor: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
     """The trained policy (its training layout)."""
     reference: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
@@ -65,83 +86,85 @@ class ParallelSection:
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """A resolved layout of one role over a world of ``tp * pp * dp`` ranks."""
+    """How one model is split over a world of ``tp * pp * dp`` ranks: the one resolved layout.
+
+    Made by :func:`validate_layouts` (or, for a layout the caller has already checked, such
+    as a planner's study row, directly); process groups (``distributed/groups.py``), the
+    memory planner and the reports all take it. ``sequence_parallel`` is what the config
+    asked for; the model applies it only where tp > 1 (``models/bloom/config.py``), as
+    Megatron-Core has nothing to split the sequence over at tp = 1.
+    """
 
     tp: int
+    """Tensor-parallel size: each TP rank holds ``1/tp`` of the heads and the vocabulary."""
     pp: int
+    """Pipeline-parallel size: each stage holds ``1/pp`` of the decoder layers."""
     dp: int
+    """Data-parallel size: copies of the model, each fed its own rows of the batch."""
+    sequence_parallel: bool = False
+    """Activations outside attention/MLP split along the sequence over the TP group."""
 
     def as_dict(self) -> dict:
+        """The shape as reports print it (``{"tp", "pp", "dp"}``)."""
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
 
 
-def resolve_tp_pp(parallel: ParallelSection, role: str) -> tuple[int, int]:
-    """(tp, pp) of ``role`` after inheritance; no divisibility check."""
-    if role not in ROLES:
-        raise ValueError(f"unknown role {role!r}; roles: {ROLES}")
-    own: RoleLayoutConfig = getattr(parallel, role)
-    if role in INHERITS_FROM_ACTOR:
-        base_tp, base_pp = resolve_tp_pp(parallel, "actor")
-    else:
-        base_tp, base_pp = parallel.tp, parallel.pp
-    return (own.tp if own.tp is not None else base_tp, own.pp if own.pp is not None else base_pp)
+def _layout_key(role: str) -> str:
+    """The config key of ``role``'s layout: ``parallel`` for the one layout of a command that
+    loads one model (role ``""``), ``parallel.<role>`` otherwise (``--parallel [ROLE.]tp=N``
+    on the flag commands)."""
+    return f"parallel.{role}" if role else "parallel"
 
 
-def resolve_layout(
-    parallel: ParallelSection,
-    role: str,
+def validate_layouts(
+    shapes: Mapping[str, tuple[int, int]],
     world_size: int,
-    num_heads: int | None = None,
-    num_layers: int | None = None,
-) -> Layout:
-    """The validated layout of one role (InputError naming ``parallel.<role>`` and the fix)."""
-    problems = layout_problems(parallel, role, world_size, num_heads, num_layers)
-    if problems:
-        raise InputError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
-    tp, pp = resolve_tp_pp(parallel, role)
-    return Layout(tp=tp, pp=pp, dp=world_size // (tp * pp))
-
-
-def resolve_layouts(
-    parallel: ParallelSection,
-    world_size: int,
-    archs: dict | None = None,
-    roles: tuple[str, ...] = ROLES,
+    archs: Mapping[str, object] | None = None,
+    *,
+    sequence_parallel: bool = False,
 ) -> dict[str, Layout]:
-    """Every role's layout; all problems of all roles in one InputError.
+    """The one layout validator: ``{role: (tp, pp)}`` over ``world_size`` ranks as
+    ``{role: Layout}``, or one InputError listing every problem of every role.
 
-    ``archs`` maps roles to architectures (anything with ``num_heads``/``num_layers``); the
-    rollout is checked against the actor's. Roles absent from ``archs`` are checked against
-    the world size only.
+    Every command's layout goes through here before any process group or model is built, so
+    a bad layout is a one-line-per-problem error naming the key (:func:`_layout_key`) and the
+    fix, not a failure deep inside Megatron-Core. ``archs`` maps a role to its model
+    (anything with ``num_heads`` and ``num_layers``); a role without one is checked against
+    the world size only. What is checked, and why:
+
+    - tp and pp are at least 1;
+    - tp * pp divides the world size: the quotient is the data-parallel size, and every rank
+      must hold one whole copy's share;
+    - tp divides the attention heads: each TP rank computes whole heads;
+    - pp divides the decoder layers: every pipeline stage holds as many layers.
+
+    ``sequence_parallel`` is carried into every Layout unchecked: at tp = 1 it has no effect
+    (see :class:`Layout`), and train-ppo's planner writes it for every role.
     """
-    archs = dict(archs or {})
-    if "actor" in archs:
-        archs.setdefault("rollout", archs["actor"])
-    problems = []
-    for role in roles:
+    archs = archs or {}
+    problems: list[str] = []
+    for role, (tp, pp) in shapes.items():
         arch = archs.get(role)
-        problems += layout_problems(
-            parallel,
-            role,
+        problems += _problems(
+            _layout_key(role),
+            tp,
+            pp,
             world_size,
             getattr(arch, "num_heads", None),
             getattr(arch, "num_layers", None),
         )
     if problems:
         raise InputError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
-    return {role: resolve_layout(parallel, role, world_size) for role in roles}
+    return {
+        role: Layout(tp=tp, pp=pp, dp=world_size // (tp * pp), sequence_parallel=sequence_parallel)
+        for role, (tp, pp) in shapes.items()
+    }
 
 
-def layout_problems(
-    parallel: ParallelSection,
-    role: str,
-    world_size: int,
-    num_heads: int | None = None,
-    num_layers: int | None = None,
+def _problems(
+    key: str, tp: int, pp: int, world_size: int, num_heads: int | None, num_layers: int | None
 ) -> list[str]:
-    """What is wrong with one role's layout (empty when it is valid)."""
-    tp, pp = resolve_tp_pp(parallel, role)
-    key = f"parallel.{role}"
+    """What is wrong with one layout (empty when it is valid); see :func:`validate_layouts`."""
     if tp < 1 or pp < 1:
         return [f"{key}: tp={tp} and pp={pp} must be >= 1"]
     problems = []
@@ -153,14 +176,46 @@ def layout_problems(
     if num_heads is not None and num_heads % tp:
         problems.append(
             f"{key}: num_heads {num_heads} is not divisible by tp={tp}: pick {key}.tp among "
-            f"{[d for d in range(1, num_heads + 1) if num_heads % d == 0]}"
+            f"{divisors(num_heads)}"
         )
     if num_layers is not None and num_layers % pp:
         problems.append(
             f"{key}: num_layers {num_layers} is not divisible by pp={pp}: pick {key}.pp among "
-            f"{[d for d in range(1, num_layers + 1) if num_layers % d == 0]}"
+            f"{divisors(num_layers)}"
         )
     return problems
+
+
+def divisors(n: int) -> list[int]:
+    """The values that divide ``n``: the tp (of the heads) or pp (of the layers) to pick among."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_layouts(
+    parallel: ParallelSection,
+    world_size: int,
+    archs: Mapping[str, object] | None = None,
+    roles: tuple[str, ...] = ROLES,
+) -> dict[str, Layout]:
+    """train-ppo's layouts: each of ``roles`` after inheritance (see the module docstring),
+    through :func:`validate_layouts`; the rollout is checked against the actor's model."""
+    archs = dict(archs or {})
+    if "actor" in archs:
+        archs.setdefault("rollout", archs["actor"])
+    shapes = {role: _inherited_shape(parallel, role) for role in roles}
+    return validate_layouts(shapes, world_size, archs, sequence_parallel=parallel.sequence_parallel)
+
+
+def _inherited_shape(parallel: ParallelSection, role: str) -> tuple[int, int]:
+    """(tp, pp) of ``role`` after inheritance; no divisibility check."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; roles: {ROLES}")
+    own: RoleLayoutConfig = getattr(parallel, role)
+    if role in INHERITS_FROM_ACTOR:
+        base_tp, base_pp = _inherited_shape(parallel, "actor")
+    else:
+        base_tp, base_pp = parallel.tp, parallel.pp
+    return (own.tp if own.tp is not None else base_tp, own.pp if own.pp is not None else base_pp)
 
 
 def layouts_to_dict(layouts: dict[str, Layout], default_tp: int = 1, default_pp: int = 1) -> dict:

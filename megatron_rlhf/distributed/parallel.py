@@ -1,67 +1,21 @@
 """torch.distributed and Megatron-Core parallel state, set up in one place.
 
-``initialize(ParallelConfig(tp=2, pp=2), num_heads=..., num_layers=...)`` works under
-``torchrun`` (reads RANK/WORLD_SIZE/LOCAL_RANK) and in a plain single process (world size 1).
-NCCL with GPUs, gloo without; on CPU the megatron-core compatibility layer is installed first.
-Everything is validated before any process group or model is built.
+``initialize(tp=2, pp=2, arch=arch)`` works under ``torchrun`` (reads RANK/WORLD_SIZE/
+LOCAL_RANK) and in a plain single process (world size 1). NCCL with GPUs, gloo without; on CPU
+the megatron-core compatibility layer is installed first. The layout is validated
+(``layouts.validate_layouts``) before any process group or model is built.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_rlhf.distributed import cpu_compat
-from megatron_rlhf.utils import InputError
-
-
-@dataclass(kw_only=True)
-class ParallelConfig:
-    """How one model is split over the processes of a launch."""
-
-    tp: int = 1
-    """Tensor-parallel size: attention heads and the vocabulary are split over tp ranks."""
-    pp: int = 1
-    """Pipeline-parallel size: consecutive decoder layers are split over pp stages."""
-    sequence_parallel: bool = False
-    """Split LayerNorm/dropout activations along the sequence over the TP group (tp > 1)."""
-    seed: int = 1234
-    """Seed of the model-parallel RNG (weights initialised identically for every layout)."""
-
-
-def validate(
-    parallel: ParallelConfig,
-    world_size: int,
-    num_heads: int | None = None,
-    num_layers: int | None = None,
-    key: str = "parallel",
-) -> int:
-    """Check every factor of the layout; return the data-parallel size. Raises InputError."""
-    problems = []
-    if parallel.tp < 1 or parallel.pp < 1:
-        problems.append(f"{key}.tp={parallel.tp} and {key}.pp={parallel.pp} must be >= 1")
-    elif world_size % (parallel.tp * parallel.pp):
-        problems.append(
-            f"world size {world_size} is not divisible by tp*pp = {parallel.tp}*{parallel.pp}"
-            f" = {parallel.tp * parallel.pp}; launch a multiple of tp*pp processes"
-        )
-    if num_heads is not None and parallel.tp >= 1 and num_heads % parallel.tp:
-        problems.append(
-            f"num_heads {num_heads} is not divisible by {key}.tp={parallel.tp}: "
-            f"pick tp among {[d for d in range(1, num_heads + 1) if num_heads % d == 0]}"
-        )
-    if num_layers is not None and parallel.pp >= 1 and num_layers % parallel.pp:
-        problems.append(
-            f"num_layers {num_layers} is not divisible by {key}.pp={parallel.pp} pipeline "
-            f"stages: pick pp among {[d for d in range(1, num_layers + 1) if num_layers % d == 0]}"
-        )
-    if problems:
-        raise InputError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
-    return world_size // (parallel.tp * parallel.pp)
+from megatron_rlhf.distributed.layouts import Layout, validate_layouts
 
 
 def compute_device() -> torch.device:
@@ -160,10 +114,21 @@ def init_process_group() -> None:
 
 
 def initialize(
-    parallel: ParallelConfig, *, num_heads: int | None = None, num_layers: int | None = None
-) -> int:
-    """Validate, then initialise torch.distributed and Megatron-Core; return the DP size."""
-    data_parallel_size = validate(parallel, world_size_from_env(), num_heads, num_layers)
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    sequence_parallel: bool = False,
+    arch=None,
+    seed: int = 1234,
+) -> Layout:
+    """Validate the one layout of a command that loads one model (key ``parallel``; ``arch``:
+    its model, anything with ``num_heads`` and ``num_layers``), then initialise
+    torch.distributed and Megatron-Core over it; return the Layout. ``seed`` seeds the
+    model-parallel RNG (weights initialised identically for every layout)."""
+    archs = {"": arch} if arch is not None else None
+    layout = validate_layouts(
+        {"": (tp, pp)}, world_size_from_env(), archs, sequence_parallel=sequence_parallel
+    )[""]
     cpu_compat.install()
     init_process_group()
     from megatron.core import parallel_state, tensor_parallel
@@ -174,19 +139,19 @@ def initialize(
         unseal()
     if parallel_state.model_parallel_is_initialized():
         if (
-            parallel_state.get_tensor_model_parallel_world_size() != parallel.tp
-            or parallel_state.get_pipeline_model_parallel_world_size() != parallel.pp
+            parallel_state.get_tensor_model_parallel_world_size() != tp
+            or parallel_state.get_pipeline_model_parallel_world_size() != pp
         ):
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
         )
-    tensor_parallel.model_parallel_cuda_manual_seed(parallel.seed)
-    return data_parallel_size
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return layout
 
 
-def initialize_layouts(layouts: dict) -> dict:
+def initialize_layouts(layouts: dict[str, Layout]) -> dict:
     """torch.distributed plus every role's process groups (``distributed/groups.py``), with
     Megatron-Core's global state sealed. Returns {role: LayoutGroups}; seed each layout's RNG
     (``groups.seed_layout``) before building its models."""

@@ -68,7 +68,7 @@ def _generate(args) -> int:
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
     from megatron_rlhf.checkpoint.dist import check_tokenizer_matches
-    from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.distributed import initialize
     from megatron_rlhf.runtime import locks
 
     parallel_from_args(args)  # args.tp, args.pp
@@ -82,9 +82,7 @@ def _generate(args) -> int:
         args.prompts, tokenizer, arch.vocab_size, max_prompt_length, args.truncate_prompts
     )
     sampling = sampling_from_args(args, tokenizer, use_kv_cache=not args.no_kv_cache)
-    initialize(
-        ParallelConfig(tp=args.tp, pp=args.pp), num_heads=arch.num_heads, num_layers=arch.num_layers
-    )
+    initialize(args.tp, args.pp, arch=arch)
     model = load_bloom(args.load, init_weights=False)
     engine = build_engine(args, model, max(len(ids) for _, ids in records))
     dp_rank, dp_size = model.pg_collection.dp.rank(), model.pg_collection.dp.size()

@@ -27,13 +27,15 @@ receives every full tensor) and a shard-to-shard stream (each rank only its roll
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 
-from megatron_rlhf.distributed.layouts import Layout
+from megatron_rlhf.distributed.layouts import Layout, divisors, validate_layouts
 from megatron_rlhf.planning import hardware, memory
 from megatron_rlhf.planning.memory import GB, Memory, Workload
 from megatron_rlhf.planning.shapes import ModelShape, max_rank_params, model_params
+from megatron_rlhf.utils import InputError
 
 MATMUL_EFFICIENCY = (
     0.5  # share of dense bf16 peak a large Megatron matmul sustains (~BigScience's 48 %)
@@ -115,18 +117,14 @@ class Plan:
         }
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidate_layouts(shape: ModelShape, gpus: int) -> list[Layout]:
-    """Every (tp, pp) our code accepts: tp divides the heads, pp the layers, tp*pp the GPUs."""
-    return [
-        Layout(tp=tp, pp=pp, dp=gpus // (tp * pp))
-        for tp in TP_CANDIDATES
-        for pp in divisors(shape.num_layers)
-        if shape.num_heads % tp == 0 and gpus % (tp * pp) == 0
-    ]
+    """Every layout the commands would accept for ``shape`` on ``gpus`` GPUs (tp among
+    ``TP_CANDIDATES``, pp among the divisors of the layers), as the layout validator decides."""
+    accepted = []
+    for tp, pp in itertools.product(TP_CANDIDATES, divisors(shape.num_layers)):
+        with contextlib.suppress(InputError):  # this model refuses it on this many GPUs
+            accepted += validate_layouts({"": (tp, pp)}, gpus, {"": shape}).values()
+    return accepted
 
 
 def role_workload(request: PlanRequest, layout: Layout, recompute: bool) -> Workload:

@@ -113,8 +113,7 @@ def validate_inputs(args) -> dict:
     """Every check that needs no model memory; returns the plan (paths, prompts, tokenizer,
     the roles' layouts)."""
     from megatron_rlhf.checkpoint import checkpoint_architecture
-    from megatron_rlhf.distributed import ParallelConfig, validate
-    from megatron_rlhf.distributed.layouts import Layout
+    from megatron_rlhf.distributed.layouts import validate_layouts
     from megatron_rlhf.generation.prompts import read_prompts, resolve_tokenizer
     from megatron_rlhf.ppo.setup import import_reward_fn, world_size
     from megatron_rlhf.runtime import locks
@@ -130,7 +129,7 @@ def validate_inputs(args) -> dict:
     model_dirs = {"--policy": policy_dir, "--sft": args.sft}
     if args.judge is not None:
         model_dirs["--judge"] = args.judge
-    vocab_sizes = {}
+    vocab_sizes, layouts = {}, {}
     for flag, directory in model_dirs.items():
         if not Path(directory).is_dir():
             raise InputError(f"{flag} {directory}: no such checkpoint directory")
@@ -138,7 +137,7 @@ def validate_inputs(args) -> dict:
         role = "judge" if flag == "--judge" else "policy"
         tp, pp = shapes[role]
         try:
-            validate(ParallelConfig(tp=tp, pp=pp), world_size(), arch.num_heads, arch.num_layers)
+            layouts |= validate_layouts({role: (tp, pp)}, world_size(), {role: arch})
         except InputError as err:
             raise InputError(
                 f"{flag} {directory} in the {role} layout (--parallel {role}.tp={tp} "
@@ -165,11 +164,7 @@ def validate_inputs(args) -> dict:
             path, tokenizer, vocab_sizes["--sft"], max_prompt_length, args.truncate_prompts
         )
     if args.judge is None:  # a score function runs on every rank: no judge model to place
-        shapes["judge"] = shapes["policy"]
-    layouts = {
-        role: Layout(tp=tp, pp=pp, dp=world_size() // (tp * pp))
-        for role, (tp, pp) in shapes.items()
-    }
+        layouts["judge"] = layouts["policy"]
     return {
         "policy_dir": policy_dir,
         "reward_fn": reward_fn,

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_rlhf.distributed.layouts import LayoutConfig
 from megatron_rlhf.training import config as shared
 from megatron_rlhf.training.config import (
     DeepSpeedConfig,
-    LayoutConfig,
     ModelConfig,
     OptimConfig,
     optim_problems,

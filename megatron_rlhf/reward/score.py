@@ -99,7 +99,7 @@ def run(args) -> int:
     from megatron_rlhf.checkpoint import checkpoint_architecture, is_hf_checkpoint, load_bloom
     from megatron_rlhf.checkpoint.dist import TOKENIZER_FILES, read_metadata
     from megatron_rlhf.checkpoint.hf_io import hf_reward_outputs
-    from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.distributed import initialize
     from megatron_rlhf.runtime import locks
 
     parallel_from_args(args)  # args.tp, args.pp
@@ -127,9 +127,7 @@ def run(args) -> int:
     scoring = read_input(args.input, tokenizer_dir, not args.no_eos, arch.vocab_size)
     fit_lengths(scoring, arch.max_sequence_length, args.max_prompt_length, args.truncate_prompts)
 
-    initialize(
-        ParallelConfig(tp=args.tp, pp=args.pp), num_heads=arch.num_heads, num_layers=arch.num_layers
-    )
+    initialize(args.tp, args.pp, arch=arch)
     model = load_bloom(args.load, head="scalar", num_scalar_outputs=num_outputs, init_weights=False)
     model.eval()
     groups = model.pg_collection

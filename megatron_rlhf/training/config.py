@@ -1,6 +1,7 @@
 """The configuration schemas of training: the optimizer (``OptimConfig``, every trainer's) and
-the ``model``, ``parallel``, ``data`` and ``train`` sections the single-model commands
-(``train-sft``, ``train-reward``) share, with the checks of their values.
+the ``model``, ``data`` and ``train`` sections the single-model commands (``train-sft``,
+``train-reward``) share, with the checks of their values. Their ``parallel`` section is
+``distributed.layouts.LayoutConfig``, beside train-ppo's and the layout validator.
 
 Pure dataclasses: nothing here imports torch or megatron-core, so a command's config (and
 ``--help``, and the planner that writes a ``train-ppo`` config) loads in milliseconds.
@@ -96,19 +97,6 @@ class ModelConfig:
     """BLOOM's core attention: triton (the fused ALiBi kernel, O(s) memory; CUDA), te
     (TransformerEngine, unfused with ALiBi), torch (O(s^2), every device); auto: triton on a GPU
     where it compiles, else te where it imports, else torch."""
-
-
-@dataclass(kw_only=True)
-class LayoutConfig:
-    """The ``parallel`` section: how the one trained model is split over the launch's ranks
-    (``train-ppo``'s ``parallel.tp/pp/sequence_parallel``, without per-role layouts)."""
-
-    tp: int = 1
-    """Tensor-parallel size."""
-    pp: int = 1
-    """Pipeline-parallel size."""
-    sequence_parallel: bool = False
-    """Sequence parallelism over the TP group (tp > 1)."""
 
 
 @dataclass(kw_only=True)

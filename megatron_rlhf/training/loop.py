@@ -247,7 +247,7 @@ def train(
     name or None)}``. ``overwrite`` / ``force_config_change``: see training/run_dir.py;
     ``skip_memory_check``: see training/memory_check.py. Collective over every rank."""
     from megatron_rlhf.checkpoint import checkpoint_architecture
-    from megatron_rlhf.distributed import ParallelConfig, initialize
+    from megatron_rlhf.distributed import initialize
     from megatron_rlhf.distributed.parallel import model_groups
     from megatron_rlhf.training.memory_check import check_trainer
     from megatron_rlhf.training.run import Run
@@ -259,24 +259,21 @@ def train(
     if problems:
         raise InputError(f"invalid {task.name} config: " + "; ".join(problems))
     arch = checkpoint_architecture(config.model.load)
-    layout = config.parallel
-    dp_size = initialize(
-        ParallelConfig(
-            tp=layout.tp,
-            pp=layout.pp,
-            sequence_parallel=layout.sequence_parallel,
-            seed=config.model.seed,
-        ),
-        num_heads=arch.num_heads,
-        num_layers=arch.num_layers,
+    parallel = config.parallel
+    layout = initialize(
+        parallel.tp,
+        parallel.pp,
+        sequence_parallel=parallel.sequence_parallel,
+        arch=arch,
+        seed=config.model.seed,
     )
-    num_microbatches = microbatches_per_step(config.train, dp_size)
+    num_microbatches = microbatches_per_step(config.train, layout.dp)
     data = task.open_data(arch)
     total_steps = steps_to_run(config, len(data.train_set), task.examples)
     max_length = min(config.data.max_length or arch.max_sequence_length, arch.max_sequence_length)
     max_tokens = task.token_budget(max_length)
     check_trainer(
-        arch, config, dp_size, max_length, task.rows_per_example, task.head,
+        arch, config, layout, max_length, task.rows_per_example, task.head,
         command.use_bf16(config.model.bf16), task.sharded_optimizer(), skip_memory_check,
         max_tokens=max_tokens,
     )  # fmt: skip

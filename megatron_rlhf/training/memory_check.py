@@ -66,7 +66,7 @@ def check_fits(memory: Memory, inputs: float, keys: dict[str, str], skip: bool =
 def check_trainer(
     arch,
     config,
-    dp: int,
+    layout,
     seq_len: int,
     rows_per_example: int,
     head: str,
@@ -75,21 +75,19 @@ def check_trainer(
     skip: bool = False,
     max_tokens: int | None = None,
 ) -> None:
-    """:func:`check_fits` for one trained model (``train-sft``, ``train-reward``): ``config``
-    has ``model`` (recompute), ``parallel`` (tp, pp, sequence parallelism) and ``train``
-    (batch sizes);
-    ``rows_per_example``: 2 for a preference pair; ``max_tokens``: packed micro-batches of
-    this many tokens (one row) instead of ``micro_batch_size`` padded examples."""
-    from megatron_rlhf.distributed.layouts import Layout
+    """:func:`check_fits` for one trained model (``train-sft``, ``train-reward``) in ``layout``
+    (the ``distributed.layouts.Layout`` that ``initialize`` returned): ``config`` has
+    ``model`` (recompute) and ``train`` (batch sizes); ``rows_per_example``: 2 for a
+    preference pair; ``max_tokens``: packed micro-batches of this many tokens (one row) instead
+    of ``micro_batch_size`` padded examples."""
     from megatron_rlhf.planning.memory import Workload, train_memory
     from megatron_rlhf.planning.shapes import shape_of
 
-    model, parallel, train = config.model, config.parallel, config.train
-    layout = Layout(tp=parallel.tp, pp=parallel.pp, dp=dp)
+    model, train, dp = config.model, config.train, layout.dp
     rows, width, sequence = train.micro_batch_size * rows_per_example, seq_len, None
     if max_tokens is not None:  # one row; each sequence attended alone unless under SP
         rows, width = 1, max_tokens
-        sequence = None if parallel.sequence_parallel else seq_len
+        sequence = None if layout.sequence_parallel else seq_len
     work = Workload(
         micro_batch=rows,
         seq_len=width,
@@ -97,7 +95,7 @@ def check_trainer(
         num_microbatches=max(1, train.global_batch_size // (train.micro_batch_size * dp)),
         element_bytes=2 if bf16 else 4,
         recompute=model.recompute_activations,
-        sequence_parallel=parallel.sequence_parallel,
+        sequence_parallel=layout.sequence_parallel,
         distributed_optimizer=sharded_optimizer,
         packed_sequence_len=sequence,
     )

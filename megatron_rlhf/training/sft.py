@@ -35,6 +35,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from megatron_rlhf.distributed.layouts import LayoutConfig
 from megatron_rlhf.training import config as shared
 from megatron_rlhf.training import loop
 from megatron_rlhf.training.command import (
@@ -44,7 +45,6 @@ from megatron_rlhf.training.command import (
     to_device,
 )
 from megatron_rlhf.training.config import (
-    LayoutConfig,
     ModelConfig,
     OptimConfig,
     TrainConfig,

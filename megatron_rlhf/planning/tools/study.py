@@ -370,7 +370,7 @@ def worker_main(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.utils import is_rank0, write_json
 
     parser = argparse.ArgumentParser(prog="python -m megatron_rlhf.planning.tools.study")
@@ -382,9 +382,7 @@ def worker_main(argv: list[str]) -> int:
     rows, done = json.loads(args.rows), []
     for size, tp, pp, stage in sorted(rows, key=lambda r: (r[1], r[2])):
         shape = study_shape(size)
-        initialize(
-            ParallelConfig(tp=tp, pp=pp), num_heads=shape.num_heads, num_layers=shape.num_layers
-        )
+        initialize(tp, pp, arch=shape)
         row = run_row(shape, stage, work)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, row["peak_mem_measured_mb"])
