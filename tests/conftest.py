@@ -17,8 +17,8 @@ a launch costs seconds of imports, and the quick tier must stay quick as the sui
 **Parallel runs** (``pytest -n 2 --dist loadgroup``, the README's test command): every test
 of 2 or more ranks or marked ``chaos`` joins one ``xdist_group``, so those run one at a time
 on one worker (they size their timeouts and signal timing for a machine they share with one
-other test at most); every other test is grouped by its file, so a module's fixtures are built
-once. The big groups are handed out first (xdist orders groups by their number of tests; the
+other test at most), and so do the other tests of their files (which share their module-scoped
+runs: a module's fixtures are built once); every other test is grouped by its file. The big groups are handed out first (xdist orders groups by their number of tests; the
 multi-rank group is the largest).
 """
 
@@ -44,14 +44,16 @@ def _ranks(item: pytest.Item) -> int:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's hook, which reads the groups off the items
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    serial_files = set()
     for item in items:
         if any(item.get_closest_marker(name) for name in LAUNCH_MARKERS):
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("xdist_group"):
-            continue
-        serial = _ranks(item) >= 2 or item.get_closest_marker("chaos") is not None
-        group = SERIAL_GROUP if serial else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        if _ranks(item) >= 2 or item.get_closest_marker("chaos") is not None:
+            serial_files.add(item.path)
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            group = SERIAL_GROUP if item.path in serial_files else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(hookwrapper=True)

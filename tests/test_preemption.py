@@ -5,10 +5,10 @@
   a checkpoint of the last completed step; relaunched, every logged number and the final
   checkpoint's tensors equal the uninterrupted run's bit for bit; no process of the run is left.
 - Killing the trainer itself (SIGKILL, not its process group) leaves no child behind.
-- train-ppo on 4 ranks with per-role layouts and train-reward on DeepSpeed ZeRO-3 on 2 ranks:
-  SIGTERM to every worker at a random step -> checkpoint, relaunch; and SIGKILL of the launcher
-  and every worker after a random checkpoint -> relaunch: both bit-for-bit equal to the
-  uninterrupted run, no process left.
+- train-ppo on 4 ranks with per-role layouts and train-reward on DeepSpeed ZeRO-3 on 2 ranks,
+  one chaos sequence each: SIGTERM to every worker at a random step -> checkpoint, relaunch;
+  SIGKILL of the launcher and every worker after a random later checkpoint -> relaunch: the
+  end is bit-for-bit the uninterrupted run's, and no process is left at any stop.
 """
 
 from __future__ import annotations
@@ -212,13 +212,10 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     return torchrun_command(nproc, "-m", "megatron_rlhf", *args)
 
 
-def interrupt_and_resume(
-    command, run: Path, steps: int, marker: str, seed: int, nproc: int = 4
-) -> int:
+def interrupt(command, run: Path, steps: int, marker: str, seed: int, nproc: int) -> int:
     """Launch ``command``; once a random step is logged, SIGTERM every worker (as Slurm does,
-    a few ms apart); check the save and that nothing is left; relaunch to the end. Returns the
-    step the run was stopped at."""
-    target = random.Random(seed).randint(1, steps - 2)
+    a few ms apart); check the save and that nothing is left. Returns the step it stopped at."""
+    target = random.Random(seed).randint(1, steps - 3)
     proc = launch_until_step(command, run, target, run_env(marker, threads=1), timeout=500)
     workers = psutil.Process(proc.pid).children()
     assert len(workers) == nproc
@@ -227,73 +224,70 @@ def interrupt_and_resume(
         time.sleep(random.Random(worker.pid).uniform(0, 0.05))
     out, err = proc.communicate(timeout=500)
     stopped = logged_steps(run)
-    assert target <= stopped < steps, (target, stopped, err[-3000:])
+    assert target <= stopped < steps - 1, (target, stopped, err[-3000:])
     assert (run / "latest_checkpoint.txt").read_text().strip() == f"step_{stopped:07d}", err[-3000:]
     assert f"stopped by SIGTERM after step {stopped}" in err
     assert "exitcode  : 75" in err  # torchrun's report of its workers' exit code
     assert wait_gone(marker) == [], "a process of the run outlived it"
-    resumed = subprocess.run(
-        command, env=run_env(marker, threads=1), capture_output=True, text=True
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {run / f'step_{stopped:07d}'}" in resumed.stdout + resumed.stderr
     return stopped
 
 
-def kill_and_resume(command, run: Path, steps: int, marker: str, seed: int, nproc: int) -> int:
-    """Launch ``command`` (a checkpoint every step); once a random checkpoint exists SIGKILL the
-    launcher and every worker; check nothing is left; relaunch to the end (the killed run's lock
-    record is stale and taken over). Returns the step it resumed from."""
-    target = random.Random(seed).randint(1, steps - 2)
-    proc = subprocess.Popen(
-        command, env=run_env(marker, threads=1), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+def resume_and_kill(command, run: Path, stopped: int, steps: int, marker: str, seed: int) -> int:
+    """Relaunch ``command`` (a checkpoint every step) on the stopped run; once it has resumed
+    from ``stopped`` and saved a random later step, SIGKILL the launcher and every worker;
+    check nothing is left. Returns the step of the last checkpoint."""
+    target = random.Random(seed).randint(stopped + 1, steps - 1)
+    log = run.with_name(run.name + "_killed.log")  # a file: a full pipe would stall the run
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            command, env=run_env(marker, threads=1), stdout=sink, stderr=subprocess.STDOUT
+        )
     pointer, deadline = run / "latest_checkpoint.txt", time.time() + 500
-    while not pointer.exists() or int(pointer.read_text().strip()[5:] or 0) < target:
+    while int(pointer.read_text().strip()[5:] or 0) < target:
         assert proc.poll() is None and time.time() < deadline, "the run ended before the kill"
         time.sleep(0.02)
     for process in [*psutil.Process(proc.pid).children(), psutil.Process(proc.pid)]:
         process.kill()
     proc.wait()
+    out = log.read_text()
+    assert f"resumed from {run / f'step_{stopped:07d}'}" in out, out[-3000:]
     assert wait_gone(marker) == [], "a process of the killed run is still alive"
     latest = int(pointer.read_text().strip()[5:])
     assert target <= latest < steps
-    resumed = subprocess.run(
-        command, env=run_env(marker, threads=1), capture_output=True, text=True
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {run / f'step_{latest:07d}'}" in resumed.stdout + resumed.stderr
-    assert "stale lock, held by no process on this host" in resumed.stderr
     return latest
 
 
 def stopped_and_killed_runs_resume_exactly(args: list[str], nproc: int, steps: int, tmp_path):
-    """An uninterrupted ``nproc``-rank run of ``args``; the same run SIGTERMed at a random step
-    and resumed; and one SIGKILLed and resumed: both end with the reference's metrics and
-    checkpoint shards."""
-    reference, run, killed = tmp_path / "reference", tmp_path / "run", tmp_path / "killed"
-    marker = uuid.uuid4().hex
+    """An uninterrupted ``nproc``-rank run of ``args``, and one chaos sequence on a second run:
+    SIGTERM at a random step (the signal's checkpoint is its only one) -> relaunch, which
+    resumes and saves every step -> SIGKILL of the launcher and every worker after a random
+    later checkpoint -> relaunch (the killed run's lock record is stale and taken over) to the
+    end, with the reference's metrics and checkpoint shards."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    marker, seed = uuid.uuid4().hex, os.getpid()
     run_to_end(torchrun(nproc, *args, f"train.output_dir={reference}"), marker, threads=1)
-    interrupt_and_resume(
-        torchrun(nproc, *args, f"train.output_dir={run}"), run, steps, marker, os.getpid(),
-        nproc=nproc,
-    )  # fmt: skip
-    kill_and_resume(
-        torchrun(nproc, *args, "train.save_interval=1", f"train.output_dir={killed}"),
-        killed, steps, marker, os.getpid() + 1, nproc=nproc,
-    )  # fmt: skip
+    stopped = interrupt(
+        torchrun(nproc, *args, f"train.output_dir={run}"), run, steps, marker, seed, nproc
+    )
+    every_step = torchrun(nproc, *args, "train.save_interval=1", f"train.output_dir={run}")
+    killed = resume_and_kill(every_step, run, stopped, steps, marker, seed + 1)
+    resumed = subprocess.run(
+        every_step, env=run_env(marker, threads=1), capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run / f'step_{killed:07d}'}" in resumed.stdout + resumed.stderr
+    assert "stale lock, held by no process on this host" in resumed.stderr
+    assert wait_gone(marker) == []
     final = f"step_{steps:07d}"
-    for resumed in (run, killed):
-        assert metrics(resumed) == metrics(reference)
-        assert shards(resumed / final) and shards(resumed / final) == shards(reference / final)
+    assert metrics(run) == metrics(reference)
+    assert shards(run / final) and shards(run / final) == shards(reference / final)
 
 
 @pytest.mark.chaos
 def test_train_ppo_per_role_layouts_on_4_ranks_sigterm_then_resume_is_bit_identical(tmp_path):
     from ppo_fixtures import make_ppo_setup
 
-    setup, steps = make_ppo_setup(tmp_path / "setup"), 4
+    setup, steps = make_ppo_setup(tmp_path / "setup"), 5
     args = [
         "train-ppo", "--config", str(setup["config"]), f"train.steps={steps}",
         "train.save_interval=100", "rollout.prompts_per_step=8", "ppo.micro_batch_size=2",

@@ -145,6 +145,7 @@ def fig4(tmp_path_factory):
     return {"root": root, "data": data, **runs}
 
 
+@pytest.mark.slow  # two in-process trainings of 150 steps (~20 s)
 def test_fig4_rm_task_means_spread_am_means_sit_near_zero(fig4):
     rm, am = fig4["rm"]["eval"], fig4["am"]["eval"]
     report = {
