@@ -28,11 +28,13 @@ loop's), from ``row_seeds`` or from the call's seed; so every row's tokens are t
 all-at-once path, and its log-probs too up to the float rounding of a different batch (matmul
 blocking over other rows and key lengths: ~1e-7 in fp32).
 
-Columns. The cache is ``P + 2 * max_new_tokens`` columns wide (P: the longest prompt). When the
-write column reaches the end, the occupied columns of the live rows move to the front
-(``_rebase``: the columns left of every live row's first real token are dropped). A live row
-occupies at most ``P + max_new_tokens - 1`` columns, so a rebase frees at least
-``max_new_tokens + 1`` and happens at most once per ``max_new_tokens`` steps.
+Columns. The cache is ``P + 2 * max_new_tokens`` columns wide (P: the longest prompt; ``P +
+max_new_tokens`` when every prompt has a slot, as today's loop). When the write column reaches
+the end, the occupied columns of the live rows move to the front (``_rebase``: the columns
+left of every live row's first real token are dropped, keeping at least P filled so that a
+newcomer's prompt fits left of the write column). A live row occupies at most ``P +
+max_new_tokens - 1`` columns, so a rebase frees at least ``max_new_tokens + 1`` and happens at
+most once per ``max_new_tokens`` steps (one copy of the live rows' cache each time).
 
 Compaction and its cost model. A slot whose row ended and that no waiting prompt can take
 (the queue is empty) is *carried*: each decode step computes every slot up to the highest live
@@ -93,7 +95,8 @@ class _Refill:
         batch, self.prompt_width = prompt_ids.shape
         steps = sampling.max_new_tokens
         self.slots = min(sampling.decode_batch, batch)
-        self.width = self.prompt_width + 2 * steps
+        room = steps if self.slots == batch else 2 * steps  # no newcomer: no rebase either
+        self.width = self.prompt_width + room
         self.context = StaticInferenceContext(self.slots, self.width)
         self.scratch = None  # the newcomers' prefill context, made at the first refill
         self.ids = torch.full((batch, steps), sampling.pad_id, dtype=torch.long, device=device)
