@@ -579,6 +579,21 @@ def test_refill_without_compaction_carries_ended_slots_and_changes_no_token(sing
     assert sum(decode_rows[True]) < sum(decode_rows[False]), decode_rows
 
 
+def test_compaction_pays_unless_at_most_one_step_remains():
+    """Moving at most as many rows as are carried, over at most the filled columns, pays from
+    two remaining steps on whatever the model's size; at one step it pays only when the rows
+    carried outweigh the copy."""
+    from megatron_rlhf.generation.refill import compaction_pays
+
+    sizes = dict(kv_bytes=2 * 24 * 1024 * 4, row_flops=2 * 560e6)  # BLOOM-560m, fp32
+    for carried, moved, filled, occupied in [(1, 1, 900, 900), (5, 1, 300, 40), (9, 9, 64, 60)]:
+        for horizon in (2, 3, 100):
+            assert compaction_pays(carried, moved, horizon, filled, occupied, **sizes)
+    assert not compaction_pays(1, 1, 1, 900, 900, kv_bytes=1000, row_flops=0.0)
+    assert compaction_pays(4, 1, 1, 900, 900, kv_bytes=1000, row_flops=0.0)
+    assert not compaction_pays(0, 0, 50, 900, 900, **sizes)
+
+
 def test_decode_batch_is_refused_where_refill_cannot_run():
     from megatron_rlhf.generation import SamplingConfig
     from megatron_rlhf.generation.engine import check_decode_batch

@@ -78,6 +78,16 @@ small decode batch is memory-bound (its GEMM FLOPs nearly free): the ``c * kv_by
 term then dominates, and the decision is the same (compact unless at most one step remains)."""
 
 
+def compaction_pays(
+    carried: int, moved: int, horizon: int, filled: int, occupied: int, *, kv_bytes, row_flops
+) -> bool:
+    """The module docstring's cost model: ``moved`` rows copying ``occupied`` columns of keys
+    and values cost less than carrying ``carried`` ended slots for ``horizon`` more steps over
+    a ``filled``-column cache (all per rank, in bytes moved)."""
+    row_step = filled * kv_bytes + row_flops / COMPUTE_PER_COPIED_BYTE
+    return carried * horizon * row_step > moved * occupied * 2 * kv_bytes
+
+
 @torch.no_grad()
 def generate_refill(model, prompt_ids, prompt_mask, sampling: SamplingConfig, uniforms):
     """Responses of prompts sorted longest first and trimmed (``sort_prompts``), (B, P)
@@ -229,13 +239,11 @@ class _Refill:
         if not movers:
             return live
         holes = [s for s in range(k) if self.slot_row[s] < 0]
-        carried, c = top - k, self.filled
+        c = self.filled
         horizon = max(self.sampling.max_new_tokens - self.steps[self.slot_row[s]] for s in live)
         occupied = c - self._first_real(movers)
-        row_step = c * self.kv_bytes + self.row_flops / COMPUTE_PER_COPIED_BYTE
-        saved = carried * horizon * row_step
-        cost = len(movers) * occupied * 2 * self.kv_bytes
-        if saved <= cost:
+        moves = (top - k, len(movers), horizon, c, occupied)
+        if not compaction_pays(*moves, kv_bytes=self.kv_bytes, row_flops=self.row_flops):
             return live
         device = self.key_mask.device
         source, target = torch.tensor(movers, device=device), torch.tensor(holes, device=device)
