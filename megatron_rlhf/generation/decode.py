@@ -55,9 +55,11 @@ class SamplingConfig:
     decode_batch: int | None = None
     """Decode slots: at most this many rows decode at once; when a row ends, a waiting prompt
     is prefilled into its slot (continuous batching, ``refill.py``). None (or 0): every
-    prompt of the call decodes at once (``engine.py``'s loop). Needs the KV cache and PP = 1.
-    Tokens and log-probs per row do not depend on it (log-probs up to float rounding of a
-    different batch)."""
+    prompt of the call decodes at once (``engine.py``'s loop). Needs the KV cache and PP = 1;
+    prompts are then always prefilled by length (``unpadded_prefill`` ignored), and
+    ``drop_ended_rows=False`` keeps ended rows' slots in the batch until refilled. Tokens and
+    log-probs per row do not depend on it (log-probs up to float rounding of a different
+    batch)."""
 
 
 @dataclass
