@@ -32,8 +32,8 @@ Printed: tok/s min / median / max per way over reps x seeds, the ratio of median
 "today" and per seed, rows whose tokens equal today's (near-uniform sampling over 250,880 tokens
 can move a token on a 1e-7 change of a logit, which another batch composition's rounding makes;
 per-row seeds keep a row's draws, so the counts show how often that happens), the max log-prob
-difference on identical rows, and per way: decode forwards, KV-cache copies (compactions and
-rebases), carried row-steps and the KV cache's slots x columns.
+difference on identical rows, and per way: decode and prefill forwards, KV-cache copies
+(compactions and rebases), carried row-steps and the KV cache's slots x columns.
 
 A smoke run (seconds): ``--layers 1 --vocab 1000 --batch 8 --decode-batches 8 4 --new-tokens
 16 --prompt-scale 0.05``. Not measured here yet: run the defaults on an idle machine.
@@ -60,15 +60,13 @@ def counted_generate(model, ids, mask, sampling):
     runs, forwards = [], []
     run = refill._Refill.run
     refill._Refill.run = lambda self: runs.append(self) or run(self)
-    hook = model.register_forward_pre_hook(
-        lambda _, args: forwards.append(1) if args[0].shape[1] == 1 else None
-    )
+    hook = model.register_forward_pre_hook(lambda _, args: forwards.append(args[0].shape[1] == 1))
     try:
         out = generate(model, ids, mask, sampling)
     finally:
         refill._Refill.run = run
         hook.remove()
-    counters = {"decode forwards": len(forwards)}
+    counters = {"decode forwards": sum(forwards), "prefill forwards": len(forwards) - sum(forwards)}
     if runs:
         r = runs[0]
         counters |= {
@@ -93,14 +91,15 @@ def chunked_generate(model, ids, mask, sampling, chunk: int):
 
     from megatron_rlhf.generation import GenerationOutput
 
-    outs, forwards = [], 0
+    outs, forwards = [], {"decode forwards": 0, "prefill forwards": 0}
     for start in range(0, ids.shape[0], chunk):
         rows = slice(start, start + chunk)
         seeds = sampling.row_seeds[rows] if sampling.row_seeds else None
         part = replace(sampling, decode_batch=None, row_seeds=seeds)
         out, counters = counted_generate(model, ids[rows], mask[rows], part)
         outs.append(out)
-        forwards += counters["decode forwards"]
+        for key in forwards:
+            forwards[key] += counters[key]
     width = max(out.response_ids.shape[1] for out in outs)
     outs = [_widen(out, width, sampling.pad_id) for out in outs]
     joined = GenerationOutput(
@@ -108,7 +107,7 @@ def chunked_generate(model, ids, mask, sampling, chunk: int):
         response_mask=torch.cat([o.response_mask for o in outs]),
         response_logprobs=torch.cat([o.response_logprobs for o in outs]),
     )
-    return joined, {"decode forwards": forwards, "calls": len(outs)}
+    return joined, forwards | {"calls": len(outs)}
 
 
 def measure(args) -> None:
