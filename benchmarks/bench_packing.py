@@ -100,12 +100,13 @@ def prompts(seed: int, vocab: int, lengths: list[int]):
     return left_pad(rows, PAD)
 
 
-def eos_model(directory: Path, size: str, seed: int, stop_probability: float) -> None:
-    """A random BLOOM whose every step emits EOS with about ``stop_probability``."""
+def eos_model(directory: Path, size: str | dict, seed: int, stop_probability: float) -> None:
+    """A random BLOOM (a ``SIZES`` name or ``BloomArchitecture`` fields) whose every step emits
+    EOS with about ``stop_probability``."""
     from megatron_rlhf.models.bloom.config import BloomArchitecture
     from megatron_rlhf.models.bloom.tiny import random_hf_bloom
 
-    arch = BloomArchitecture(**SIZES[size])
+    arch = BloomArchitecture(**(SIZES[size] if isinstance(size, str) else size))
     model = random_hf_bloom(arch, seed=seed)
     vocab = arch.vocab_size
     alpha = math.log(stop_probability * (vocab - 1) / (1 - stop_probability))

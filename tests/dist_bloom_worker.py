@@ -18,6 +18,7 @@ logits); a check passes only if every rank that judged it agrees (``torchrun_har
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -233,6 +234,11 @@ def generation(args) -> None:
             out = generate(model, ids, mask, greedy_config(True, stop_token, parts))
             name = f"greedy_eos_stop_tp{tp}pp{pp}{tag}"
             compare_generation(name, out, stop_tokens, stop_logprobs, stop_token)
+            if pp == 1 and not parts:  # refilled decode slots: 4 prompts through 2 slots
+                refill = replace(greedy_config(True, stop_token), decode_batch=2)
+                out = generate(model, ids, mask, refill)
+                name = f"greedy_eos_stop_tp{tp}pp1_decode_batch2"
+                compare_generation(name, out, stop_tokens, stop_logprobs, stop_token)
             for seed in (7, 8):
                 sampling = SamplingConfig(
                     max_new_tokens=10,
@@ -242,7 +248,19 @@ def generation(args) -> None:
                     pipeline_micro_batches=parts,
                 )
                 sampled[(tp, pp, parts, seed)] = generate(model, ids, mask, sampling).response_ids
+                if pp == 1 and seed == 7:
+                    refill = replace(sampling, decode_batch=3, eos_id=stop_token)
+                    sampled[(tp, pp, "refill", seed)] = generate(model, ids, mask, refill)
+                    at_once = generate(model, ids, mask, replace(refill, decode_batch=None))
+                    sampled[(tp, pp, "at_once", seed)] = at_once
     if dist.get_rank() == 0:  # data-parallel rank 0 in every layout
+        for tp in (1, 2):  # refill at TP: the tokens (and log-probs) of the all-at-once loop
+            out, ref = sampled.pop((tp, 1, "refill", 7)), sampled.pop((tp, 1, "at_once", 7))
+            same = torch.equal(out.response_ids, ref.response_ids)
+            same = same and torch.equal(out.response_mask, ref.response_mask)
+            diff = (out.response_logprobs - ref.response_logprobs).abs().max().item() if same else 1
+            name = f"sampling_decode_batch3_tp{tp}pp1_vs_all_at_once"
+            harness.record(name, same and diff <= TOLERANCE, f"{out.response_ids.tolist()} {diff}")
         base = sampled[(1, 1, 0, 7)]
         for (tp, pp, parts, seed), tokens in sampled.items():
             if seed == 7 and (tp, pp) != (1, 1):

@@ -29,6 +29,8 @@ CHECKS = [
     "generation_eos_token_usable",
     *(f"greedy_{layout}_{cache}" for layout in GEN_LAYOUTS for cache in ("kv_cache", "no_cache")),
     *(f"greedy_eos_stop_{layout}" for layout in GEN_LAYOUTS),
+    *(f"greedy_eos_stop_{layout}_decode_batch2" for layout in ("tp1pp1", "tp2pp1")),
+    *(f"sampling_decode_batch3_{layout}_vs_all_at_once" for layout in ("tp1pp1", "tp2pp1")),
     *(f"sampling_seed_reproducible_{layout}_vs_tp1" for layout in LAYOUTS[1:]),
     # pipelined generation: unpipelined (1) and uneven (3) micro-batches, and PP=4's ring
     *(

@@ -7,6 +7,7 @@ brute-force loops for the masks. The multi-process layouts are in ``test_bloom_p
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -478,6 +479,118 @@ def test_prompts_prefilled_without_padding_give_the_padded_prefills_outputs(
         assert sum(b * w for b, w in prefill) < 8 * 9, prefill
     else:  # every step recomputes the prefix: the shared padding columns are gone
         assert widths[0] == (8, 9), widths
+
+
+def _spread_eos(endless: list[list[int]]) -> int:
+    """The generated token that, made EOS, ends the rows at the most different steps."""
+
+    def end_steps(token):
+        return {row.index(token) if token in row else None for row in endless}
+
+    return max(sorted({t for row in endless for t in row}), key=lambda t: len(end_steps(t)))
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_refilled_slots_give_every_row_the_all_at_once_tokens(
+    single_process, hf_dir, greedy, monkeypatch
+):
+    """``decode_batch``: 13 ragged prompts through 1, 3 and 5 decode slots (rows that end
+    hand their slot to a waiting prompt; the cache rebases and compacts) give every row the
+    tokens and mask of all 13 decoded at once, and its log-probs to 1e-5 (another batch rounds
+    differently), in the caller's row order; with a KV cache that starts as NaN and per-row
+    seeds, so a row fed another slot's keys, uniforms or step count would differ."""
+    from megatron.core.transformer.attention import Attention
+
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.generation import SamplingConfig, generate, refill
+
+    allocate = Attention._allocate_memory  # a fresh KV cache holds NaNs, not lucky zeros
+    monkeypatch.setattr(
+        Attention, "_allocate_memory", lambda *a, **k: allocate(*a, **k).fill_(float("nan"))
+    )
+    runs = []
+    run = refill._Refill.run
+    monkeypatch.setattr(refill._Refill, "run", lambda self: runs.append(self) or run(self))
+    model = load_bloom(hf_dir, init_weights=False).eval()
+    lengths = [6, 2, 8, 4, 1, 5, 9, 3, 7, 2, 6, 1, 4]
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, lengths, seed=11)
+    sampling = SamplingConfig(
+        max_new_tokens=10, greedy=greedy, temperature=0.9, top_p=0.95, eos_id=-1,
+        row_seeds=tuple(range(200, 213)),
+    )  # fmt: skip
+    sampling.eos_id = _spread_eos(generate(model, ids, mask, sampling).response_ids.tolist())
+    ref = generate(model, ids, mask, sampling)
+    ended = ref.response_mask.sum(dim=1)
+    assert len(set(ended.tolist())) >= 3 and int(ended.min()) < 10, ended
+    for slots in (1, 3, 5):
+        sampling.decode_batch = slots
+        out = generate(model, ids, mask, sampling)
+        assert torch.equal(out.response_ids, ref.response_ids), slots
+        assert torch.equal(out.response_mask, ref.response_mask), slots
+        diff = (out.response_logprobs - ref.response_logprobs).abs().max()
+        assert diff <= 1e-5, (slots, float(diff))
+        assert not out.response_logprobs[ref.response_mask == 0].any()
+    assert runs[0].rebases >= 1  # one slot decodes ~60 tokens in a P + 20 column cache
+    assert sum(r.moves for r in runs) >= 1  # the queue emptied with gaps below live rows
+
+
+def test_refill_without_compaction_carries_ended_slots_and_changes_no_token(single_process, hf_dir):
+    """Decode batches never exceed ``decode_batch``; a step computes the live rows plus the
+    free slots below the highest live one, which compaction (on by default) mostly removes
+    once the queue is empty, and ``drop_ended_rows=False`` keeps (static shapes); the tokens
+    are the same either way."""
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.generation import SamplingConfig, generate
+
+    model = load_bloom(hf_dir, init_weights=False).eval()
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, [5, 3, 7, 2, 6, 4, 8, 1], seed=4)
+    sampling = SamplingConfig(max_new_tokens=8, greedy=True, eos_id=-1)
+    sampling.eos_id = _spread_eos(generate(model, ids, mask, sampling).response_ids.tolist())
+    outs, decode_rows = {}, {}
+    for drop in (True, False):
+        sampling = replace(sampling, decode_batch=3, drop_ended_rows=drop)
+        rows = []
+
+        def count(_, args, rows=rows):  # rows of each decode forward (one new token a row)
+            if args[0].shape[1] == 1:
+                rows.append(args[0].shape[0])
+
+        hook = model.register_forward_pre_hook(count)
+        try:
+            outs[drop] = generate(model, ids, mask, sampling)
+        finally:
+            hook.remove()
+        decode_rows[drop] = rows
+        assert max(rows) <= 3
+    assert torch.equal(outs[True].response_ids, outs[False].response_ids)
+    assert sum(decode_rows[True]) < sum(decode_rows[False]), decode_rows
+
+
+def test_compaction_pays_unless_at_most_one_step_remains():
+    """Moving at most as many rows as are carried, over at most the filled columns, pays from
+    two remaining steps on whatever the model's size; at one step it pays only when the rows
+    carried outweigh the copy."""
+    from megatron_rlhf.generation.refill import compaction_pays
+
+    sizes = dict(kv_bytes=2 * 24 * 1024 * 4, row_flops=2 * 560e6)  # BLOOM-560m, fp32
+    for carried, moved, filled, occupied in [(1, 1, 900, 900), (5, 1, 300, 40), (9, 9, 64, 60)]:
+        for horizon in (2, 3, 100):
+            assert compaction_pays(carried, moved, horizon, filled, occupied, **sizes)
+    assert not compaction_pays(1, 1, 1, 900, 900, kv_bytes=1000, row_flops=0.0)
+    assert compaction_pays(4, 1, 1, 900, 900, kv_bytes=1000, row_flops=0.0)
+    assert not compaction_pays(0, 0, 50, 900, 900, **sizes)
+
+
+def test_decode_batch_is_refused_where_refill_cannot_run():
+    from megatron_rlhf.generation import SamplingConfig
+    from megatron_rlhf.generation.engine import check_decode_batch
+
+    with pytest.raises(ValueError, match="PP = 1 only"):
+        check_decode_batch(SamplingConfig(decode_batch=4), pipeline_stages=2)
+    with pytest.raises(ValueError, match="use_kv_cache"):
+        check_decode_batch(SamplingConfig(decode_batch=4, use_kv_cache=False), 1)
+    with pytest.raises(ValueError, match=">= 1"):
+        check_decode_batch(SamplingConfig(decode_batch=-2), 1)
 
 
 def test_one_packed_row_runs_thd_attention_with_the_masked_paths_values_and_gradients(

@@ -151,6 +151,26 @@ def test_pipelined_generation_plans_one_micro_batch_of_rows():
     assert pp2.kv_cache == whole.kv_cache == 2 * 1 * 4 * 64 * 64 * 4
 
 
+def test_refilled_decode_slots_plan_the_slots_cache_not_every_rows():
+    """``decode_batch`` slots (PP = 1): the KV cache of the slots, twice the new tokens wide,
+    plus the newcomers' prompt-wide prefill cache; prefill temporaries and logits of the slots'
+    rows. At PP > 1 (refused by train-ppo) or with slots for every row, nothing changes."""
+    from megatron_rlhf.distributed.layouts import Layout
+    from megatron_rlhf.planning import memory
+
+    shape = ModelShape(name="t", num_layers=2, hidden_size=64, num_heads=4, vocab_size=1024)
+    pp1 = Layout(tp=1, pp=1, dp=1)
+    slots = memory.generate_memory(shape, pp1, 8, 32, 16, 4, decode_batch=2)
+    whole = memory.generate_memory(shape, pp1, 8, 32, 16, 4)
+    assert slots.kv_cache == memory.kv_cache_bytes(
+        shape, pp1, 2, 32 + 2 * 16, 4
+    ) + memory.kv_cache_bytes(shape, pp1, 2, 32, 4)
+    assert slots.kv_cache == whole.kv_cache / 2  # 2 x 64 + 2 x 32 columns against 8 x 48
+    assert slots.activations == memory.layer_forward_bytes(shape, pp1, 2, 32, 4)
+    assert slots.logits == whole.logits / 4
+    assert memory.generate_memory(shape, pp1, 8, 32, 16, 4, decode_batch=8) == whole
+
+
 def test_megatron_model_holds_the_planned_parameters():
     from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.models.bloom.config import BloomArchitecture

@@ -97,6 +97,38 @@ def test_rollout_correction_settings(setup, capsys, overrides, message):
     assert message in _fails(setup, capsys, *overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.decode_batch=-1"], "rollout.decode_batch=-1 must be >= 1"),
+        (
+            ["rollout.decode_batch=4", "rollout.engine=vllm"],
+            "rollout.decode_batch=4 applies to rollout.engine=megatron only",
+        ),
+    ],
+)
+def test_decode_batch_settings(setup, capsys, overrides, message):
+    assert message in _fails(setup, capsys, *overrides)
+
+
+def test_decode_batch_is_refused_with_rollout_pipeline_stages():
+    from types import SimpleNamespace
+
+    from megatron_rlhf.ppo.config import RolloutConfig
+    from megatron_rlhf.ppo.setup import check_decode_slots
+    from megatron_rlhf.utils import InputError
+
+    config = SimpleNamespace(rollout=RolloutConfig(decode_batch=4))
+    check_decode_slots(config, {"rollout": SimpleNamespace(pp=1)})
+    with pytest.raises(
+        InputError, match=r"rollout.decode_batch=4 .* pp=2: set parallel.rollout.pp=1"
+    ):
+        check_decode_slots(config, {"rollout": SimpleNamespace(pp=2)})
+    check_decode_slots(
+        SimpleNamespace(rollout=RolloutConfig(decode_batch=0)), {"rollout": SimpleNamespace(pp=2)}
+    )
+
+
 def test_old_logprobs_auto_with_a_rollout_correction_takes_any_engines_logprobs():
     """With a stated correction the update is consistent for mu != pi_old, so auto no longer
     forces vLLM (or bf16) to recompute pi_old; temperature 1 is still required."""

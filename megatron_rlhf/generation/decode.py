@@ -52,6 +52,14 @@ class SamplingConfig:
     together, so every stage works at every decode step (0: one per stage; 1: the whole batch
     goes stage after stage while the others wait). Ignored at PP = 1. Tokens do not depend
     on it."""
+    decode_batch: int | None = None
+    """Decode slots: at most this many rows decode at once; when a row ends, a waiting prompt
+    is prefilled into its slot (continuous batching, ``refill.py``). None (or 0): every
+    prompt of the call decodes at once (``engine.py``'s loop). Needs the KV cache and PP = 1;
+    prompts are then always prefilled by length (``unpadded_prefill`` ignored), and
+    ``drop_ended_rows=False`` keeps ended rows' slots in the batch until refilled. Tokens and
+    log-probs per row do not depend on it (log-probs up to float rounding of a different
+    batch)."""
 
 
 @dataclass
@@ -212,17 +220,27 @@ def prefill_groups(lengths: list[int]) -> list[tuple[slice, int]]:
 
 def prefill_by_length(model, micro_batch: MicroBatch, context: StaticInferenceContext):
     """The prompt step of a micro-batch whose rows are sorted longest first, one forward per
-    ``prefill_groups`` group over its own last ``width`` columns: keys and values land in the
-    same cache columns as the padded prefill's, the group's padding columns before them are
-    zeroed (never computed; masked, but 0 x garbage would be NaN), and every row's last
-    position gives the (b, 1, V) logits of its first token. Single-stage models only."""
+    ``prefill_groups`` group (``prefill_sorted``): the same cache columns as the padded
+    prefill's, and the (b, 1, V) logits of every row's first token. Single-stage models only."""
     total = micro_batch.prompt_length
-    lengths = micro_batch.mask[:, :total].ne(0).sum(dim=1).clamp(min=1).tolist()
-    if lengths[0] != total:  # not sorted and trimmed (sort_prompts): the padded prefill
+    ids, mask = micro_batch.ids[:, :total], micro_batch.mask[:, :total]
+    if mask[0].ne(0).sum().clamp(min=1) != total:  # not sorted and trimmed: the padded prefill
         return stage_forward(model, micro_batch, context)
+    return prefill_sorted(model, ids, mask, context, micro_batch.rows.start)
+
+
+def prefill_sorted(model, ids, mask, context: StaticInferenceContext, first_slot: int = 0):
+    """Prefill left-padded prompts (b, P) sorted longest first, the first as long as P, into
+    cache slots ``first_slot ..`` and columns ``0 .. P``: one forward per ``prefill_groups``
+    group over its own last ``width`` columns. Keys and values land in the columns the padded
+    prefill would write; the group's padding columns before them are zeroed (never computed;
+    masked, but 0 x garbage would be NaN). Returns every row's last-position logits
+    (b, 1, V)."""
+    total = ids.shape[1]
+    lengths = mask.ne(0).sum(dim=1).clamp(min=1).tolist()
     logits = []
     for rows, width in prefill_groups(lengths):
-        slots = slice(micro_batch.rows.start + rows.start, micro_batch.rows.start + rows.stop)
+        slots = slice(first_slot + rows.start, first_slot + rows.stop)
         context.batch_size_offset = slots.start
         context.sequence_len_offset = total - width
         context.enable_prefill_mode()
@@ -230,9 +248,10 @@ def prefill_by_length(model, micro_batch: MicroBatch, context: StaticInferenceCo
             for key, value in context.key_value_memory_dict.values():
                 key[: total - width, slots].zero_()
                 value[: total - width, slots].zero_()
-        input_ids = micro_batch.ids[rows, total - width : total]
-        mask = micro_batch.mask[rows, :total]
-        logits.append(model(input_ids, mask, inference_context=context, runtime_gather_output=True))
+        input_ids = ids[rows, total - width :]
+        logits.append(
+            model(input_ids, mask[rows], inference_context=context, runtime_gather_output=True)
+        )
     return torch.cat(logits)
 
 
@@ -245,11 +264,17 @@ def split_rows(batch: int, parts: int) -> list[slice]:
 def choose_for(micro_batch: MicroBatch, logits, uniforms) -> tuple[torch.Tensor, torch.Tensor]:
     """Token and its temperature-1 log-prob per live row from the last stage's (k, S, V)
     logits."""
-    last = logits[:, -1, :].float()  # (k, V)
     rows = None
     if uniforms is not None:
         rows = uniforms[micro_batch.step, micro_batch.rows][micro_batch.live]
-    chosen = _choose(last, micro_batch.sampling, rows)
+    return choose_tokens(logits[:, -1, :], micro_batch.sampling, rows)
+
+
+def choose_tokens(last, sampling: SamplingConfig, uniforms) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token and its temperature-1 log-prob per row from (k, V) logits and the rows' uniforms
+    (k,) (None: greedy)."""
+    last = last.float()
+    chosen = _choose(last, sampling, uniforms)
     return chosen, last.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
 
 

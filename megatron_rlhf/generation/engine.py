@@ -21,6 +21,9 @@ pipelined path (``pipelined.py``: micro-batches in flight on every stage at PP >
 very tokens of the plain one. One Megatron-Core ``StaticInferenceContext`` holds the KV cache
 of the whole batch; a micro-batch addresses its rows through the context's
 ``batch_size_offset``, as Megatron-Core's own micro-batched inference does.
+
+With ``sampling.decode_batch`` (PP = 1) the KV cache holds that many slots and a row that ends
+hands its slot to a waiting prompt (continuous batching): ``refill.py``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from megatron_rlhf.generation.decode import (
     stage_forward,
 )
 from megatron_rlhf.generation.pipelined import generate_pipelined
+from megatron_rlhf.generation.refill import generate_refill
 
 
 @torch.no_grad()
@@ -53,18 +57,25 @@ def generate(
     was_training = model.training
     model.eval()
     batch, prompt_length = prompt_ids.shape
-    max_length = prompt_length + sampling.max_new_tokens  # sort_prompts may only trim
-    context = StaticInferenceContext(batch, max_length) if sampling.use_kv_cache else None
     device = compute_device()
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     try:
         groups = model_groups(model)
+        refill = bool(sampling.decode_batch)
+        if refill:
+            check_decode_batch(sampling, groups.pp.size())
         uniforms = sampling_uniforms(sampling, batch, device, groups.dp.rank())
         order = None
-        if sampling.unpadded_prefill:
+        if sampling.unpadded_prefill or refill:
             prompt_ids, prompt_mask, order = sort_prompts(prompt_ids, prompt_mask)
             uniforms = None if uniforms is None else uniforms[:, order]
-        if groups.pp.size() > 1:
+        max_length = prompt_length + sampling.max_new_tokens  # sort_prompts may only trim
+        context = None
+        if sampling.use_kv_cache and not refill:
+            context = StaticInferenceContext(batch, max_length)
+        if refill:
+            out = generate_refill(model, prompt_ids, prompt_mask, sampling, uniforms)
+        elif groups.pp.size() > 1:
             out = generate_pipelined(model, prompt_ids, prompt_mask, sampling, context, uniforms)
         else:
             micro_batch = MicroBatch(slice(0, batch), prompt_ids, prompt_mask, sampling, device)
@@ -87,3 +98,16 @@ def generate(
         return out
     finally:
         model.train(was_training)
+
+
+def check_decode_batch(sampling: SamplingConfig, pipeline_stages: int) -> None:
+    """``decode_batch`` (refill, ``refill.py``) needs a KV cache and one pipeline stage."""
+    if sampling.decode_batch < 1:
+        raise ValueError(f"decode_batch must be >= 1 (or None), got {sampling.decode_batch}")
+    if not sampling.use_kv_cache:
+        raise ValueError("decode_batch refills KV-cache slots: it needs use_kv_cache=True")
+    if pipeline_stages > 1:
+        raise ValueError(
+            f"decode_batch refills slots at PP = 1 only (this model has {pipeline_stages} "
+            "pipeline stages); leave decode_batch unset at PP > 1"
+        )

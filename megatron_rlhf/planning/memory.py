@@ -263,18 +263,27 @@ def generate_memory(
     e: int,
     fused_attention: bool = False,
     micro_batches: int = 0,
+    decode_batch: int | None = None,
 ) -> Memory:
     """KV-cached generation of ``rows`` sequences on one rollout replica (weights included).
 
     At PP > 1 the rows travel the pipeline in ``micro_batches`` pieces (generation/pipelined.py;
     0: its default, PP), so a stage's layer temporaries and the last stage's logits are those of
-    one piece; the KV cache still holds every row."""
+    one piece; the KV cache still holds every row. With ``decode_batch`` slots (PP = 1,
+    generation/refill.py) the cache holds that many rows of ``prompt_len + 2 * new_tokens``
+    columns, plus a prompt-wide cache for the newcomers' prefill."""
     stages = []
     pieces = (micro_batches or layout.pp) if layout.pp > 1 else 1
     piece_rows = -(-rows // min(pieces, rows))
+    kv = kv_cache_bytes(shape, layout, rows, prompt_len + new_tokens, e)
+    if decode_batch and layout.pp == 1 and decode_batch < rows:
+        piece_rows = decode_batch
+        kv = kv_cache_bytes(shape, layout, decode_batch, prompt_len + 2 * new_tokens, e)
+        newcomers = min(decode_batch, rows - decode_batch)
+        kv += kv_cache_bytes(shape, layout, newcomers, prompt_len, e)
     for stage in range(layout.pp):
         memory = Memory(weights=rank_params(shape, layout.tp, layout.pp, stage, "lm") * e)
-        memory.kv_cache = kv_cache_bytes(shape, layout, rows, prompt_len + new_tokens, e)
+        memory.kv_cache = kv
         memory.activations = layer_forward_bytes(
             shape, layout, piece_rows, prompt_len, e, fused_attention
         )

@@ -71,6 +71,15 @@ class RolloutConfig:
     actor's weights copied to it in memory before every rollout (needs parallel.rollout.pp=1).
     Sampled tokens differ between the two (their samplers draw differently); greedy tokens and
     the log-probs of the same tokens agree."""
+    decode_batch: int | None = None
+    """Decode slots per rollout data-parallel rank (engine megatron): at most this many rows
+    decode at once, and a row that ends (EOS or max_new_tokens) hands its KV-cache slot to a
+    waiting prompt (continuous batching, ``generation/refill.py``); ended rows are compacted
+    away only when a cost model (rows carried vs. KV bytes copied) says it pays. Set it below
+    the rank's prompts (prompts_per_step / rollout DP) to bound the KV cache and keep the
+    decode batch full while responses end early. None or 0: all of the rank's prompts decode
+    at once. Tokens are the same either way (per-row seeds; log-probs up to float rounding).
+    Needs parallel.rollout.pp=1."""
 
 
 @dataclass(kw_only=True)

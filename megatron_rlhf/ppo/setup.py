@@ -84,6 +84,17 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
             f"ppo.rollout_correction={correction} weights the PPO policy term, which "
             "ppo.algorithm=rejection_sampling does not have; set ppo.rollout_correction=none"
         )
+    decode_batch = config.rollout.decode_batch
+    if decode_batch is not None and decode_batch < 0:
+        problems.append(
+            f"rollout.decode_batch={decode_batch} must be >= 1 (decode slots per rollout DP "
+            "rank), or 0/null to decode every prompt at once"
+        )
+    elif decode_batch and config.rollout.engine != "megatron":
+        problems.append(
+            f"rollout.decode_batch={decode_batch} applies to rollout.engine=megatron only "
+            f"(rollout.engine={config.rollout.engine} schedules its own batch); unset it"
+        )
     cap = config.ppo.rollout_correction_cap
     if not (math.isfinite(cap) and cap >= 1):
         problems.append(f"ppo.rollout_correction_cap={cap} must be a finite number >= 1")
@@ -152,6 +163,7 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
             f"rollout.engine=vllm needs a rollout layout without pipeline stages (it resolves "
             f"to pp={layouts['rollout'].pp}); set parallel.rollout.pp=1"
         )
+    check_decode_slots(config, layouts)
     check_batches(config, layouts)
     return PPOPlan(config=config, checkpoints=checkpoints, layouts=layouts)
 
@@ -160,6 +172,17 @@ def layout_roles(config: TrainPPOConfig) -> tuple[str, ...]:
     """The roles that hold a model in this run (``rollout`` is the actor's generation copy)."""
     roles = ("actor", "reference", "critic", "rollout")
     return roles + ("reward",) if config.models.reward is not None else roles
+
+
+def check_decode_slots(config: TrainPPOConfig, layouts: dict) -> None:
+    """``rollout.decode_batch`` refills slots in the single-stage decode loop only: the
+    pipelined loop (``generation/pipelined.py``) keeps its micro-batches' rows to the end."""
+    if config.rollout.decode_batch and layouts["rollout"].pp != 1:
+        raise InputError(
+            f"rollout.decode_batch={config.rollout.decode_batch} refills decode slots without "
+            f"pipeline stages only; the rollout layout resolves to pp={layouts['rollout'].pp}: "
+            "set parallel.rollout.pp=1 or unset rollout.decode_batch"
+        )
 
 
 def check_batches(config: TrainPPOConfig, layouts: dict) -> None:

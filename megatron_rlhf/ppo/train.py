@@ -214,6 +214,7 @@ class PPOTrainer:
             max_new_tokens=rollout_config.max_new_tokens,
             temperature=rollout_config.temperature,
             top_p=rollout_config.top_p,
+            decode_batch=rollout_config.decode_batch or None,
             eos_id=self.data.eos_id,
             pad_id=self.data.pad_id,
         )

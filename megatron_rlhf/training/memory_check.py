@@ -155,6 +155,7 @@ def check_ppo(config, archs: dict, layouts: dict, skip: bool = False) -> None:
             config.data.max_prompt_length,
             new_tokens,
             e,
+            decode_batch=config.rollout.decode_batch,
         ),
     }
     if "reward" in archs:
@@ -172,7 +173,7 @@ def check_ppo(config, archs: dict, layouts: dict, skip: bool = False) -> None:
     keys = _term_keys(
         layout="parallel.<role>.tp or parallel.<role>.pp (or more ranks)",
         batch=pass_keys,
-        kv_cache="rollout.prompts_per_step or rollout.max_new_tokens",
+        kv_cache="rollout.prompts_per_step, rollout.decode_batch or rollout.max_new_tokens",
         inputs="rollout.prompts_per_step, data.max_prompt_length or rollout.max_new_tokens",
     )
     experience = input_bytes(rows, seq) * 3  # rollout rows, their log-probs, values, advantages
