@@ -151,7 +151,7 @@ def launch(config: Path, work: Path, backend: str, stage: int) -> dict:
     report = work / f"report_{backend}_{time.monotonic_ns()}.json"
     output = work / f"run_{report.stem}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(_free_port()), __file__, "--one", str(config), str(output)]
+    cmd += ["--standalone", __file__, "--one", str(config), str(output)]
     cmd += [backend, str(stage), str(report)]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
@@ -240,14 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio of medians deepspeed/megatron: pairs/s {speed:.2f}, peak RSS {memory:.2f}")
     print("\n".join(choice_at_7b1()))
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ def test_gpu_stack_problems_name_what_to_fix():
     assert both == ["faiss-cpu and faiss-gpu are both installed (both provide `faiss`)"]
 
 
-@pytest.mark.chaos  # launches Python
+@pytest.mark.launch  # launches Python
 def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path):
     """A step's children (torchrun workers, a train-ppo child) must not outlive its time limit
     holding the GPU: the whole process group goes."""

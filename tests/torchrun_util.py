@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,18 +35,14 @@ def launch_env(**extra: str) -> dict:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun_command(nproc: int, *target: str) -> list[str]:
-    """``torchrun --nproc-per-node nproc --master-port <free> *target`` (a script and its
-    arguments, or ``-m module ...``)."""
+    """``torchrun --standalone --nproc-per-node nproc *target`` (a script and its arguments, or
+    ``-m module ...``). ``--standalone``: the rendezvous binds a port the OS picks, so parallel
+    launches never race for one (a free port picked here could be taken before torchrun binds
+    it)."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-port", str(free_port()), *target,
+        "--standalone", *target,
     ]  # fmt: skip
 
 

@@ -127,16 +127,8 @@ def _check_save(args) -> None:
 
 def _relaunch_under_torchrun(nproc: int) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    cmd += ["--master-port", str(_free_port()), *sys.argv]
+    cmd += ["--standalone", *sys.argv]  # a rendezvous on a port the OS picks: no race
     return subprocess.call(cmd)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def megatron_to_hf(args) -> int:

@@ -9,7 +9,6 @@ the megatron-core compatibility layer is installed first. The layout is validate
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -96,8 +95,9 @@ def world_size_from_env() -> int:
 def init_process_group() -> None:
     """torch.distributed over NCCL (GPU) or gloo (CPU); a 1-process group outside torchrun.
 
-    Outside torchrun every call binds a fresh local port, so one process can run several
-    commands in a row (the demo does) without colliding with a closing store.
+    Outside torchrun the group's store is an in-memory ``HashStore``, new at every call: no
+    port to pick (picking a free port and binding it later races with any other process on the
+    machine), and one process can run several commands in a row (the demo does).
     """
     if dist.is_initialized():
         return
@@ -108,9 +108,7 @@ def init_process_group() -> None:
         dist.init_process_group(backend)
         return
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def initialize(
@@ -169,9 +167,3 @@ def destroy() -> None:
     unseal()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -142,7 +142,7 @@ def run_launch(rows: list[list], work: dict, nproc: int) -> list[dict]:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(_free_port()), "-m", "megatron_rlhf.planning.tools.study",
+            "--standalone", "-m", "megatron_rlhf.planning.tools.study",
             "--rows", json.dumps(rows), "--work", json.dumps(work), "--out", str(out),
         ]  # fmt: skip
         proc = subprocess.run(cmd, env=env)
@@ -215,11 +215,3 @@ def plot(results: list[dict], folder: Path) -> None:
         fig.tight_layout()
         fig.savefig(folder / f"{name}.png", dpi=110)
         plt.close(fig)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
