@@ -1,6 +1,6 @@
 """The study: the text world's gold reward and labels, the aggregation math, and the quick run.
 
-The quick run (slow) checks that ``study --preset quick --jobs 2`` writes every output the issue
+The quick run (slow) checks that ``study --preset quick --seeds 2 --jobs 2`` writes every output the issue
 names and that results.json is exactly what ``stats.results_from_records`` computes from the raw
 records it wrote.
 """
@@ -144,22 +144,25 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
 
     out = tmp_path / "study"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    # two seeds, one per worker: a third would add a third of the CPU time (~2 CPU-min) and no
+    # check (every per-seed check below runs on each seed; the README's quick run has three)
+    seeds = 2
     command = [sys.executable, "-m", "megatron_rlhf", "study", "--preset", "quick",
-               "--output-dir", str(out), "--jobs", "2"]  # fmt: skip
+               "--seeds", str(seeds), "--output-dir", str(out), "--jobs", "2"]  # fmt: skip
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("[study] done:")
     results = json.loads((out / "results.json").read_text())
     for model in ("rm", "am"):
         for metric in ("accuracy", "ece", "brier"):
-            assert len(results["table1"][model][metric]["per_seed"]) == 3
-        for seed in range(3):
+            assert len(results["table1"][model][metric]["per_seed"]) == seeds
+        for seed in range(seeds):
             first = json.loads((out / "reward" / model / f"seed{seed}" / "pairs.jsonl")
                                .read_text().splitlines()[0])  # fmt: skip
             assert {"chosen_score", "rejected_score", "task", "p_true"} <= set(first)
     for arm in ("rm_ppo", "rm_ppo_ma", "am_ppo", "am_ppo_sr", "rm_ppo_sr", "rejection_sampling"):
         for set_name in ("main", "forget"):
-            assert len(results["table2"][arm][set_name]["per_seed"]) == 3
+            assert len(results["table2"][arm][set_name]["per_seed"]) == seeds
         lines = (out / "ppo" / arm / "seed0" / "judgments.jsonl").read_text().splitlines()
         first = json.loads(lines[0])
         assert {"set", "prompt_id", "gold_policy", "gold_sft", "outcome"} <= set(first)
