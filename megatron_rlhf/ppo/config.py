@@ -71,6 +71,13 @@ class RolloutConfig:
     actor's weights copied to it in memory before every rollout (needs parallel.rollout.pp=1).
     Sampled tokens differ between the two (their samplers draw differently); greedy tokens and
     the log-probs of the same tokens agree."""
+    sync_bucket_mb: float = 256
+    """engine=vllm: the weight sync's bucket, in MiB per rank (> 0). Each vLLM rank receives
+    only its TP shard of the actor, a bucket at a time: larger buckets mean fewer messages,
+    smaller ones less memory in flight (one bucket of send and receive buffers a rank).
+    Logged each step: rollout/sync_s, rollout/sync_bytes_per_rank (bytes written into this
+    rank's engine: 1/TP of the model plus the replicated norms and biases) and
+    rollout/sync_remote_bytes_per_rank (of those, received from other ranks)."""
 
 
 @dataclass(kw_only=True)

@@ -84,6 +84,13 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
             f"ppo.rollout_correction={correction} weights the PPO policy term, which "
             "ppo.algorithm=rejection_sampling does not have; set ppo.rollout_correction=none"
         )
+    bucket = config.rollout.sync_bucket_mb
+    if (
+        isinstance(bucket, bool)
+        or not isinstance(bucket, (int, float))
+        or not (math.isfinite(bucket) and bucket > 0)
+    ):
+        problems.append(f"rollout.sync_bucket_mb={bucket!r} must be a number of MiB > 0")
     cap = config.ppo.rollout_correction_cap
     if not (math.isfinite(cap) and cap >= 1):
         problems.append(f"ppo.rollout_correction_cap={cap} must be a finite number >= 1")
@@ -315,6 +322,7 @@ def build_roles(plan: PPOPlan, role_groups: dict, seed: int) -> Roles:
         max_model_len=config.data.max_prompt_length + config.rollout.max_new_tokens,
         max_rows=rollout_rows,
         seed=seed,
+        sync_bucket_mb=config.rollout.sync_bucket_mb,
     )
     rollout = build_rollout_engine(
         actor.model,
