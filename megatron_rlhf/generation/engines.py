@@ -156,7 +156,7 @@ class VLLMRolloutEngine:
         max_model_len: int,
         max_rows: int,
         seed: int,
-        sync_bucket_mb: int = 256,
+        sync_bucket_mb: float = 256,
     ):
         from megatron_rlhf.generation.vllm_engine import VLLMGenerator
 

@@ -84,13 +84,9 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
             f"ppo.rollout_correction={correction} weights the PPO policy term, which "
             "ppo.algorithm=rejection_sampling does not have; set ppo.rollout_correction=none"
         )
-    bucket = config.rollout.sync_bucket_mb
-    if (
-        isinstance(bucket, bool)
-        or not isinstance(bucket, (int, float))
-        or not (math.isfinite(bucket) and bucket > 0)
-    ):
-        problems.append(f"rollout.sync_bucket_mb={bucket!r} must be a number of MiB > 0")
+    bucket = config.rollout.sync_bucket_mb  # a float: the config loader checks the type
+    if not (math.isfinite(bucket) and bucket > 0):
+        problems.append(f"rollout.sync_bucket_mb={bucket:g} must be a number of MiB > 0")
     cap = config.ppo.rollout_correction_cap
     if not (math.isfinite(cap) and cap >= 1):
         problems.append(f"ppo.rollout_correction_cap={cap} must be a finite number >= 1")
