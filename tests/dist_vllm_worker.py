@@ -246,6 +246,42 @@ def shard_sync_moves_one_tp_share_of_the_bytes(args) -> str:
 
 
 @harness.check
+def shard_sync_falls_back_when_vllm_shards_otherwise(args) -> str:
+    """The live-model check that decides the fallback: the engine's plan fits vLLM's model; a
+    plan for another vLLM TP does not, and says why. When a rank's check fails, every rank
+    takes the full stream (warned), which still syncs: greedy tokens = the actor's."""
+    import warnings
+    from dataclasses import replace as replace_plan
+
+    s = _setup(args)
+    engine = s["engine"]
+    generator, plan = engine.generator, engine._plan
+    assert generator.check_shards(plan) is None
+    other = replace_plan(plan, rollout_tp=2 * plan.rollout_tp)
+    reason = generator.check_shards(other)
+    assert reason is not None and "plan's shard" in reason, reason
+    _perturb(s["model"], 0.05, seed=90_000)
+    engine._plan = None
+    generator.check_shards = lambda plan: "a mismatch made up by the test"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.refresh()
+    finally:
+        del generator.check_shards
+    assert engine.full_stream and engine._plan is None
+    assert any("every sync streams every full tensor" in str(w.message) for w in caught)
+    ours = s["generate"](s["model"], s["ids"], s["mask"], s["greedy"])
+    fresh = engine.generate(s["ids"], s["mask"], s["greedy"])
+    assert torch.equal(fresh.response_ids, ours.response_ids)
+    assert engine.sync_bytes_per_rank == engine.sync_remote_bytes_per_rank  # all of it, each
+    engine.full_stream = False  # back to shard to shard for the checks after this one
+    engine.refresh()
+    assert engine._plan is not None and engine.sync_bytes_per_rank == plan.received_bytes
+    return f"the engine's plan fits; one for TP {other.rollout_tp}: {reason}; fallback synced"
+
+
+@harness.check
 def shard_plan_moves_slices_between_layouts(args) -> str:
     """The plan's point-to-point transport: from the actor (TP of the launch) to a rollout of
     TP 1 on every rank (at 2 ranks, half of each tensor comes from the other rank), in

@@ -25,6 +25,7 @@ CHECKS = [
     "weights_synced_in_memory_after_updates",
     "shard_sync_logprobs_equal_the_actors_recomputed",
     "shard_sync_moves_one_tp_share_of_the_bytes",
+    "shard_sync_falls_back_when_vllm_shards_otherwise",
     "shard_plan_moves_slices_between_layouts",
     "close_releases_the_engine",
 ]
