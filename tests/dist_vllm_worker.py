@@ -73,6 +73,7 @@ def _setup(args):
 
 def _recomputed_logprobs(model, ids, mask, out):
     """log pi of the response tokens from a full forward of prompt + response (temperature 1)."""
+    from megatron_rlhf.distributed.parallel import model_groups, vocab_group
     from megatron_rlhf.ppo.scoring import response_logprobs
 
     sequences = torch.cat([ids, out.response_ids], dim=1)
@@ -80,7 +81,8 @@ def _recomputed_logprobs(model, ids, mask, out):
     with torch.no_grad():
         logits = model(sequences, full_mask)
     n = out.response_ids.shape[1]
-    return response_logprobs(logits, sequences, ids.shape[1], n, tp_group=None)
+    tp_group = vocab_group(model_groups(model))  # the logits are vocab-parallel at TP > 1
+    return response_logprobs(logits, sequences, ids.shape[1], n, tp_group=tp_group)
 
 
 @harness.check
@@ -150,13 +152,7 @@ def weights_synced_in_memory_after_updates(args) -> str:
     real PPO updates: the rollout's log-probs against the updated actor's, every step.)"""
     s = _setup(args)
     model, engine = s["model"], s["engine"]
-    tp_rank = model.pg_collection.tp.rank()
-    with torch.no_grad():
-        for index, param in enumerate(model.parameters()):
-            sharded = getattr(param, "tensor_model_parallel", False)
-            seed = 1000 * index + (tp_rank if sharded else 0)
-            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))
-            param += 0.2 * noise
+    _perturb(model, 0.2, seed=0)
     ours = s["generate"](model, s["ids"], s["mask"], s["greedy"])
     stale = engine.generate(s["ids"], s["mask"], s["greedy"])
     assert not torch.equal(stale.response_ids, ours.response_ids), "the updates changed nothing"
@@ -173,6 +169,156 @@ def weights_synced_in_memory_after_updates(args) -> str:
     files = sorted(p.name for p in Path(engine.generator._config_dir.name).iterdir())
     assert files == ["config.json"], files
     return f"stale engine differs, synced engine equal (gap {gap:.1e}); sync {sync_s:.3f} s; files {files}"
+
+
+def _perturb(model, scale: float, seed: int) -> None:
+    """Move every actor tensor (TP shards each their own way, replicated tensors the same on
+    every TP rank)."""
+    tp_rank = model.pg_collection.tp.rank()
+    with torch.no_grad():
+        for index, param in enumerate(model.parameters()):
+            sharded = getattr(param, "tensor_model_parallel", False)
+            generator = torch.Generator().manual_seed(
+                seed + 1000 * index + (tp_rank if sharded else 0)
+            )
+            param += scale * torch.randn(param.shape, generator=generator)
+
+
+@harness.check
+def shard_sync_logprobs_equal_the_actors_recomputed(args) -> str:
+    """After an actor update, the shard-to-shard sync (not the full-stream fallback) gives
+    vLLM sampled log-probs equal to a recomputing forward of the updated actor; the stale
+    engine's are not."""
+    s = _setup(args)
+    model, engine = s["model"], s["engine"]
+    assert not engine.full_stream and engine._plan is not None, "the sync fell back"
+    _perturb(model, 0.05, seed=70_000)
+    sampling = replace(s["greedy"], greedy=False, temperature=1.0, row_seeds=tuple(range(200, 208)))
+
+    def gap(out):
+        recomputed = _recomputed_logprobs(model, s["ids"], s["mask"], out)
+        return ((out.response_logprobs - recomputed) * out.response_mask).abs().max().item()
+
+    stale = gap(engine.generate(s["ids"], s["mask"], sampling))
+    sync_s = engine.refresh()
+    fresh = gap(engine.generate(s["ids"], s["mask"], sampling))
+    assert fresh < SHARP_LOGPROB_TOL < stale, (fresh, stale)
+    return f"log-prob gap {fresh:.1e} after the sync ({sync_s:.3f} s), {stale:.1e} before it"
+
+
+@harness.check
+def shard_sync_moves_one_tp_share_of_the_bytes(args) -> str:
+    """Each rank's sync writes exactly its vLLM TP shard of every HF tensor (real vocabulary
+    rows only; norms and row-parallel biases whole): at TP 2 half the model, give or take
+    those replicated tensors. Before/after: the full stream's seconds and bytes beside."""
+    from megatron_rlhf.checkpoint.hf_stream import hf_tensor_stream
+    from megatron_rlhf.generation.shard_sync import vllm_vocab_rows
+
+    s = _setup(args)
+    model, engine, arch = s["model"], s["engine"], s["arch"]
+    tp, rank = model.pg_collection.tp.size(), model.pg_collection.tp.rank()
+    expected, full = 0, 0
+    for name, tensor in s["hf"].state_dict().items():  # the HF model: every tensor, full
+        if name == "lm_head.weight":
+            continue  # tied to the word embedding
+        full += tensor.numel() * 4
+        if name.endswith("word_embeddings.weight"):
+            start, end, _ = vllm_vocab_rows(arch.vocab_size, tp, rank)
+            expected += (end - start) * tensor.shape[1] * 4
+        elif any(
+            key in name
+            for key in ("query_key_value", "dense_h_to_4h", "dense.weight", "4h_to_h.weight")
+        ):
+            expected += tensor.numel() * 4 // tp
+        else:
+            expected += tensor.numel() * 4
+    got = engine.sync_bytes_per_rank
+    assert got == expected, (got, expected)
+    assert full / tp <= got < 1.02 * full / tp, (got, full)  # replicated: ~1 % here
+    with torch.no_grad():
+        full_s = engine.generator.load_weights(hf_tensor_stream(model))
+    shard_s = engine.refresh()
+    return (
+        f"TP {tp}: {got} B a rank = {got / full:.4f} of the model ({full} B); "
+        f"{engine.sync_remote_bytes_per_rank} B of them from other ranks; sync {shard_s:.3f} s, "
+        f"full stream {full_s:.3f} s ({full} B a rank)"
+    )
+
+
+@harness.check
+def shard_sync_falls_back_when_vllm_shards_otherwise(args) -> str:
+    """The live-model check that decides the fallback: the engine's plan fits vLLM's model; a
+    plan for another vLLM TP does not, and says why. When a rank's check fails, every rank
+    takes the full stream (warned), which still syncs: greedy tokens = the actor's."""
+    import warnings
+    from dataclasses import replace as replace_plan
+
+    s = _setup(args)
+    engine = s["engine"]
+    generator, plan = engine.generator, engine._plan
+    assert generator.check_shards(plan) is None
+    other = replace_plan(plan, rollout_tp=2 * plan.rollout_tp)
+    reason = generator.check_shards(other)
+    assert reason is not None and "plan's shard" in reason, reason
+    _perturb(s["model"], 0.05, seed=90_000)
+    engine._plan = None
+    generator.check_shards = lambda plan: "a mismatch made up by the test"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.refresh()
+    finally:
+        del generator.check_shards
+    assert engine.full_stream and engine._plan is None
+    assert any("every sync streams every full tensor" in str(w.message) for w in caught)
+    ours = s["generate"](s["model"], s["ids"], s["mask"], s["greedy"])
+    fresh = engine.generate(s["ids"], s["mask"], s["greedy"])
+    assert torch.equal(fresh.response_ids, ours.response_ids)
+    assert engine.sync_bytes_per_rank == engine.sync_remote_bytes_per_rank  # all of it, each
+    engine.full_stream = False  # back to shard to shard for the checks after this one
+    engine.refresh()
+    assert engine._plan is not None and engine.sync_bytes_per_rank == plan.received_bytes
+    return f"the engine's plan fits; one for TP {other.rollout_tp}: {reason}; fallback synced"
+
+
+@harness.check
+def shard_plan_moves_slices_between_layouts(args) -> str:
+    """The plan's point-to-point transport: from the actor (TP of the launch) to a rollout of
+    TP 1 on every rank (at 2 ranks, half of each tensor comes from the other rank), in
+    4-KiB buckets, into plain tensors: equal to the full tensors laid out as vLLM does."""
+    from megatron_rlhf.checkpoint.hf_names import full_hf_name, hf_names
+    from megatron_rlhf.checkpoint.hf_stream import hf_tensor_stream
+    from megatron_rlhf.generation import shard_sync as ss
+
+    s = _setup(args)
+    model, arch = s["model"], s["arch"]
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    order = [full_hf_name(n) for n in hf_names(arch.num_layers, "lm")]
+    plan, sources = ss.plan_from_actor(model, singles[dist.get_rank()], 4096, order)
+    targets = {}
+    for name, spec in plan.specs.items():
+        targets[name] = torch.full(ss.rollout_shard_shape(spec, 1), float("nan"))
+        ss.zero_padding(targets[name], spec, 0, 1)
+
+    def write(piece, ranges, data):
+        ss.write_piece(targets[piece.name], plan.specs[piece.name], ranges, data)
+
+    with torch.no_grad():
+        ss.run_plan(plan, sources, write)
+        full = dict(hf_tensor_stream(model))
+    assert set(full) == set(targets)
+    heads = arch.num_heads
+    for name, tensor in full.items():
+        if "query_key_value" in name:  # vLLM's (3, heads, d) from HF's (heads, 3, d)
+            shape = tensor.shape
+            tensor = tensor.view(heads, 3, -1, *shape[1:]).transpose(0, 1).reshape(shape)
+        assert torch.equal(targets[name], tensor), name
+    if dist.get_world_size() > 1:
+        assert plan.remote_bytes > 0
+    return (
+        f"{len(plan.buckets)} buckets, {plan.received_bytes} B a rank, "
+        f"{plan.remote_bytes} B of them from other ranks"
+    )
 
 
 @harness.check

@@ -180,3 +180,10 @@ def test_vllm_rollouts_learn_as_ours_and_follow_every_update(vllm_setup):
     assert max(gaps) < 1e-2, gaps
     assert all(vllm[s]["time/weight_sync_s"] > 0 for s in range(1, 13))
     assert "time/weight_sync_s" not in runs["megatron"][1]
+    # every step logs the sync: its seconds and this rank's bytes (the whole model at TP 1,
+    # all of it copied from the rank's own actor); the training-layout engine copies nothing
+    assert all(vllm[s]["rollout/sync_s"] == vllm[s]["time/weight_sync_s"] for s in range(1, 13))
+    sync_bytes = {vllm[s]["rollout/sync_bytes_per_rank"] for s in range(1, 13)}
+    assert len(sync_bytes) == 1 and sync_bytes.pop() > 0
+    assert all(vllm[s]["rollout/sync_remote_bytes_per_rank"] == 0 for s in range(1, 13))
+    assert runs["megatron"][1]["rollout/sync_bytes_per_rank"] == 0

@@ -91,6 +91,7 @@ def test_old_logprobs_auto_reuses_the_rollouts_only_where_they_agree():
             ["ppo.rollout_correction=token_tis", "ppo.algorithm=rejection_sampling"],
             "ppo.rollout_correction=token_tis weights the PPO policy term",
         ),
+        (["rollout.sync_bucket_mb=0"], "rollout.sync_bucket_mb=0 must be a number of MiB > 0"),
     ],
 )
 def test_rollout_correction_settings(setup, capsys, overrides, message):

@@ -30,13 +30,14 @@ honour ``sampling.row_seeds`` so that tokens do not depend on the layout), and r
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from megatron_rlhf.distributed.groups import LayoutGroups
-from megatron_rlhf.distributed.parallel import group_max
+from megatron_rlhf.distributed.parallel import group_max, world_max
 from megatron_rlhf.generation import GenerationOutput, SamplingConfig, generate
 from megatron_rlhf.utils import InputError
 
@@ -45,6 +46,12 @@ class RolloutEngine(Protocol):
     groups: object
     """The process groups (a ``ProcessGroupCollection``) the engine generates on; its DP ranks
     split the global prompts."""
+
+    sync_bytes_per_rank: int | None
+    """Bytes a ``refresh()`` writes into this rank's generation weights (0: none, the actor
+    itself generates)."""
+    sync_remote_bytes_per_rank: int | None
+    """Of those, the bytes this rank receives from other ranks (None: not known)."""
 
     def refresh(self) -> float | None:
         """Make the generation weights equal the actor's current weights (collective); the
@@ -84,6 +91,8 @@ class _OurDecode:
 class TrainingLayoutEngine(_OurDecode):
     """The actor generates in its training layout."""
 
+    sync_bytes_per_rank = sync_remote_bytes_per_rank = 0  # no copy
+
     def __init__(self, actor):
         self.actor, self.groups = actor, actor.pg_collection
 
@@ -101,6 +110,12 @@ class ReshardedEngine(_OurDecode):
         self.actor, self.model, self.groups = actor, model, model.pg_collection
         self.model.requires_grad_(False)
         self.copy_service = refit_copy_service()
+        # the refit writes every parameter of this rank's copy (its tp x pp shard); how much
+        # of it crosses ranks is Megatron-Core's reshard plan's business (not counted: None)
+        self.sync_bytes_per_rank = sum(
+            p.numel() * p.element_size() for p in self.model.parameters()
+        )
+        self.sync_remote_bytes_per_rank = None
 
     def refresh(self) -> float:
         from megatron.core.resharding import swap_model_weights
@@ -120,13 +135,36 @@ class VLLMRolloutEngine:
     The rollout layout must be PP = 1 (vLLM's external launcher has no pipeline parallelism)
     with its TP groups on consecutive ranks (Megatron's rank order puts TP first), which is how
     vLLM groups the ranks: one vLLM TP group per rollout TP group, one vLLM data-parallel
-    replica per rollout DP rank. The sync gathers every full HF tensor on every rank
-    (``checkpoint/hf_stream.py``) and vLLM keeps its TP shard of it."""
+    replica per rollout DP rank.
 
-    def __init__(self, actor, groups, *, max_model_len: int, max_rows: int, seed: int):
+    The sync is shard-to-shard (``generation/shard_sync.py``): each rank receives only its
+    vLLM TP shard of every tensor (1/TP of the model, plus the replicated norms and biases),
+    from itself where its actor shard holds it (actor TP = rollout TP: nothing moves but
+    vocabulary rows the two pad differently), else point-to-point from one actor rank that
+    does, in buckets of ``sync_bucket_mb``, written into vLLM's parameters (in place, except
+    what vLLM's CPU backend packs: ``vllm_engine._load_shards``). The plan is built at the
+    first sync. Fallback, decided there by every rank together: a vLLM whose BLOOM is not
+    sharded as the plan assumes (``VLLMGenerator.check_shards``) gets the full stream of
+    every HF tensor to every rank (``checkpoint/hf_stream.py``, vLLM's ``reload_weights``),
+    with a warning."""
+
+    def __init__(
+        self,
+        actor,
+        groups,
+        *,
+        max_model_len: int,
+        max_rows: int,
+        seed: int,
+        sync_bucket_mb: float = 256,
+    ):
         from megatron_rlhf.generation.vllm_engine import VLLMGenerator
 
         self.actor, self.groups = actor, groups
+        self.bucket_bytes = int(sync_bucket_mb * 2**20)
+        self._plan, self.full_stream = None, False
+        self.sync_bytes_per_rank: int | None = None
+        self.sync_remote_bytes_per_rank: int | None = None
         check_vllm_layout(groups)
         self.generator = VLLMGenerator(
             actor.arch,
@@ -140,9 +178,40 @@ class VLLMRolloutEngine:
 
     def refresh(self) -> float:
         from megatron_rlhf.checkpoint.hf_stream import hf_tensor_stream
+        from megatron_rlhf.generation.shard_sync import actor_sources
 
-        with torch.no_grad():
-            return self.generator.load_weights(hf_tensor_stream(self.actor))
+        if self._plan is None and not self.full_stream:
+            self._build_plan()
+        if self.full_stream:
+            with torch.no_grad():
+                return self.generator.load_weights(hf_tensor_stream(self.actor))
+        return self.generator.load_shards(self._plan, actor_sources(self.actor))
+
+    def _build_plan(self) -> None:
+        """The shard-to-shard plan (collective: one all-gather of every rank's layout), or
+        the full stream when any rank's vLLM cannot take it."""
+        from megatron_rlhf.checkpoint.hf_names import full_hf_name, hf_names
+        from megatron_rlhf.generation.shard_sync import plan_from_actor
+
+        order = [full_hf_name(name) for name in hf_names(self.actor.arch.num_layers, "lm")]
+        try:  # every rank reaches the vote below, whatever fails here
+            plan, _ = plan_from_actor(self.actor, self.groups.tp, self.bucket_bytes, order)
+            reason = self.generator.check_shards(plan)
+        except ValueError as err:  # e.g. a vocabulary vLLM's TP does not split
+            plan, reason = None, str(err)
+        if world_max(0 if reason is None else 1):
+            warnings.warn(
+                f"vLLM's BLOOM is not sharded as the shard-to-shard sync assumes "
+                f"({reason or 'on another rank'}): every sync streams every full tensor",
+                stacklevel=2,
+            )
+            self.full_stream = True
+            self.sync_bytes_per_rank = _full_model_bytes(self.actor)
+            self.sync_remote_bytes_per_rank = self.sync_bytes_per_rank
+            return
+        self._plan = plan
+        self.sync_bytes_per_rank = plan.received_bytes
+        self.sync_remote_bytes_per_rank = plan.remote_bytes
 
     def close(self) -> None:
         self.generator.close()
@@ -162,6 +231,13 @@ class VLLMRolloutEngine:
         out = self.generator.generate(prompt_ids, prompt_mask, sampling, self.groups.dp.rank())
         self.generator.sleep()  # GPUs: free weights and KV cache for the update
         return out
+
+
+def _full_model_bytes(model) -> int:
+    """Bytes of every HF tensor of ``model`` (what the full stream hands each rank)."""
+    from megatron_rlhf.planning.shapes import model_params
+
+    return model_params(model.arch) * model.config.params_dtype.itemsize
 
 
 def check_vllm_layout(groups) -> None:

@@ -10,7 +10,10 @@ GPUs. Megatron-Core's own inference engines cannot run BLOOM (it has no ALiBi); 
   :meth:`VLLMGenerator.load_weights` then hands it the real ones as ``(hf_name, tensor)``
   pairs (``checkpoint/hf_stream.py``), through vLLM's in-place ``reload_weights`` (the model's
   ``load_weights``, which splits them for vLLM's TP and repacks BLOOM's fused QKV, then each
-  layer's post-load processing). No weight file is written, ever.
+  layer's post-load processing). No weight file is written, ever. The PPO rollout instead
+  syncs shard to shard (:meth:`VLLMGenerator.load_shards`, ``generation/shard_sync.py``):
+  each rank writes only its own TP shard into vLLM's parameters, in place where vLLM keeps
+  the plain weight (see :func:`_load_shards` for where its CPU backend does not).
 - **In process.** The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a
   weight sync is a copy, not a serialisation. With more than one rank, vLLM's
   ``external_launcher`` executor joins the existing ``torch.distributed`` world: vLLM's TP
@@ -36,6 +39,7 @@ Process-wide side effects of an in-process vLLM, undone here: it replaces
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import json
@@ -257,6 +261,25 @@ class VLLMGenerator:
             self._asleep = False
         return time.perf_counter() - start
 
+    def load_shards(self, plan, sources) -> float:
+        """Write this rank's rollout shard into vLLM's parameters by ``plan``
+        (:mod:`~megatron_rlhf.generation.shard_sync`, collective over the world: every rank
+        runs it); returns seconds. :func:`shard_targets` says what is written in place."""
+        start = time.perf_counter()
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])
+        # apply_model runs the function on the worker, which is in this process
+        self.llm.apply_model(functools.partial(_load_shards, plan=plan, sources=sources))
+        if self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
+        return time.perf_counter() - start
+
+    def check_shards(self, plan) -> str | None:
+        """Why vLLM's model cannot take ``plan``'s shards (None when it can): a vLLM that
+        shards BLOOM otherwise than ``shard_sync`` assumes."""
+        return self.llm.apply_model(functools.partial(_shard_mismatch, plan=plan))[0]
+
     def close(self) -> None:
         """Shut the engine down. vLLM's teardown destroys torch.distributed's default group as
         well as its own, so call this before ``distributed.destroy()`` (which then finds
@@ -315,6 +338,100 @@ class VLLMGenerator:
             ignore_eos=True,  # EOS is sampling.eos_id only, not the config's
             detokenize=False,
         )
+
+
+def shard_targets(model, plan) -> dict:
+    """For each tensor of ``plan``, where its rollout shard goes in vLLM's ``model``:
+    ``(module, attribute, tensor)``; the tensor is vLLM's parameter itself (written in place)
+    except for a linear layer whose weight vLLM's CPU backend packed away (see
+    :func:`_load_shards`): then a new tensor of the shard's shape, None here."""
+    from megatron_rlhf.generation.shard_sync import rollout_shard_shape
+
+    targets = {}
+    for name, spec in plan.specs.items():
+        module_name, _, attribute = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        param = getattr(module, attribute)
+        shape = rollout_shard_shape(spec, plan.rollout_tp)
+        if tuple(param.shape) == shape:
+            targets[name] = (module, attribute, param.data)
+        elif _packed_away(module, attribute, param):
+            targets[name] = (module, attribute, None)
+        else:
+            raise ValueError(f"vLLM's {name} is {tuple(param.shape)}, the plan's shard {shape}")
+    return targets
+
+
+def _packed_away(module, attribute, param) -> bool:
+    return attribute == "weight" and param.numel() == 0 and hasattr(module, "cpu_linear")
+
+
+def _shard_mismatch(model, plan) -> str | None:
+    from megatron_rlhf.generation.shard_sync import vllm_vocab_rows
+
+    try:
+        shard_targets(model, plan)
+    except (ValueError, AttributeError) as err:
+        return str(err)
+    embedding = model.transformer.word_embeddings
+    indices = embedding.shard_indices
+    spec = plan.specs["transformer.word_embeddings.weight"]
+    ours = vllm_vocab_rows(spec.shape[0], plan.rollout_tp, plan.rollout_rank)
+    theirs = (indices.padded_org_vocab_start_index, indices.org_vocab_end_index)
+    if ours[:2] != theirs:
+        return f"vLLM's vocabulary shard is rows {theirs}, the plan's {ours[:2]}"
+    if model.lm_head.weight is not embedding.weight:
+        return "vLLM's LM head is not tied to its word embedding"
+    return None
+
+
+def _load_shards(model, plan, sources) -> None:
+    """Run ``plan`` into ``model``. In place wherever vLLM keeps the plain weight: the word
+    embedding (its padding rows zeroed), layer norms, biases, and on GPUs every linear weight
+    (vLLM's unquantized GPU layers use the parameter as loaded). Not in place on vLLM's CPU
+    backend: its linear layers hand their weight to a packed GEMM (oneDNN's
+    ``create_onednn_mm`` copies it into its own blocked layout; the weight parameter is then
+    emptied: ``vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm``,
+    ``remove_weight=True``), so each layer's shard is written into a new tensor, set as the
+    weight, and the layer re-packed (``process_weights_after_loading``) once its last piece
+    is in; and the tied LM head, whose packed GEMM buffer is a copy of the embedding (the
+    embedding keeps its weight for the look-up), is re-packed once after the sync."""
+    from megatron_rlhf.generation.shard_sync import (
+        rollout_shard_shape,
+        run_plan,
+        write_piece,
+        zero_padding,
+    )
+
+    targets = shard_targets(model, plan)
+    staged = {}  # CPU: the new weights of packed linear layers, until they are packed
+
+    def target(name):  # looked up at each write: packing may swap a bias's tensor
+        module, attribute, tensor = targets[name]
+        return staged[name] if tensor is None else getattr(module, attribute).data
+
+    for name, (module, attribute, tensor) in targets.items():
+        if tensor is None:  # the emptied weight keeps vLLM's dtype and device
+            emptied = getattr(module, attribute)
+            shape = rollout_shard_shape(plan.specs[name], plan.rollout_tp)
+            staged[name] = torch.empty(shape, dtype=emptied.dtype, device=emptied.device)
+        zero_padding(target(name), plan.specs[name], plan.rollout_rank, plan.rollout_tp)
+
+    def write(piece, ranges, data):
+        write_piece(target(piece.name), plan.specs[piece.name], ranges, data)
+
+    def done(names):
+        for name in names:
+            module, attribute, tensor = targets[name]
+            if tensor is None:  # CPU: the new weight, packed
+                module.weight = torch.nn.Parameter(staged.pop(name), requires_grad=False)
+                module.quant_method.process_weights_after_loading(module)
+
+    with torch.no_grad():
+        run_plan(plan, sources, write, done)
+        head = model.lm_head
+        if hasattr(head, "cpu_linear"):
+            head.quant_method.process_weights_after_loading(head)
 
 
 def _repack_lm_head(model) -> None:

@@ -21,8 +21,9 @@ Step time (seconds) is an estimate for ranking, from the GPU table in ``hardware
   inter-node link.
 
 Every plan also reports the actor-to-rollout weight sync per step three ways
-(:func:`weight_sync`): our engine's refit, the vLLM stream as it is today (every rank
-receives every full tensor) and a shard-to-shard stream (each rank only its rollout-TP shard).
+(:func:`weight_sync`): our engine's refit, vLLM's full stream (every rank receives every full
+tensor: the sync before shard-to-shard, now only its fallback) and vLLM's shard-to-shard sync
+(``generation/shard_sync.py``: each rank only its rollout-TP shard).
 """
 
 from __future__ import annotations
@@ -366,10 +367,13 @@ def weight_sync(request: PlanRequest, layouts: dict[str, Layout]) -> dict:
 
     - ``megatron_refit``: our engine, Megatron-Core's resharding into the rollout layout (its
       (tp x pp) shard; nothing when the rollout uses the actor's own layout);
-    - ``vllm_full_stream``: ``rollout.engine=vllm`` today (``checkpoint/hf_stream``): every
-      rank gathers every full tensor (all-gather over the actor's TP, broadcast over its PP)
-      and vLLM keeps its shard: the whole bf16 model a rank;
-    - ``shard_to_shard``: each vLLM rank receives only its rollout-TP shard (vLLM has no PP).
+    - ``vllm_full_stream``: ``rollout.engine=vllm``'s fallback (``checkpoint/hf_stream``):
+      every rank gathers every full tensor (all-gather over the actor's TP, broadcast over its
+      PP) and vLLM keeps its shard: the whole bf16 model a rank;
+    - ``shard_to_shard``: ``rollout.engine=vllm`` (``generation/shard_sync``): each vLLM rank
+      writes only its rollout-TP shard (vLLM has no PP), in buckets. An upper bound on what
+      crosses the links: a rank copies from itself what its actor shard holds (at actor TP =
+      rollout TP and PP 1, everything but the vocabulary rows the two pad differently).
     """
     weights = model_params(request.models["actor"]) * 2
     actor, rollout = layouts["actor"], layouts["rollout"]

@@ -80,6 +80,13 @@ class RolloutConfig:
     decode batch full while responses end early. None or 0: all of the rank's prompts decode
     at once. Tokens are the same either way (per-row seeds; log-probs up to float rounding).
     Needs parallel.rollout.pp=1."""
+    sync_bucket_mb: float = 256
+    """engine=vllm: the weight sync's bucket, in MiB per rank (> 0). Each vLLM rank receives
+    only its TP shard of the actor, a bucket at a time: larger buckets mean fewer messages,
+    smaller ones less memory in flight (one bucket of send and receive buffers a rank).
+    Logged each step: rollout/sync_s, rollout/sync_bytes_per_rank (bytes written into this
+    rank's engine: 1/TP of the model plus the replicated norms and biases) and
+    rollout/sync_remote_bytes_per_rank (of those, received from other ranks)."""
 
 
 @dataclass(kw_only=True)

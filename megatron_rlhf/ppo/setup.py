@@ -95,6 +95,9 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
             f"rollout.decode_batch={decode_batch} applies to rollout.engine=megatron only "
             f"(rollout.engine={config.rollout.engine} schedules its own batch); unset it"
         )
+    bucket = config.rollout.sync_bucket_mb  # a float: the config loader checks the type
+    if not (math.isfinite(bucket) and bucket > 0):
+        problems.append(f"rollout.sync_bucket_mb={bucket:g} must be a number of MiB > 0")
     cap = config.ppo.rollout_correction_cap
     if not (math.isfinite(cap) and cap >= 1):
         problems.append(f"ppo.rollout_correction_cap={cap} must be a finite number >= 1")
@@ -338,6 +341,7 @@ def build_roles(plan: PPOPlan, role_groups: dict, seed: int) -> Roles:
         max_model_len=config.data.max_prompt_length + config.rollout.max_new_tokens,
         max_rows=rollout_rows,
         seed=seed,
+        sync_bucket_mb=config.rollout.sync_bucket_mb,
     )
     rollout = build_rollout_engine(
         actor.model,

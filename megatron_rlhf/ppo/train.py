@@ -166,6 +166,7 @@ class PPOTrainer:
             self.consumed_prompts = self.data.consumed_prompts
             self.consumed_rehearsal = self.data.consumed_rehearsal
             metrics |= self.rollout_metrics(experience, timings)
+            metrics |= self.sync_metrics(sync_s)
             metrics |= {f"rollout/{key}": value for key, value in correction.items()}
             done = self.step + 1
             if not self.run.check(done, metrics):  # skipped: undo the step's controls
@@ -273,6 +274,19 @@ class PPOTrainer:
         metrics |= self.data.per_cluster_rewards(experience)
         if self.data.rehearsal is not None:  # rows of D_R cut to rehearsal.max_length so far
             metrics["rehearsal/rows_prompt_cut"] = float(self.data.rehearsal_rows_cut)
+        return metrics
+
+    def sync_metrics(self, sync_s: float | None) -> dict:
+        """The step's weight sync into the rollout engine: seconds and this rank's bytes (the
+        logged figures are rank 0's; 0 when the actor generates itself)."""
+        engine = self.roles.rollout
+        metrics = {
+            "rollout/sync_s": float(sync_s or 0.0),
+            "rollout/sync_bytes_per_rank": float(getattr(engine, "sync_bytes_per_rank", 0) or 0),
+        }
+        remote = getattr(engine, "sync_remote_bytes_per_rank", None)
+        if remote is not None:
+            metrics["rollout/sync_remote_bytes_per_rank"] = float(remote)
         return metrics
 
     def throughput(self, experience, seconds: float) -> dict:

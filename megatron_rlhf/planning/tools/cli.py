@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def sync_line(sync: dict) -> str:
     """The best plan's actor-to-rollout weight sync, one line."""
-    names = {"megatron_refit": "our engine's refit", "vllm_full_stream": "vLLM stream today",
+    names = {"megatron_refit": "our engine's refit", "vllm_full_stream": "vLLM full stream (fallback)",
              "shard_to_shard": "vLLM shard-to-shard"}  # fmt: skip
     parts = [f"{names[way]} {sync[way]['gb_per_rank']:.1f} GB/rank {sync[way]['seconds']:.2f} s"
              for way in names]  # fmt: skip
