@@ -94,11 +94,16 @@ def lifecycle_argv(command: str, request, run: Path, *extra: str) -> list[str]:
     return ["--config", str(setup["config"]), f"train.output_dir={run}", *PPO_SHORT, *extra]
 
 
+def is_wall_clock(key: str) -> bool:
+    """A logged figure that differs from run to run: a time (``time/...``, ``..._s``,
+    ``...seconds``) or a rate (``..._per_s``)."""
+    return any(c in key for c in ("time", "per_s", "seconds")) or key.endswith("_s")
+
+
 def logged(run: Path) -> list[dict]:
     """metrics.jsonl without wall-clock figures."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    clock = ("time", "per_s", "seconds")
-    return [{k: v for k, v in row.items() if not any(c in k for c in clock)} for row in rows]
+    return [{k: v for k, v in row.items() if not is_wall_clock(k)} for row in rows]
 
 
 @pytest.mark.parametrize("command", ["train-reward", "train-ppo"])

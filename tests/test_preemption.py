@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from test_checkpoint_integrity import is_wall_clock
 from test_checkpoint_safety import reward_argv, reward_setup  # noqa: F401  (fixture)
 from torchrun_util import launch_env, torchrun_command
 
@@ -74,14 +75,7 @@ def logged_steps(run: Path) -> int:
 def metrics(run: Path) -> list[dict]:
     """metrics.jsonl without wall-clock figures."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [
-        {
-            k: v
-            for k, v in row.items()
-            if "time" not in k and "per_s" not in k and "seconds" not in k
-        }
-        for row in rows
-    ]
+    return [{k: v for k, v in row.items() if not is_wall_clock(k)} for row in rows]
 
 
 def shards(checkpoint: Path) -> dict[str, bytes]:
