@@ -17,9 +17,10 @@ a launch costs seconds of imports, and the quick tier must stay quick as the sui
 **Parallel runs** (``pytest -n 2 --dist loadgroup``, the README's test command): every test
 of 2 or more ranks or marked ``chaos`` joins one ``xdist_group``, so those run one at a time
 on one worker (they size their timeouts and signal timing for a machine they share with one
-other test at most), and so do the other tests of their files (which share their module-scoped
-runs: a module's fixtures are built once); every other test is grouped by its file. The big groups are handed out first (xdist orders groups by their number of tests; the
-multi-rank group is the largest).
+other test at most), and so does any test of their files that shares a module-scoped run with
+one of them (the run is built once); every other test is grouped by its file. Groups are handed
+out longest first (the serial group, then the files that run a command end to end, then the
+rest), so the last minutes are short tests on both workers, not one long test on one.
 """
 
 from __future__ import annotations
@@ -42,18 +43,41 @@ def _ranks(item: pytest.Item) -> int:
     return max((int(m.kwargs.get("ranks", 1)) for m in marks), default=1)
 
 
+def _shared_fixtures(item: pytest.Item) -> set[tuple]:
+    """The module-scoped fixtures of ``item``'s file that it uses (pytest's own, such as
+    ``tmp_path_factory``, are not among them): what it shares with the file's other tests."""
+    module = item.nodeid.split("::")[0]
+    return {
+        (module, name)
+        for name, defs in item._fixtureinfo.name2fixturedefs.items()
+        if defs and defs[-1].scope != "function" and defs[-1].baseid == module
+    }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):
+        # xdist hands groups out in the collection's order (set below), not by their size
+        config.option.loadscopereorder = False
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's hook, which reads the groups off the items
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    serial_files = set()
+    serial = set()
     for item in items:
         if any(item.get_closest_marker(name) for name in LAUNCH_MARKERS):
             item.add_marker(pytest.mark.slow)
         if _ranks(item) >= 2 or item.get_closest_marker("chaos") is not None:
-            serial_files.add(item.path)
+            serial.add(item)
+    # a test that shares a module-scoped run with a serial test joins it: the run is built once
+    shared = set().union(*(_shared_fixtures(item) for item in serial))
+    serial |= {item for item in items if _shared_fixtures(item) & shared}
+    e2e_files = {item.path for item in items if item.get_closest_marker("e2e")}
     for item in items:
         if not item.get_closest_marker("xdist_group"):
-            group = SERIAL_GROUP if item.path in serial_files else item.nodeid.split("::")[0]
+            group = SERIAL_GROUP if item in serial else item.nodeid.split("::")[0]
             item.add_marker(pytest.mark.xdist_group(group))
+    # longest first: the serial group, then the files with a command end to end, then the rest
+    items.sort(key=lambda item: 0 if item in serial else 1 if item.path in e2e_files else 2)
 
 
 @pytest.hookimpl(hookwrapper=True)
