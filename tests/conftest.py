@@ -32,6 +32,14 @@ import sys
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on two cores: one torch thread each (set before torch is imported; the
+    # processes a test launches inherit it, as launch_env gives them anyway). Two threads a
+    # worker would put four spinning OpenMP threads on two cores.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
 LAUNCH_MARKERS = ("launch", "e2e", "chaos")
 SERIAL_GROUP = "ranks"
 

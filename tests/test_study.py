@@ -1,6 +1,6 @@
 """The study: the text world's gold reward and labels, the aggregation math, and the quick run.
 
-The quick run (slow) checks that ``study --preset quick --seeds 2 --jobs 2`` writes every output the issue
+The quick run (slow) checks that ``study --preset quick --seeds 2 --ppo steps=4 --jobs 2`` writes every output the issue
 names and that results.json is exactly what ``stats.results_from_records`` computes from the raw
 records it wrote.
 """
@@ -144,11 +144,13 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
 
     out = tmp_path / "study"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    # two seeds, one per worker: a third would add a third of the CPU time (~2 CPU-min) and no
-    # check (every per-seed check below runs on each seed; the README's quick run has three)
+    # two seeds, one per worker, and 4 PPO steps an arm: the README's quick run has three seeds
+    # and 8 steps; more would add CPU minutes and no check (every per-seed check below runs on
+    # each seed, and none depends on how far PPO went)
     seeds = 2
     command = [sys.executable, "-m", "megatron_rlhf", "study", "--preset", "quick",
-               "--seeds", str(seeds), "--output-dir", str(out), "--jobs", "2"]  # fmt: skip
+               "--seeds", str(seeds), "--ppo", "steps=4", "--output-dir", str(out),
+               "--jobs", "2"]  # fmt: skip
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("[study] done:")
