@@ -233,9 +233,9 @@ def main() -> int:
     if args.decode_batches is None:
         args.decode_batches = [args.batch, max(1, args.batch // 2)]
     torch.set_num_threads(args.threads)
-    from megatron_rlhf.distributed import ParallelConfig, destroy, initialize
+    from megatron_rlhf.distributed import destroy, initialize
 
-    initialize(ParallelConfig())
+    initialize()
     print(f"machine: {os.cpu_count()} CPUs, {args.threads} threads, load {os.getloadavg()}")
     print(f"{args.reps} reps x seeds {args.seeds}, interleaved; tokens/s min / median / max")
     try:
