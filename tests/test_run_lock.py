@@ -23,12 +23,27 @@ from test_checkpoint_safety import reward_argv, reward_setup  # noqa: F401  (fix
 REPO = Path(__file__).resolve().parents[1]
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 HOLD = """
-import sys, time
+import multiprocessing, sys, time
 from megatron_rlhf.runtime import locks
+from megatron_rlhf.runtime.processes import forks_die_with_parent
 locks.acquire(sys.argv[1])
-print("held", flush=True)
+fork = multiprocessing.get_context("fork")
+with forks_die_with_parent():  # as checkpoint saves fork Megatron's writers
+    dies = fork.Process(target=time.sleep, args=(120,))
+    dies.start()
+orphan = fork.Process(target=time.sleep, args=(120,))  # e.g. a data-loader worker
+orphan.start()
+print("held", dies.pid, orphan.pid, flush=True)
 time.sleep(120)
 """
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def child_env() -> dict:
@@ -59,8 +74,11 @@ def test_a_second_run_on_a_locked_directory_exits_2_naming_the_holder(
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(run)], env=child_env(), stdout=subprocess.PIPE, text=True
     )
+    orphan = None
     try:
-        assert holder.stdout.readline().strip() == "held"
+        word, dies, orphan = holder.stdout.readline().split()
+        dies, orphan = int(dies), int(orphan)
+        assert word == "held"
         before = snapshot(tmp_path)
         assert main(reward_argv(reward_setup, run, steps=1)) == 2
         err = capsys.readouterr().err
@@ -70,11 +88,22 @@ def test_a_second_run_on_a_locked_directory_exits_2_naming_the_holder(
         assert f"host {socket.gethostname()}, pid {holder.pid}, started 20" in line[0]
         assert "choose another train.output_dir" in line[0]
         assert snapshot(tmp_path) == before  # nothing written, the holder's record untouched
+        holder.kill()
+        holder.wait()
+        # A child forked inside forks_die_with_parent dies with the holder; one forked outside
+        # lives on, orphaned, but closed its copy of the lock's descriptor at the fork.
+        deadline = time.monotonic() + 10
+        while alive(dies) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(dies)
+        assert alive(orphan)
+        # The kernel dropped the killed holder's lock; its record is stale and taken over.
+        assert main(reward_argv(reward_setup, run, steps=1)) == 0
     finally:
         holder.kill()
         holder.wait()
-    # The kernel dropped the killed holder's lock; its record is stale and taken over.
-    assert main(reward_argv(reward_setup, run, steps=1)) == 0
+        if orphan is not None and alive(orphan):
+            os.kill(orphan, signal.SIGKILL)
     err = capsys.readouterr().err
     assert f"{run / '.run.lock'}: stale lock, held by no process on this host" in err
     assert f"pid {holder.pid}" in err

@@ -31,6 +31,7 @@ from megatron_rlhf.checkpoint import manifest, safe_pickle
 from megatron_rlhf.checkpoint.containment import require_contained
 from megatron_rlhf.distributed.parallel import world_max
 from megatron_rlhf.models.bloom.config import BloomArchitecture
+from megatron_rlhf.runtime.processes import die_with_parent, forks_die_with_parent
 from megatron_rlhf.utils import InputError, NonFiniteError
 
 METADATA_FILE = "megatron_rlhf.json"
@@ -98,7 +99,7 @@ def save(
         partial.mkdir(parents=True)
     _barrier()
     _results_queue_without_spawn()
-    with _quiet_upstream_deprecations():
+    with _quiet_upstream_deprecations(), forks_die_with_parent():
         dist_checkpointing.save(sharded_state_dict, str(partial))
     if rank_state is not None:
         (partial / "rank_state").mkdir(exist_ok=True)
@@ -127,8 +128,6 @@ def _results_queue_without_spawn() -> None:
 
     if filesystem_async._results_queue is None:
         from multiprocessing.managers import SyncManager
-
-        from megatron_rlhf.runtime.processes import die_with_parent
 
         manager = SyncManager(ctx=multiprocessing.get_context("fork"))
         manager.start(initializer=die_with_parent)  # no orphan if the trainer is killed

@@ -5,8 +5,10 @@ anything is written there) takes ``flock(LOCK_EX | LOCK_NB)`` on ``output_dir/.r
 writes the holder into it: host, pid, start time (UTC) and command line. A second run on the
 same directory is refused on every rank with exit code 2 and a message naming that holder.
 
-The kernel drops an ``flock`` when its process dies, however it dies, so the lock never outlives
-its run on this host. A holder record left behind (the run was SIGKILLed) is *stale*: when it
+The kernel drops an ``flock`` when the last descriptor of its open file is closed, i.e. when its
+process dies, however it dies, so the lock never outlives its run on this host: a forked child
+(Megatron's checkpoint writer, a data-loader worker) closes its inherited copy at once
+(``os.register_at_fork``), so a child orphaned by a SIGKILLed trainer cannot keep the lock. A holder record left behind (the run was SIGKILLed) is *stale*: when it
 names this host the record is reported and replaced. A record from another host cannot be
 checked from here (``flock`` may not span hosts on a network file system): it is refused, with
 the command that clears it. On a file system without ``flock`` (``ENOSYS``, ``ENOLCK``, ...) the
@@ -35,6 +37,17 @@ from megatron_rlhf.utils import InputError, at_command_end
 LOCK_FILE = ".run.lock"
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)  # e.g. Lustre w/o flock
 _held: dict[str, tuple[int, bool]] = {}  # lock file realpath -> (descriptor, dir created)
+
+
+def _close_in_forked_child() -> None:
+    """A forked child holds none of its parent's locks (module docstring)."""
+    for fd, _ in _held.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)  # the descriptor only: the lock stays with the parent's
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 def acquire(output_dir: str | Path, key: str = "train.output_dir") -> None:
@@ -82,7 +95,7 @@ def release() -> None:
                 with contextlib.suppress(OSError):  # not empty: the run wrote there
                     os.rmdir(os.path.dirname(path))
             with contextlib.suppress(OSError):  # no flock on this file system: nothing held
-                fcntl.flock(fd, fcntl.LOCK_UN)  # also for forked children sharing the fd
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
             del _held[path]
