@@ -113,18 +113,32 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-PROMPTS_PER_STEP, PROMPT_TOKENS, NEW_TOKENS, MICRO = 8, 16, 32, 4
+PAD, EOS = 3, 2
+PHASES = ("step", "rollout", "sync", "scoring", "update", "optimizer")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one PPO step holds (the defaults: the TRL comparison's). Written beside the inputs
+    (``shape.json``) so that the TRL worker, another process, reads the same."""
+
+    prompts_per_step: int = 8
+    prompt_tokens: int = 16
+    new_tokens: int = 32
+    micro_batch: int = 4
+    rollout_correction: str = "none"
+
+
 SIZES = {
     "560m": dict(vocab_size=250_880, hidden_size=1024, num_layers=4, num_heads=16),
     "tiny": dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4),
 }
-PAD, EOS = 3, 2
-PHASES = ("step", "rollout", "scoring", "update", "optimizer")
 
 
-def build_inputs(root: Path, size: str, seed: int, steps: int) -> dict:
+def build_inputs(root: Path, size: str, seed: int, steps: int, shape: StepShape) -> dict:
     """Random actor and reward BLOOMs (HF safetensors) and the prompts of every step."""
     import torch
     from transformers import BloomConfig, BloomForSequenceClassification
@@ -139,19 +153,23 @@ def build_inputs(root: Path, size: str, seed: int, steps: int) -> dict:
     BloomForSequenceClassification(config).save_pretrained(root / "reward")
     generator = torch.Generator().manual_seed(seed)
     prompts = torch.randint(
-        4, arch.vocab_size, (steps * PROMPTS_PER_STEP, PROMPT_TOKENS), generator=generator
+        4,
+        arch.vocab_size,
+        (steps * shape.prompts_per_step, shape.prompt_tokens),
+        generator=generator,
     ).tolist()
     write_prompt_dataset(
         root / "prompts", prompts, vocab_size=arch.vocab_size, eos_id=EOS, pad_id=PAD
     )
     (root / "trl_prompts.json").write_text(json.dumps(prompts))
-    return {"root": root, "seed": seed, "steps": steps}
+    (root / "shape.json").write_text(json.dumps(asdict(shape)))
+    return {"root": root, "seed": seed, "steps": steps, "shape": shape}
 
 
 def ours_command(inputs: dict, output_dir: Path, engine: str = "megatron") -> list[str]:
     import yaml
 
-    root = inputs["root"]
+    root, shape = inputs["root"], inputs["shape"]
     config = {
         "models": {
             "actor": str(root / "actor"),
@@ -159,17 +177,18 @@ def ours_command(inputs: dict, output_dir: Path, engine: str = "megatron") -> li
             "reward": str(root / "reward"),
             "reward_kind": "rm",
         },
-        "data": {"prompts": str(root / "prompts"), "max_prompt_length": PROMPT_TOKENS},
+        "data": {"prompts": str(root / "prompts"), "max_prompt_length": shape.prompt_tokens},
         "rollout": {
-            "prompts_per_step": PROMPTS_PER_STEP,
-            "max_new_tokens": NEW_TOKENS,
+            "prompts_per_step": shape.prompts_per_step,
+            "max_new_tokens": shape.new_tokens,
             "temperature": 1.0,
             "engine": engine,
         },
         "ppo": {
             "epochs": 1,
             "num_minibatches": 1,
-            "micro_batch_size": MICRO,
+            "micro_batch_size": shape.micro_batch,
+            "rollout_correction": shape.rollout_correction,
             "kl": {"coef": 0.05, "estimator": "k1"},
         },
         "actor_optim": {"lr": 1.0e-6, "warmup_fraction": 0.0},
@@ -197,6 +216,7 @@ def ours_steps(output_dir: Path) -> list[dict]:
             "step": r["time/step_s"],
             # with vLLM: the in-memory weight sync before the rollout, too
             "rollout": r["time/rollout_s"] + r.get("time/weight_sync_s", 0.0),
+            "sync": r.get("rollout/sync_s", 0.0),
             "scoring": r["time/score_s"],
             "update": r["time/update_s"] + r.get("time/advantages_s", 0.0),
             # one optimizer step per role (1 epoch x 1 minibatch)
@@ -255,13 +275,14 @@ def trl_worker(root: Path, output_dir: Path, steps: int, seed: int) -> None:
             now = time.perf_counter()
             step = now - self.last
             update = step - phases["rollout"] - phases["scoring"]  # the optimizer's inside
-            record = {"step": step, **phases, "update": update}
+            record = {"step": step, **phases, "update": update, "sync": 0.0}
             with open(output_dir / "steps.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             phases.update(rollout=0.0, scoring=0.0, optimizer=0.0)
             self.last = now
 
     output_dir.mkdir(parents=True, exist_ok=True)
+    shape = StepShape(**json.loads((root / "shape.json").read_text()))
     words = {"<unk>": 0, "<s>": 1, "</s>": EOS, "<pad>": PAD}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(WordLevel(words, unk_token="<unk>")),
@@ -275,12 +296,12 @@ def trl_worker(root: Path, output_dir: Path, steps: int, seed: int) -> None:
     reward = AutoModelForSequenceClassification.from_pretrained(root / "reward", num_labels=1)
     args = PPOConfig(
         output_dir=str(output_dir / "trl"),
-        per_device_train_batch_size=MICRO,
-        gradient_accumulation_steps=PROMPTS_PER_STEP // MICRO,
+        per_device_train_batch_size=shape.micro_batch,
+        gradient_accumulation_steps=shape.prompts_per_step // shape.micro_batch,
         num_mini_batches=1,
         num_ppo_epochs=1,
-        total_episodes=steps * PROMPTS_PER_STEP,
-        response_length=NEW_TOKENS,
+        total_episodes=steps * shape.prompts_per_step,
+        response_length=shape.new_tokens,
         temperature=1.0,
         kl_coef=0.05,
         kl_estimator="k1",
@@ -290,7 +311,7 @@ def trl_worker(root: Path, output_dir: Path, steps: int, seed: int) -> None:
         lam=0.95,
         learning_rate=1e-6,
         lr_scheduler_type="constant",
-        local_rollout_forward_batch_size=PROMPTS_PER_STEP,
+        local_rollout_forward_batch_size=shape.prompts_per_step,
         num_sample_generations=0,
         save_strategy="no",
         report_to=[],
@@ -355,6 +376,16 @@ def main() -> None:
         "--engines", nargs="+", choices=("megatron", "vllm"), default=["megatron"],
         help="our train-ppo once per rollout.engine (vllm: the vllm extra)",
     )  # fmt: skip
+    defaults = StepShape()
+    parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
+    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
+    parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
+    parser.add_argument("--micro-batch", type=int, default=defaults.micro_batch)
+    parser.add_argument(
+        "--rollout-correction", choices=("none", "token_tis", "seq_tis"), default="none",
+        help="ppo.rollout_correction of our sides (with it on, old_logprobs=auto takes vLLM's "
+        "own log-probs instead of recomputing them)",
+    )  # fmt: skip
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -364,12 +395,20 @@ def main() -> None:
         return
     if args.steps < 2:
         parser.error("--steps must be >= 2: step 1 is a warm-up")
+    if args.reps < 3 or len(args.seeds) < 2:
+        parser.error("measure with >= 3 reps and >= 2 seeds")
+    if args.prompts_per_step % args.micro_batch:
+        parser.error("--prompts-per-step must be a multiple of --micro-batch")
+    shape = StepShape(
+        args.prompts_per_step, args.prompt_tokens, args.new_tokens, args.micro_batch,
+        args.rollout_correction,
+    )  # fmt: skip
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_ppo_"))
     engines = {"ours" if e == "megatron" else f"ours ({e})": e for e in args.engines}
     sides = list(engines) + (["trl"] if args.trl_python else [])
     results = {side: {seed: [] for seed in args.seeds} for side in sides}
     for seed in args.seeds:
-        inputs = build_inputs(work / f"seed{seed}", args.size, seed, args.steps)
+        inputs = build_inputs(work / f"seed{seed}", args.size, seed, args.steps, shape)
         for rep in range(args.reps):
             order = sides if rep % 2 == 0 else sides[::-1]
             for side in order:
@@ -385,11 +424,13 @@ def main() -> None:
                 results[side][seed].append(result)
                 print(f"seed {seed} rep {rep} {side}: " + json.dumps(
                     {k: round(v, 2) for k, v in result.items()}), flush=True)  # fmt: skip
-    print(f"\n{args.size}: B={PROMPTS_PER_STEP}, {PROMPT_TOKENS} prompt + {NEW_TOKENS} new tokens, "
-          f"{args.threads} threads; min / median / max over {args.reps} reps x {len(args.seeds)} seeds")  # fmt: skip
-    print("| side | step (s) | rollout | scoring | update | of it optimizer | peak RSS (GB) |"
-          " start-up (s) |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"\n{args.size}: B={shape.prompts_per_step}, {shape.prompt_tokens} prompt + "
+          f"{shape.new_tokens} new tokens, micro-batch {shape.micro_batch}, rollout_correction "
+          f"{shape.rollout_correction}, {args.threads} threads; min / median / max over "
+          f"{args.reps} reps x {len(args.seeds)} seeds")  # fmt: skip
+    print("| side | step (s) | rollout | of it sync | scoring | update | of it optimizer |"
+          " peak RSS (GB) | start-up (s) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for side in sides:
         every = [r for seed in args.seeds for r in results[side][seed]]
         digits = ".2f" if args.size == "tiny" else ".1f"
