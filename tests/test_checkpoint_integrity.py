@@ -240,6 +240,11 @@ def check_export_matches_checkpoint(checkpoint: Path, work: Path) -> None:
     argv = ["--load", str(checkpoint), "--prompts", str(work / "prompts.jsonl")]
     assert generate([*argv, "--output", str(out), "--greedy", "--max-new-tokens", "8"]) == 0
     ours = [json.loads(line)["response_token_ids"] for line in out.read_text().splitlines()]
+    refilled = work / "refilled.jsonl"  # 6 prompts through 2 decode slots (continuous batching)
+    argv += ["--output", str(refilled), "--greedy", "--max-new-tokens", "8", "--decode-batch", "2"]
+    assert generate(argv) == 0
+    lines = refilled.read_text().splitlines()
+    assert [json.loads(line)["response_token_ids"] for line in lines] == ours
     input_ids, mask = left_pad(prompts, 3)
     hf = BloomForCausalLM.from_pretrained(work / "actor", torch_dtype=torch.float32).eval()
     with torch.no_grad():

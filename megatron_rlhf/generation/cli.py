@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N -m megatron_rlhf generate --load DIR --tokenizer TOK \\
         --prompts in.jsonl --output out.jsonl --tp T --pp P --max-new-tokens K \\
-        [--greedy | --temperature X --top-p Y --seed S] [--output-logprobs]
+        [--greedy | --temperature X --top-p Y --seed S] [--output-logprobs] [--decode-batch N]
 
 Input lines hold ``{"prompt": str}`` or ``{"prompt_token_ids": [int]}`` (other fields are
 carried through). Output lines add ``response``, ``response_token_ids``, ``finished`` (the
@@ -75,7 +75,7 @@ def _generate(args) -> int:
     check_output_path(args.output, args.overwrite)
     locks.lock_output(args.output, "--output")
     arch = checkpoint_architecture(args.load)
-    max_prompt_length = check_generation_arguments(args, arch.max_sequence_length)
+    max_prompt_length = check_generation_arguments(args, arch.max_sequence_length, args.pp)
     check_tokenizer_matches(args.tokenizer, args.load)
     tokenizer = resolve_tokenizer(args.tokenizer, args.load)
     records = read_prompts(

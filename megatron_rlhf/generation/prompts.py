@@ -27,6 +27,14 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the last --max-prompt-length tokens of a longer prompt instead of an error",
     )
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per forward batch")
+    parser.add_argument(
+        "--decode-batch",
+        type=int,
+        help="decode slots (continuous batching, --engine megatron at PP 1): at most this many "
+        "of a batch's rows decode at once and a row that ends hands its slot to the next "
+        "waiting prompt; the tokens are those of the whole batch decoded at once (default: the "
+        "whole batch, no refill)",
+    )
     parser.add_argument("--greedy", action="store_true", help="argmax decoding")
     parser.add_argument("--temperature", type=float, default=1.0, help="> 0 (0: use --greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
@@ -40,7 +48,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_generation_arguments(args, max_sequence_length: int) -> int:
+def check_generation_arguments(args, max_sequence_length: int, pipeline_stages: int = 1) -> int:
     """Refuse bad ``add_generation_arguments`` values before any model is built; return the
     prompt-length limit."""
     if args.max_new_tokens < 1:
@@ -54,6 +62,7 @@ def check_generation_arguments(args, max_sequence_length: int) -> int:
         raise InputError("--no-kv-cache applies to --engine megatron only (vLLM always caches)")
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    _check_decode_batch(args, pipeline_stages)
     if not args.greedy and args.temperature == 0:
         raise InputError("--temperature 0: use --greedy for argmax decoding (or a value > 0)")
     if not (math.isfinite(args.temperature) and args.temperature > 0):
@@ -68,6 +77,23 @@ def check_generation_arguments(args, max_sequence_length: int) -> int:
             f"{max_sequence_length} minus --max-new-tokens {args.max_new_tokens})"
         )
     return limit
+
+
+def _check_decode_batch(args, pipeline_stages: int) -> None:
+    slots = getattr(args, "decode_batch", None)
+    if slots is None:
+        return
+    if slots < 1:
+        raise InputError(f"--decode-batch must be >= 1, got {slots} (or leave it out)")
+    if args.engine == "vllm":
+        raise InputError("--decode-batch applies to --engine megatron (vLLM batches itself)")
+    if getattr(args, "no_kv_cache", False):
+        raise InputError("--decode-batch refills KV-cache slots: it cannot run with --no-kv-cache")
+    if pipeline_stages > 1:
+        raise InputError(
+            f"--decode-batch refills slots at PP 1 only (this layout has {pipeline_stages} "
+            "pipeline stages): leave --decode-batch out or use pp=1"
+        )
 
 
 def sampling_from_args(args, tokenizer, **overrides):
@@ -85,6 +111,7 @@ def sampling_from_args(args, tokenizer, **overrides):
         seed=args.seed,
         eos_id=2 if eos is None else eos,
         pad_id=3 if pad is None else pad,
+        decode_batch=getattr(args, "decode_batch", None),
         **overrides,
     )
 

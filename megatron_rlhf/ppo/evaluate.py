@@ -145,7 +145,7 @@ def validate_inputs(args) -> dict:
             ) from None
         vocab_sizes[flag] = arch.vocab_size
         if flag != "--judge":
-            max_prompt_length = check_generation_arguments(args, arch.max_sequence_length)
+            max_prompt_length = check_generation_arguments(args, arch.max_sequence_length, pp)
     if len(set(vocab_sizes.values())) > 1:
         raise InputError(f"the models' vocabularies differ: {vocab_sizes}; they must share one")
     _check_policy_head(policy_dir)
