@@ -6,6 +6,9 @@ overrides any leaf from the command line (values parsed as YAML scalars: ``lr=1e
 :class:`~megatron_rlhf.utils.InputError` naming the file and the dotted key, with the closest
 valid key (or, for a key listed in its section's ``MOVED_KEYS`` class attribute, the dotted key
 that replaced it). ``to_dict`` gives the resolved config that is saved beside every checkpoint.
+A field whose key is a Python keyword is named with a trailing underscore and carries its key in
+its metadata: ``async_: AsyncConfig = field(..., metadata={"key": "async"})`` is the section
+``async`` of files, overrides (``async.max_staleness=1``), ``to_dict`` and ``--print-config``.
 
 ``config_parser`` gives a command ``--config``, the overrides and ``--print-config``,
 which lists every key with its default and the first line of the docstring under its field
@@ -54,7 +57,19 @@ def load_config(cls, path: str | Path | None, overrides: list[str] = ()):
 
 
 def to_dict(config) -> dict:
-    return dataclasses.asdict(config)
+    """The config tree as plain dicts, lists and values, under its config keys (:func:`key_of`)."""
+    if dataclasses.is_dataclass(config):
+        return {key_of(f): to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, (list, tuple)):
+        return type(config)(to_dict(value) for value in config)
+    if isinstance(config, dict):
+        return {key: to_dict(value) for key, value in config.items()}
+    return config
+
+
+def key_of(field: dataclasses.Field) -> str:
+    """A field's config key: its ``metadata["key"]`` (for a Python keyword), else its name."""
+    return field.metadata.get("key", field.name)
 
 
 def config_parser(prog: str, description: str, examples: str) -> argparse.ArgumentParser:
@@ -102,7 +117,7 @@ def describe_config(cls) -> str:
 def _describe(cls, instance, prefix: str, lines: list[str]) -> None:
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     for field in dataclasses.fields(cls):
-        hint, key = hints[field.name], prefix + field.name
+        hint, key = hints[field.name], prefix + key_of(field)
         if instance is not None:
             default = getattr(instance, field.name)
         elif field.default is not dataclasses.MISSING:
@@ -159,7 +174,7 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
 
 
 def _build(cls, raw: dict, prefix: str, source: str):
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {key_of(f): f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(raw) - set(fields))
     if unknown:
@@ -179,11 +194,11 @@ def _build(cls, raw: dict, prefix: str, source: str):
     values = {}
     for name, field in fields.items():
         key = prefix + name
-        hint = hints[name]
+        hint = hints[field.name]
         if name in raw:
-            values[name] = _convert(hint, raw[name], key, source)
+            values[field.name] = _convert(hint, raw[name], key, source)
         elif dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, {}, key + ".", source)
+            values[field.name] = _build(hint, {}, key + ".", source)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise InputError(f"{source}: missing required config key {key}")
     return cls(**values)
