@@ -139,28 +139,30 @@ def _tabular_fit(targets, states, mask, sweeps: int = 20) -> torch.Tensor:
 
 def test_vtrace_targets_on_behaviour_samples_learn_the_target_policys_value():
     """On mu's episodes the tabular critic fitted to V-trace targets converges to V^pi (the
-    linear system), and with rho_bar = c_bar = 1.2 < max pi/mu to V of pi_rho_bar ∝ min(1.2 mu,
-    pi) (V-trace's fixed point, Espeholt et al. Theorem 1); fitted to plain GAE returns it
-    converges to V^mu instead, far from V^pi. Without the correction (ratio 1) V-trace is GAE,
-    so this fails if the importance ratios are dropped."""
+    linear system) when rho_bar >= max pi/mu = 2, whatever c_bar (100, or the trainer's 1),
+    and with rho_bar = 1.2 to V of pi_rho_bar ∝ min(1.2 mu, pi) (V-trace's fixed point,
+    Espeholt et al. Theorem 1); fitted to plain GAE returns it converges to V^mu instead, far
+    from V^pi. Without the correction (ratio 1) V-trace is GAE, so this fails if the
+    importance ratios are dropped."""
     chain = _Chain
     states, rewards, log_ratio, mask = chain.episodes(20_000, seed=0)
     v_pi, v_mu = chain.value(chain.pi), chain.value(chain.mu)
     assert (v_pi - v_mu).abs().min() > 0.1  # the two policies' values are told apart
 
-    def vtrace_targets(cap):
+    def vtrace_targets(rho_bar, c_bar):
         return lambda values: vtrace(rewards, values, mask, log_ratio, chain.gamma, chain.lam,
-                                     cap, cap)[1]  # fmt: skip
+                                     rho_bar, c_bar)[1]  # fmt: skip
 
     def gae_targets(values):
         return gae(rewards, values, mask, chain.gamma, chain.lam)[1]
 
     tolerance = 0.05  # sampling error of 20k episodes is ~0.02 per state
-    corrected = _tabular_fit(vtrace_targets(100.0), states, mask)
-    assert (corrected - v_pi).abs().max() < tolerance, (corrected, v_pi)
+    for c_bar in (100.0, 1.0):
+        corrected = _tabular_fit(vtrace_targets(100.0, c_bar), states, mask)
+        assert (corrected - v_pi).abs().max() < tolerance, (c_bar, corrected, v_pi)
     truncated_policy = torch.minimum(1.2 * chain.mu, chain.pi)
     truncated_policy = truncated_policy / truncated_policy.sum(1, keepdim=True)
-    truncated = _tabular_fit(vtrace_targets(1.2), states, mask)
+    truncated = _tabular_fit(vtrace_targets(1.2, 1.0), states, mask)
     assert (truncated - chain.value(truncated_policy)).abs().max() < tolerance
     plain = _tabular_fit(gae_targets, states, mask)
     assert (plain - v_mu).abs().max() < tolerance, (plain, v_mu)

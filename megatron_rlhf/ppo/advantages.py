@@ -52,9 +52,11 @@ def compute_advantages(
 ) -> Experience:
     """Fill kl, rewards, advantages and returns. ``group``: the DP group whose ranks each hold
     a part of the batch (None: this rank holds the whole batch). ``vtrace_cap``: V-trace
-    targets and advantages (:func:`vtrace`, rho_bar = c_bar = ``vtrace_cap``) toward pi_old
+    targets and advantages (:func:`vtrace`, rho_bar = ``vtrace_cap``, c_bar = 1) toward pi_old
     (``experience.logprobs``) from the behaviour policy (``experience.rollout_logprobs``)
-    instead of GAE."""
+    instead of GAE. c_bar = 1 is IMPALA's choice: the traces c_t only shrink, so their
+    products over a response cannot blow up the variance; the fixed point (the value of
+    pi_rho_bar) depends on rho_bar alone."""
     shift, scale = normalizer(*global_mean_var(experience.scores, group))
     scores = (experience.scores - shift) / scale  # (B,)
     mask = experience.response_mask
@@ -65,7 +67,7 @@ def compute_advantages(
     else:
         log_ratio = experience.logprobs - experience.rollout_logprobs  # log pi_old / mu
         advantages, returns = vtrace(
-            rewards, experience.values, mask, log_ratio, gamma, lam, vtrace_cap, vtrace_cap
+            rewards, experience.values, mask, log_ratio, gamma, lam, rho_bar=vtrace_cap, c_bar=1.0
         )
     if whiten:
         advantages = masked_whiten(advantages, mask, group=group)

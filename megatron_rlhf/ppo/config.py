@@ -192,8 +192,9 @@ class AsyncConfig:
     is_cap: float = 2.0
     """With max_staleness >= 1: the cap of the truncated importance weight min(pi_old/mu,
     is_cap) on the policy term (pi_old: the current actor, recomputed; mu: the rollout's
-    behaviour log-probs), and V-trace's rho_bar = c_bar; >= 1, or 0 for no weight (the
-    correction off: PPO clipped around the current actor as if the samples were its own)."""
+    behaviour log-probs), and V-trace's rho_bar (its c_bar is 1); >= 1, or 0 for no weight
+    (the correction off: PPO clipped around the current actor as if the samples were its
+    own)."""
 
 
 @dataclass(kw_only=True)
