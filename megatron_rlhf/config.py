@@ -109,12 +109,25 @@ def describe_config(cls) -> str:
     """One line per leaf key of the dataclass tree ``cls``: ``key = default  # type: doc``
     (``REQUIRED`` where there is no default). Defaults of a section built by a factory (e.g.
     ``actor_optim``) are that factory's."""
-    lines: list[str] = []
-    _describe(cls, None, "", lines)
+    lines = []
+    for key, hint, default, doc in _leaves(cls, None, ""):
+        shown = "REQUIRED" if default is dataclasses.MISSING else json.dumps(default)
+        lines.append(f"{key} = {shown}  # {_type_name(hint)}: {doc}".rstrip(": "))
     return "\n".join(lines)
 
 
-def _describe(cls, instance, prefix: str, lines: list[str]) -> None:
+def config_defaults(cls) -> dict:
+    """{dotted key: default} of every leaf of the dataclass tree ``cls`` that has a default
+    (those :func:`describe_config` lists), as ``to_dict`` would write them."""
+    return {
+        key: json.loads(json.dumps(default))
+        for key, _, default, _ in _leaves(cls, None, "")
+        if default is not dataclasses.MISSING
+    }
+
+
+def _leaves(cls, instance, prefix: str):
+    """(dotted key, type hint, default or MISSING, doc) of each leaf of the tree ``cls``."""
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     for field in dataclasses.fields(cls):
         hint, key = hints[field.name], prefix + key_of(field)
@@ -128,11 +141,9 @@ def _describe(cls, instance, prefix: str, lines: list[str]) -> None:
             default = dataclasses.MISSING
         if dataclasses.is_dataclass(hint):
             section = None if default is dataclasses.MISSING else default
-            _describe(hint, section, key + ".", lines)
-            continue
-        shown = "REQUIRED" if default is dataclasses.MISSING else json.dumps(default)
-        doc = docs.get(field.name, "")
-        lines.append(f"{key} = {shown}  # {_type_name(hint)}: {doc}".rstrip(": "))
+            yield from _leaves(hint, section, key + ".")
+        else:
+            yield key, hint, default, docs.get(field.name, "")
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -206,3 +206,26 @@ def test_async_section_is_the_config_key_async():
     assert saved["async"] == {"max_staleness": 1, "value_targets": "gae", "is_cap": 2.0}
     assert "async_" not in saved and saved["ppo"]["kl"]["estimator"] == "k1"
     assert "async.is_cap = 2.0" in describe_config(TrainPPOConfig)
+
+
+def test_a_checkpoint_from_before_the_async_section_resumes(tmp_path):
+    """A saved config without a section added since (``async``) is no change while the run
+    keeps its defaults; a non-default value of it still is."""
+    from megatron_rlhf.config import config_defaults, load_config, to_dict
+    from megatron_rlhf.ppo.config import TrainPPOConfig
+    from megatron_rlhf.training.run_dir import _check_changes
+    from megatron_rlhf.utils import InputError
+
+    required = ["models.actor=a", "models.critic=c", "data.prompts=p"]
+    saved = to_dict(load_config(TrainPPOConfig, None, required))
+    del saved["async"]
+    defaults = config_defaults(TrainPPOConfig)
+    assert defaults["async.is_cap"] == 2.0 and "models.actor" not in defaults
+    checkpoint = tmp_path / "step_0000002"
+    for overrides, refused in (([], None), (["async.max_staleness=1"], "async.max_staleness")):
+        config = to_dict(load_config(TrainPPOConfig, None, required + overrides))
+        if refused is None:
+            _check_changes(tmp_path, checkpoint, saved, config, ("train.",), False, defaults)
+            continue
+        with pytest.raises(InputError, match=rf"resuming with a changed config \({refused}\)"):
+            _check_changes(tmp_path, checkpoint, saved, config, ("train.",), False, defaults)
