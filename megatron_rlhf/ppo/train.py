@@ -215,11 +215,12 @@ class PPOTrainer:
         return experience, sync_s
 
     def behaviour_correction(self, experience) -> tuple:
-        """(the policy term's weights or None, their metrics). Synchronous: ``ppo.rollout_correction``
-        (logged as rollout/*). With max_staleness >= 1: min(pi_old/mu, async.is_cap) per token
-        (per sequence with ppo.rollout_correction=seq_tis), pi_old the current actor and mu the
-        generating one; async.is_cap=0 applies none, and the metrics then describe the raw
-        ratios (async/*, with the staleness)."""
+        """(the policy term's weights or None, their metrics). Synchronous:
+        ``ppo.rollout_correction`` (logged as rollout/*). With max_staleness >= 1:
+        min(pi_old/mu, async.is_cap) per token (per sequence with
+        ppo.rollout_correction=seq_tis), pi_old the current actor and mu the generating one;
+        async.is_cap=0 applies none, and the metrics then describe the raw ratios (async/*,
+        with the staleness)."""
         ppo, section = self.config.ppo, self.config.async_
         old, mu, mask = experience.logprobs, experience.rollout_logprobs, experience.response_mask
         if section.max_staleness == 0:
@@ -231,12 +232,12 @@ class PPOTrainer:
         weights, metrics = behaviour_correction(old, mu, mask, mode, section.is_cap or math.inf)
         metrics["kl_behaviour_current"] = metrics.pop("kl_behaviour_old")
         metrics = {f"async/{key}": value for key, value in metrics.items()}
-        return weights if section.is_cap else None, metrics | staleness_metrics(
-            experience, self.step
-        )
+        metrics |= staleness_metrics(experience, self.step)
+        return (weights if section.is_cap else None), metrics
 
     def vtrace_cap(self) -> float | None:
-        """V-trace's rho_bar = c_bar (``async.value_targets=vtrace``), or None for GAE."""
+        """V-trace's rho_bar (``async.value_targets=vtrace``; its c_bar is 1), or None for
+        GAE."""
         section = self.config.async_
         return section.is_cap if section.value_targets == "vtrace" else None
 
