@@ -6,6 +6,9 @@ overrides any leaf from the command line (values parsed as YAML scalars: ``lr=1e
 :class:`~megatron_rlhf.utils.InputError` naming the file and the dotted key, with the closest
 valid key (or, for a key listed in its section's ``MOVED_KEYS`` class attribute, the dotted key
 that replaced it). ``to_dict`` gives the resolved config that is saved beside every checkpoint.
+A field whose key is a Python keyword is named with a trailing underscore and carries its key in
+its metadata: ``async_: AsyncConfig = field(..., metadata={"key": "async"})`` is the section
+``async`` of files, overrides (``async.max_staleness=1``), ``to_dict`` and ``--print-config``.
 
 ``config_parser`` gives a command ``--config``, the overrides and ``--print-config``,
 which lists every key with its default and the first line of the docstring under its field
@@ -54,7 +57,19 @@ def load_config(cls, path: str | Path | None, overrides: list[str] = ()):
 
 
 def to_dict(config) -> dict:
-    return dataclasses.asdict(config)
+    """The config tree as plain dicts, lists and values, under its config keys (:func:`key_of`)."""
+    if dataclasses.is_dataclass(config):
+        return {key_of(f): to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, (list, tuple)):
+        return type(config)(to_dict(value) for value in config)
+    if isinstance(config, dict):
+        return {key: to_dict(value) for key, value in config.items()}
+    return config
+
+
+def key_of(field: dataclasses.Field) -> str:
+    """A field's config key: its ``metadata["key"]`` (for a Python keyword), else its name."""
+    return field.metadata.get("key", field.name)
 
 
 def config_parser(prog: str, description: str, examples: str) -> argparse.ArgumentParser:
@@ -94,15 +109,28 @@ def describe_config(cls) -> str:
     """One line per leaf key of the dataclass tree ``cls``: ``key = default  # type: doc``
     (``REQUIRED`` where there is no default). Defaults of a section built by a factory (e.g.
     ``actor_optim``) are that factory's."""
-    lines: list[str] = []
-    _describe(cls, None, "", lines)
+    lines = []
+    for key, hint, default, doc in _leaves(cls, None, ""):
+        shown = "REQUIRED" if default is dataclasses.MISSING else json.dumps(default)
+        lines.append(f"{key} = {shown}  # {_type_name(hint)}: {doc}".rstrip(": "))
     return "\n".join(lines)
 
 
-def _describe(cls, instance, prefix: str, lines: list[str]) -> None:
+def config_defaults(cls) -> dict:
+    """{dotted key: default} of every leaf of the dataclass tree ``cls`` that has a default
+    (those :func:`describe_config` lists), as ``to_dict`` would write them."""
+    return {
+        key: json.loads(json.dumps(default))
+        for key, _, default, _ in _leaves(cls, None, "")
+        if default is not dataclasses.MISSING
+    }
+
+
+def _leaves(cls, instance, prefix: str):
+    """(dotted key, type hint, default or MISSING, doc) of each leaf of the tree ``cls``."""
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     for field in dataclasses.fields(cls):
-        hint, key = hints[field.name], prefix + field.name
+        hint, key = hints[field.name], prefix + key_of(field)
         if instance is not None:
             default = getattr(instance, field.name)
         elif field.default is not dataclasses.MISSING:
@@ -113,11 +141,9 @@ def _describe(cls, instance, prefix: str, lines: list[str]) -> None:
             default = dataclasses.MISSING
         if dataclasses.is_dataclass(hint):
             section = None if default is dataclasses.MISSING else default
-            _describe(hint, section, key + ".", lines)
-            continue
-        shown = "REQUIRED" if default is dataclasses.MISSING else json.dumps(default)
-        doc = docs.get(field.name, "")
-        lines.append(f"{key} = {shown}  # {_type_name(hint)}: {doc}".rstrip(": "))
+            yield from _leaves(hint, section, key + ".")
+        else:
+            yield key, hint, default, docs.get(field.name, "")
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -159,7 +185,7 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
 
 
 def _build(cls, raw: dict, prefix: str, source: str):
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {key_of(f): f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(raw) - set(fields))
     if unknown:
@@ -179,11 +205,11 @@ def _build(cls, raw: dict, prefix: str, source: str):
     values = {}
     for name, field in fields.items():
         key = prefix + name
-        hint = hints[name]
+        hint = hints[field.name]
         if name in raw:
-            values[name] = _convert(hint, raw[name], key, source)
+            values[field.name] = _convert(hint, raw[name], key, source)
         elif dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, {}, key + ".", source)
+            values[field.name] = _build(hint, {}, key + ".", source)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise InputError(f"{source}: missing required config key {key}")
     return cls(**values)

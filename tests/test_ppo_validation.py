@@ -150,3 +150,82 @@ def test_old_logprobs_auto_with_a_rollout_correction_takes_any_engines_logprobs(
     assert reuses_rollout_logprobs(config("seq_tis", engine="megatron"))
     assert not reuses_rollout_logprobs(config("token_tis", temperature=0.7))
     assert not reuses_rollout_logprobs(config("token_tis", choice="recompute"))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["async.max_staleness=-1"], "async.max_staleness=-1 must be >= 0"),
+        (["async.is_cap=0.5"], "async.is_cap=0.5 must be a finite number >= 1, or 0 for no"),
+        (["async.value_targets=retrace"], "async.value_targets='retrace'; choose one of"),
+        (
+            ["async.is_cap=0", "async.value_targets=vtrace"],
+            "async.value_targets=vtrace truncates its ratios at async.is_cap, which is 0",
+        ),
+        (
+            ["async.max_staleness=1", "ppo.algorithm=rejection_sampling"],
+            "async.max_staleness=1 applies to ppo.algorithm=ppo",
+        ),
+        (
+            ["async.max_staleness=2", "ppo.old_logprobs=rollout"],
+            "async.max_staleness=2 recomputes pi_old with the current actor",
+        ),
+        (
+            ["async.max_staleness=1", "ppo.rollout_correction=token_tis", "async.is_cap=0"],
+            "ppo.rollout_correction=token_tis asks for the importance weight that "
+            "async.is_cap=0 turns off",
+        ),
+        (
+            [
+                "async.max_staleness=1",
+                "ppo.rollout_correction=seq_tis",
+                "ppo.rollout_correction_cap=3",
+            ],
+            "capped by async.is_cap=2.0, not ppo.rollout_correction_cap=3.0; set both",
+        ),  # fmt: skip
+        (["async.staleness=1"], "unknown config key async.staleness; did you mean"),
+    ],
+)
+def test_async_settings(setup, capsys, overrides, message):
+    assert message in _fails(setup, capsys, *overrides)
+
+
+def test_async_section_is_the_config_key_async():
+    """The section's Python field is ``async_`` (a keyword); files, overrides, the saved config
+    and --print-config all call it ``async``."""
+    from megatron_rlhf.config import describe_config, load_config, to_dict
+    from megatron_rlhf.ppo.config import TrainPPOConfig
+
+    config = load_config(
+        TrainPPOConfig,
+        None,
+        ["models.actor=a", "models.critic=c", "data.prompts=p", "async.max_staleness=1"],
+    )
+    assert config.async_.max_staleness == 1 and config.async_.value_targets == "gae"
+    saved = to_dict(config)
+    assert saved["async"] == {"max_staleness": 1, "value_targets": "gae", "is_cap": 2.0}
+    assert "async_" not in saved and saved["ppo"]["kl"]["estimator"] == "k1"
+    assert "async.is_cap = 2.0" in describe_config(TrainPPOConfig)
+
+
+def test_a_checkpoint_from_before_the_async_section_resumes(tmp_path):
+    """A saved config without a section added since (``async``) is no change while the run
+    keeps its defaults; a non-default value of it still is."""
+    from megatron_rlhf.config import config_defaults, load_config, to_dict
+    from megatron_rlhf.ppo.config import TrainPPOConfig
+    from megatron_rlhf.training.run_dir import _check_changes
+    from megatron_rlhf.utils import InputError
+
+    required = ["models.actor=a", "models.critic=c", "data.prompts=p"]
+    saved = to_dict(load_config(TrainPPOConfig, None, required))
+    del saved["async"]
+    defaults = config_defaults(TrainPPOConfig)
+    assert defaults["async.is_cap"] == 2.0 and "models.actor" not in defaults
+    checkpoint = tmp_path / "step_0000002"
+    for overrides, refused in (([], None), (["async.max_staleness=1"], "async.max_staleness")):
+        config = to_dict(load_config(TrainPPOConfig, None, required + overrides))
+        if refused is None:
+            _check_changes(tmp_path, checkpoint, saved, config, ("train.",), False, defaults)
+            continue
+        with pytest.raises(InputError, match=rf"resuming with a changed config \({refused}\)"):
+            _check_changes(tmp_path, checkpoint, saved, config, ("train.",), False, defaults)

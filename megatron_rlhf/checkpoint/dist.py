@@ -35,6 +35,7 @@ from megatron_rlhf.runtime.processes import die_with_parent, forks_die_with_pare
 from megatron_rlhf.utils import InputError, NonFiniteError
 
 METADATA_FILE = "megatron_rlhf.json"
+GLOBAL_TENSORS_FILE = "global_tensors.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 safe_pickle.install()  # every torch FileSystemReader reads .metadata without running code
 
@@ -79,11 +80,14 @@ def save(
     tokenizer_dir: str | Path | None = None,
     overwrite: bool = False,
     rank_state: dict | None = None,
+    global_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save ``sharded_state_dict`` (model, optimizer, ...) atomically; collective over ranks.
 
     ``rank_state`` (RNG states, counters: JSON-able values) is written per global rank as
-    ``rank_state/<rank>.json``. Last, every file's size and SHA-256 go into ``manifest.json``
+    ``rank_state/<rank>.json``. ``global_tensors`` (tensors every rank holds alike, such as
+    the rollouts in flight of ``async.max_staleness``) are written once, by rank 0, as
+    safetensors (:data:`GLOBAL_TENSORS_FILE`; no pickle). Last, every file's size and SHA-256 go into ``manifest.json``
     (checkpoint/manifest.py), which :func:`load` verifies before anything is unpickled.
     """
     final = Path(directory)
@@ -104,6 +108,11 @@ def save(
     if rank_state is not None:
         (partial / "rank_state").mkdir(exist_ok=True)
         (partial / "rank_state" / f"{_rank():05d}.json").write_text(json.dumps(rank_state))
+    if _rank() == 0 and global_tensors:
+        from safetensors.torch import save_file
+
+        tensors = {k: t.detach().cpu().contiguous() for k, t in global_tensors.items()}
+        save_file(tensors, str(partial / GLOBAL_TENSORS_FILE))
     if _rank() == 0:
         (partial / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         if tokenizer_dir is not None:
@@ -224,6 +233,18 @@ def load_rank_state(directory: str | Path) -> dict | None:
             "loaded (unpickling can run code); resume from a checkpoint of this version"
         )
     return None
+
+
+def load_global_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The ``global_tensors`` :func:`save` wrote (on the CPU; ``{}`` when none were), after
+    the manifest verifies. Every rank reads the one file, so any world size resumes them."""
+    from safetensors.torch import load_file
+
+    path = Path(directory) / GLOBAL_TENSORS_FILE
+    if not path.exists():
+        return {}
+    manifest.verify(directory)
+    return load_file(str(path))
 
 
 def read_metadata(directory: str | Path) -> dict:

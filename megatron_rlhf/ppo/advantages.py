@@ -1,8 +1,10 @@
-"""Stage 3, advantages: score normalisation, KL-shaped rewards (Eq. 2), GAE, whitening.
+"""Stage 3, advantages: score normalisation, KL-shaped rewards (Eq. 2), GAE or V-trace,
+whitening.
 
-All per-token math runs in the fused kernels. ``train-ppo`` holds the global batch on every
-rank, so statistics are global; with a batch split over a data-parallel group, pass the group
-and the mean/variance reductions span it.
+The per-token math of the synchronous step runs in the fused kernels; :func:`vtrace` (the
+critic's targets on stale samples, ``async.value_targets=vtrace``) is plain PyTorch. ``train-ppo``
+holds the global batch on every rank, so statistics are global; with a batch split over a
+data-parallel group, pass the group and the mean/variance reductions span it.
 """
 
 from __future__ import annotations
@@ -46,17 +48,81 @@ def compute_advantages(
     lam: float,
     whiten: bool = True,
     group=None,
+    vtrace_cap: float | None = None,
 ) -> Experience:
     """Fill kl, rewards, advantages and returns. ``group``: the DP group whose ranks each hold
-    a part of the batch (None: this rank holds the whole batch)."""
+    a part of the batch (None: this rank holds the whole batch). ``vtrace_cap``: V-trace
+    targets and advantages (:func:`vtrace`, rho_bar = ``vtrace_cap``, c_bar = 1) toward pi_old
+    (``experience.logprobs``) from the behaviour policy (``experience.rollout_logprobs``)
+    instead of GAE. c_bar = 1 is IMPALA's choice: the traces c_t only shrink, so their
+    products over a response cannot blow up the variance; the fixed point (the value of
+    pi_rho_bar) depends on rho_bar alone."""
     shift, scale = normalizer(*global_mean_var(experience.scores, group))
     scores = (experience.scores - shift) / scale  # (B,)
     mask = experience.response_mask
     kl = kl_penalty(experience.logprobs, experience.ref_logprobs, kl_kind) * mask  # (B, N)
     rewards = shaped_rewards(scores, kl, mask, kl_controller.coef)  # (B, N)
-    advantages, returns = gae(rewards, experience.values, mask, gamma, lam)
+    if vtrace_cap is None:
+        advantages, returns = gae(rewards, experience.values, mask, gamma, lam)
+    else:
+        log_ratio = experience.logprobs - experience.rollout_logprobs  # log pi_old / mu
+        advantages, returns = vtrace(
+            rewards, experience.values, mask, log_ratio, gamma, lam, rho_bar=vtrace_cap, c_bar=1.0
+        )
     if whiten:
         advantages = masked_whiten(advantages, mask, group=group)
     experience.kl, experience.rewards = kl, rewards
     experience.advantages, experience.returns = advantages, returns
     return experience
+
+
+def vtrace(
+    rewards: torch.Tensor,  # (B, T) r_t
+    values: torch.Tensor,  # (B, T) V(x_t), the current critic's
+    mask: torch.Tensor,  # (B, T) response mask, each row 0..0 1..1 0..0
+    log_ratio: torch.Tensor,  # (B, T) log pi(a_t|x_t) - log mu(a_t|x_t)
+    gamma: float,
+    lam: float,
+    rho_bar: float,
+    c_bar: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """V-trace (Espeholt et al., 2018, Eq. 1) with GAE's lambda: ``(advantages, returns)``
+    for actions sampled from a behaviour policy mu, toward the target policy pi.
+
+    With ``ratio_t = pi/mu``, ``rho_t = min(rho_bar, ratio_t)``, ``c_t = lam * min(c_bar,
+    ratio_t)`` and ``delta_t = r_t + gamma * V(x_{t+1}) - V(x_t)`` (V after the last response
+    token is 0):
+
+    - value targets (``returns``): ``v_s = V(x_s) + sum_{t>=s} gamma^(t-s) (prod_{i=s}^{t-1}
+      c_i) rho_t delta_t``, i.e. ``v_s - V(x_s) = rho_s delta_s + gamma c_s (v_{s+1} -
+      V(x_{s+1}))``. Their fixed point is the value of pi_rho_bar ∝ min(rho_bar mu, pi),
+      which is pi itself where rho_bar >= pi/mu (not mu's, which GAE on mu's samples learns).
+    - policy advantages: ``A_s = delta_s + gamma lam (v_{s+1} - V(x_{s+1}))`` = ``r_s +
+      gamma ((1 - lam) V(x_{s+1}) + lam v_{s+1}) - V(x_s)``: IMPALA's ``r_s + gamma v_{s+1} -
+      V(x_s)`` with its bootstrap mixed with the one-step value by lambda, so that at ratio 1
+      (rho = 1, c = lam) ``v_s - V(x_s)`` and ``A_s`` both are GAE(gamma, lam)'s advantage
+      (returns = GAE's returns). The action a_s itself gets no rho_s here: the policy term
+      weighs it (``losses.behaviour_correction``, the same truncation).
+
+    Both are 0 where the mask is 0. A loop over T of (B,) operations (the per-step discount
+    gamma * c_t varies, so GAE's discounted-sum matmuls do not apply); fp64 inputs stay fp64.
+    """
+    shapes = {tuple(t.shape) for t in (rewards, values, mask, log_ratio)}
+    if len(shapes) != 1 or len(rewards.shape) != 2:
+        raise ValueError(f"vtrace: expected tensors of one (B, T) shape, got {sorted(shapes)}")
+    if min(rho_bar, c_bar) <= 0:
+        raise ValueError(f"vtrace: rho_bar and c_bar must be > 0, got {rho_bar}, {c_bar}")
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    m = (mask != 0).to(dtype)
+    v, ratio = values.to(dtype) * m, log_ratio.to(dtype).exp()
+    rho, c = ratio.clamp(max=rho_bar), lam * ratio.clamp(max=c_bar)
+    next_values = torch.nn.functional.pad(v[:, 1:], (0, 1))  # V(x_{t+1}) m_{t+1}, 0 at the end
+    deltas = (rewards.to(dtype) + gamma * next_values - v) * m
+    corrections = torch.zeros_like(v)  # v_t - V(x_t)
+    advantages = torch.zeros_like(v)
+    following = torch.zeros_like(v[:, 0])  # v_{t+1} - V(x_{t+1}), 0 past the response
+    for t in range(v.shape[1] - 1, -1, -1):
+        advantages[:, t] = (deltas[:, t] + gamma * lam * following) * m[:, t]
+        following = (rho[:, t] * deltas[:, t] + gamma * c[:, t] * following) * m[:, t]
+        corrections[:, t] = following
+    return advantages, v + corrections

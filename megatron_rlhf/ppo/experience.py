@@ -31,6 +31,7 @@ class Experience:
     returns: torch.Tensor | None = None  # (B, N) GAE returns (critic targets)
     kl: torch.Tensor | None = None  # (B, N) per-token KL estimate
     is_weights: torch.Tensor | None = None  # (B, N) truncated pi_old / mu (rollout correction)
+    policy_version: torch.Tensor | None = None  # (B,) the step of the actor that generated it
 
     @property
     def responses(self) -> torch.Tensor:  # (B, N)

@@ -101,6 +101,7 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
     cap = config.ppo.rollout_correction_cap
     if not (math.isfinite(cap) and cap >= 1):
         problems.append(f"ppo.rollout_correction_cap={cap} must be a finite number >= 1")
+    problems += async_problems(config)
     if problems:
         raise InputError("; ".join(problems))
     if (models.reward is None) == (models.reward_fn is None):
@@ -169,6 +170,49 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
     check_decode_slots(config, layouts)
     check_batches(config, layouts)
     return PPOPlan(config=config, checkpoints=checkpoints, layouts=layouts)
+
+
+def async_problems(config: TrainPPOConfig) -> list[str]:
+    """What is wrong with the ``async`` section, alone and with the ``ppo`` keys it meets."""
+    section, ppo, problems = config.async_, config.ppo, []
+    staleness, cap = section.max_staleness, section.is_cap
+    if staleness < 0:
+        problems.append(
+            f"async.max_staleness={staleness} must be >= 0 (0: the synchronous step, "
+            "1: one-step-off)"
+        )
+    if not (math.isfinite(cap) and (cap == 0 or cap >= 1)):
+        problems.append(f"async.is_cap={cap} must be a finite number >= 1, or 0 for no weight")
+    elif cap == 0 and section.value_targets == "vtrace":
+        problems.append(
+            "async.value_targets=vtrace truncates its ratios at async.is_cap, which is 0 (the "
+            "correction off); set async.is_cap >= 1 or async.value_targets=gae"
+        )
+    if staleness <= 0:
+        return problems
+    if ppo.algorithm == "rejection_sampling":
+        problems.append(
+            f"async.max_staleness={staleness} applies to ppo.algorithm=ppo; "
+            "ppo.algorithm=rejection_sampling trains on its own rollouts: set async.max_staleness=0"
+        )
+    if ppo.old_logprobs == "rollout":
+        problems.append(
+            f"async.max_staleness={staleness} recomputes pi_old with the current actor (the "
+            "rollout's log-probs are the behaviour policy's); set ppo.old_logprobs=auto or "
+            "recompute"
+        )
+    if ppo.rollout_correction != "none" and cap == 0:
+        problems.append(
+            f"ppo.rollout_correction={ppo.rollout_correction} asks for the importance weight "
+            "that async.is_cap=0 turns off; set async.is_cap >= 1 or ppo.rollout_correction=none"
+        )
+    elif ppo.rollout_correction != "none" and ppo.rollout_correction_cap != cap:
+        problems.append(
+            f"with async.max_staleness={staleness} the weight min(pi_old/mu, cap) is capped by "
+            f"async.is_cap={cap}, not ppo.rollout_correction_cap={ppo.rollout_correction_cap}; "
+            "set both to the same value"
+        )
+    return problems
 
 
 def layout_roles(config: TrainPPOConfig) -> tuple[str, ...]:

@@ -9,6 +9,12 @@ Each step is the four stages of the paper's recipe, in order:
                                AM/RM scores
   advantages  (advantages.py)  -beta*KL shaped rewards (Eq. 2), GAE, DP-wide whitening
   update      (update.py)      PPO epochs; with rehearsal, L_PPO + gamma*NLL(D_R) (Eq. 9)
+With ``async.max_staleness`` = N >= 1 the rollout trained at step t was generated N steps
+earlier (staleness.py: a FIFO of rollouts in flight; colocated, so no overlap on one machine):
+the score stage recomputes pi_old with the current actor (the proximal policy), the policy term
+is clipped around it and weighted by min(pi_old/mu, async.is_cap) toward the behaviour policy
+mu (the decoupled objective, losses.behaviour_correction), and ``async.value_targets=vtrace``
+gives the critic V-trace targets (advantages.vtrace). N = 0 is the synchronous step.
 Checkpoints (actor, critic, optimizers, schedules, KL controller, reward normaliser, RNG, data
 positions) are saved every ``train.save_interval`` steps and resumed exactly. The run's
 lifecycle (run directory, resume, log, non-finite guard, save on a signal, summary) is
@@ -17,6 +23,7 @@ training/run.py's, shared with ``train-sft`` and ``train-reward``.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +49,7 @@ from megatron_rlhf.ppo.setup import (
     validate_config,
     world_size,
 )
+from megatron_rlhf.ppo.staleness import RolloutQueue, staleness_metrics
 from megatron_rlhf.ppo.update import ppo_update
 from megatron_rlhf.training import config as shared
 from megatron_rlhf.training.command import use_bf16
@@ -96,6 +104,7 @@ class PPOTrainer:
             allowed=RESUMABLE_CHANGES, lr_key="actor_optim.lr, critic_optim.lr",
         )  # fmt: skip
         self.consumed_prompts, self.consumed_rehearsal = 0, 0
+        self.queue = RolloutQueue(config.async_.max_staleness)
         if self.run.resume_from is not None:
             self.load_state(self.run.restore(self.engines(), needs_state=True))
         self.step, self.output_dir = self.run.step, self.run.output_dir
@@ -110,21 +119,8 @@ class PPOTrainer:
             self.step = step
             timings, t0 = {}, time.time()
             controls = self.kl.state_dict(), self.normalizer.state_dict()
-            prompts = self.data.next_prompts()
-            if config.ppo.algorithm == "rejection_sampling":
-                prompts = repeat_prompts(prompts, config.ppo.rejection_samples_per_prompt)
-            sync_s = self.roles.rollout.refresh()
-            if sync_s is not None:
-                timings["weight_sync"], t0 = sync_s, time.time()
-            rows = prompts["input_ids"].shape[0]
-            experience = rollout_global(
-                self.roles.rollout,
-                prompts,
-                self.sampling(),
-                step_row_seeds(config.train.seed, self.step, rows),
-            )
-            self.old_logprobs.take_from_rollout(experience)
-            timings["rollout"], t0 = time.time() - t0, time.time()
+            experience, sync_s = self.roll_out(timings, t0)
+            t0 = time.time()
             experience = score_in_layouts(
                 experience,
                 self.scoring_roles(),
@@ -135,10 +131,7 @@ class PPOTrainer:
                 max_tokens=self.token_budget(experience),
             )
             timings["score"], t0 = time.time() - t0, time.time()
-            experience.is_weights, correction = behaviour_correction(
-                experience.logprobs, experience.rollout_logprobs, experience.response_mask,
-                config.ppo.rollout_correction, config.ppo.rollout_correction_cap,
-            )  # fmt: skip
+            experience.is_weights, correction = self.behaviour_correction(experience)
             if config.ppo.algorithm == "rejection_sampling":
                 metrics = self.rejection_step(experience)
                 timings["update"] = time.time() - t0
@@ -146,6 +139,7 @@ class PPOTrainer:
                 experience = compute_advantages(
                     experience, self.kl, self.normalizer, config.ppo.kl.estimator,
                     config.ppo.gamma, config.ppo.lam, config.ppo.whiten_advantages,
+                    vtrace_cap=self.vtrace_cap(),
                 )  # fmt: skip
                 timings["advantages"], t0 = time.time() - t0, time.time()
                 metrics = ppo_update(
@@ -167,7 +161,7 @@ class PPOTrainer:
             self.consumed_rehearsal = self.data.consumed_rehearsal
             metrics |= self.rollout_metrics(experience, timings)
             metrics |= self.sync_metrics(sync_s)
-            metrics |= {f"rollout/{key}": value for key, value in correction.items()}
+            metrics |= correction
             done = self.step + 1
             if not self.run.check(done, metrics):  # skipped: undo the step's controls
                 self.kl.load_state_dict(controls[0])
@@ -193,6 +187,59 @@ class PPOTrainer:
             ),
             stopped_by.name if stopped_by is not None else None,
         )
+
+    def roll_out(self, timings: dict, t0: float):
+        """(the step's rollout, the weight sync's seconds or None): the rollouts due
+        (:meth:`RolloutQueue.due`: this step's with N = 0, else batch step + N, and at step 0
+        batches 0..N) generated by the current actor, then the oldest in flight taken."""
+        config = self.config
+        due = self.queue.due(self.step)
+        sync_s = self.roles.rollout.refresh() if due else None
+        if sync_s is not None:
+            timings["weight_sync"], t0 = sync_s, time.time()
+        for batch in due:
+            prompts = self.data.next_prompts()
+            if config.ppo.algorithm == "rejection_sampling":
+                prompts = repeat_prompts(prompts, config.ppo.rejection_samples_per_prompt)
+            rows = prompts["input_ids"].shape[0]
+            experience = rollout_global(
+                self.roles.rollout,
+                prompts,
+                self.sampling(),
+                step_row_seeds(config.train.seed, batch, rows),
+            )
+            self.queue.push(experience, self.step)
+        experience = self.queue.pop(self.step)
+        self.old_logprobs.take_from_rollout(experience)
+        timings["rollout"] = time.time() - t0
+        return experience, sync_s
+
+    def behaviour_correction(self, experience) -> tuple:
+        """(the policy term's weights or None, their metrics). Synchronous:
+        ``ppo.rollout_correction`` (logged as rollout/*). With max_staleness >= 1:
+        min(pi_old/mu, async.is_cap) per token (per sequence with
+        ppo.rollout_correction=seq_tis), pi_old the current actor and mu the generating one;
+        async.is_cap=0 applies none, and the metrics then describe the raw ratios (async/*,
+        with the staleness)."""
+        ppo, section = self.config.ppo, self.config.async_
+        old, mu, mask = experience.logprobs, experience.rollout_logprobs, experience.response_mask
+        if section.max_staleness == 0:
+            weights, metrics = behaviour_correction(
+                old, mu, mask, ppo.rollout_correction, ppo.rollout_correction_cap
+            )
+            return weights, {f"rollout/{key}": value for key, value in metrics.items()}
+        mode = "token_tis" if ppo.rollout_correction == "none" else ppo.rollout_correction
+        weights, metrics = behaviour_correction(old, mu, mask, mode, section.is_cap or math.inf)
+        metrics["kl_behaviour_current"] = metrics.pop("kl_behaviour_old")
+        metrics = {f"async/{key}": value for key, value in metrics.items()}
+        metrics |= staleness_metrics(experience, self.step)
+        return (weights if section.is_cap else None), metrics
+
+    def vtrace_cap(self) -> float | None:
+        """V-trace's rho_bar (``async.value_targets=vtrace``; its c_bar is 1), or None for
+        GAE."""
+        section = self.config.async_
+        return section.is_cap if section.value_targets == "vtrace" else None
 
     def log(self, step: int, metrics: dict, experience) -> None:
         """The step's metrics (the bar shows the reward, the KL and on GPUs the MFU) and every
@@ -268,7 +315,8 @@ class PPOTrainer:
             metrics["critic/explained_variance"] = explained_variance(
                 experience.values, experience.returns, mask
             )
-        metrics |= self.old_logprobs.gap(experience, self.config.rollout.temperature)
+        if self.config.async_.max_staleness == 0:  # else async/kl_behaviour_current
+            metrics |= self.old_logprobs.gap(experience, self.config.rollout.temperature)
         metrics |= {f"time/{stage}_s": seconds for stage, seconds in timings.items()}
         metrics |= self.throughput(experience, sum(timings.values()))
         metrics |= self.data.per_cluster_rewards(experience)
@@ -321,6 +369,9 @@ class PPOTrainer:
             "normalizer": self.normalizer.state_dict(),
             "nonfinite": self.run.guard.state_dict(),
         }
+        tensors = None
+        if self.config.async_.max_staleness > 0:
+            state["rollouts_in_flight"], tensors = self.queue.state()
         roles = {
             "actor": {"head": "lm", "num_scalar_outputs": 0, "prefix": "actor."},
             "critic": {"head": "scalar", "num_scalar_outputs": 1, "prefix": "critic."},
@@ -345,11 +396,23 @@ class PPOTrainer:
             metadata,
             state,
             tokenizer_dir=self.config.models.tokenizer or self.config.models.actor,
+            trainer_tensors=tensors,
         )
 
     def load_state(self, state: dict) -> None:
         """The trainer state :meth:`save` wrote, past what ``Run.restore`` restores (the step,
-        the guard): data positions, the KL controller and the reward normaliser."""
+        the guard): data positions, the KL controller, the reward normaliser and the rollouts
+        in flight (``async.max_staleness`` >= 1; their tensors from the checkpoint's
+        safetensors)."""
+        from megatron_rlhf.checkpoint.dist import load_global_tensors
+        from megatron_rlhf.distributed.parallel import compute_device
+
+        in_flight = state.get("rollouts_in_flight")
+        if in_flight is None:  # none in flight: the next batch is the resumed step's
+            self.queue.next_batch = state["step"]
+        else:
+            tensors = load_global_tensors(self.run.resume_from)
+            self.queue.load(in_flight, tensors, compute_device())
         self.consumed_prompts = state["consumed_prompts"]
         self.consumed_rehearsal = state["consumed_rehearsal"]
         self.kl.load_state_dict(state["kl"])
@@ -360,8 +423,11 @@ def reuses_rollout_logprobs(config) -> bool:
     """Whether log pi_old is the rollout's own (``ppo.old_logprobs``; auto: our engine with fp32
     weights at temperature 1, where a recomputing forward agrees to rounding; vLLM's kernels
     round differently, by up to ~1e-3 in a log-prob on a trained model, so auto recomputes,
-    unless ``ppo.rollout_correction`` is on: then any engine's at temperature 1)."""
+    unless ``ppo.rollout_correction`` is on: then any engine's at temperature 1). Never with
+    ``async.max_staleness`` >= 1: the rollout's are the older actor's, the behaviour policy."""
     choice = config.ppo.old_logprobs
+    if config.async_.max_staleness > 0:
+        return False
     if choice == "auto" and config.ppo.rollout_correction != "none":
         # the update corrects for mu != pi_old: no recompute is needed to be consistent
         return config.rollout.temperature == 1.0

@@ -68,10 +68,13 @@ def save_training_checkpoint(
     metadata: dict,
     trainer_state: dict,
     tokenizer_dir: str | Path | None = None,
+    trainer_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save ``engines`` ({role: TrainEngine}) and ``trainer_state`` as ``run_dir/step_{step}``,
     then point ``run_dir/latest_checkpoint.txt`` at it (written atomically). The metadata
-    records each role's optimizer checkpoint format, which a resume reads back."""
+    records each role's optimizer checkpoint format, which a resume reads back.
+    ``trainer_tensors``: the trainer state's global tensors (``dist.load_global_tensors``
+    reads them back)."""
     sharded = {role: engine.sharded_state_dict() for role, engine in engines.items()}
     metadata = {
         **metadata,
@@ -90,6 +93,7 @@ def save_training_checkpoint(
         tokenizer_dir=tokenizer_dir,
         overwrite=True,
         rank_state=rank_state,
+        global_tensors=trainer_tensors,
     )
     point_latest(run_dir, directory)
     return directory

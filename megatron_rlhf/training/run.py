@@ -46,7 +46,7 @@ class Run:
         allowed: tuple[str, ...] = RESUMABLE_CHANGES,
         lr_key: str = "optim.lr",
     ):
-        from megatron_rlhf.config import to_dict
+        from megatron_rlhf.config import config_defaults, to_dict
         from megatron_rlhf.training.guards import NonFiniteGuard
         from megatron_rlhf.training.run_dir import open_run
 
@@ -60,6 +60,7 @@ class Run:
             overwrite=overwrite,
             force_config_change=force_config_change,
             allowed=allowed,
+            defaults=config_defaults(type(config)),
         )
         """The checkpoint to resume from; None: a fresh run."""
         self.step = 0

@@ -37,11 +37,14 @@ def open_run(
     overwrite: bool,
     force_config_change: bool,
     allowed: tuple[str, ...],
+    defaults: dict | None = None,
 ) -> Path | None:
     """The checkpoint to resume from (None: a fresh run); see the module docstring.
 
     ``config`` is the resolved config as a dict; ``allowed`` holds dotted keys (or prefixes
-    ending in ".") that may change on resume. Collective: call on every rank."""
+    ending in ".") that may change on resume; ``defaults`` ({dotted key: default}): a key the
+    checkpoint's config lacks (added since it was written) is no change while it holds its
+    default. Collective: call on every rank."""
     from megatron_rlhf.checkpoint.dist import read_metadata
     from megatron_rlhf.runtime import locks
     from megatron_rlhf.training.checkpointing import latest_checkpoint, resume_checkpoint
@@ -62,7 +65,9 @@ def open_run(
     if checkpoint is not None:
         saved = read_metadata(checkpoint).get("config")
         if saved is not None:
-            _check_changes(output_dir, checkpoint, saved, config, allowed, force_config_change)
+            _check_changes(
+                output_dir, checkpoint, saved, config, allowed, force_config_change, defaults or {}
+            )
     truncate_step_logs(output_dir, _step_of(checkpoint))
     return checkpoint
 
@@ -105,8 +110,13 @@ def first_logged(output_dir: Path, key: str):
     return None
 
 
-def _check_changes(output_dir, checkpoint, saved, config, allowed, force) -> None:
-    changes = config_changes(saved, config)
+def _check_changes(output_dir, checkpoint, saved, config, allowed, force, defaults) -> None:
+    known = _flatten(saved)
+    changes = {
+        key: (old, new)
+        for key, (old, new) in config_changes(saved, config).items()
+        if key in known or key not in defaults or defaults[key] != new
+    }
     if not changes:
         return
     refused = {k: v for k, v in changes.items() if not _allowed(k, allowed)}
