@@ -496,9 +496,8 @@ def check_trained_arms(out, results: dict) -> None:
         base = "rm_ppo" if arm.startswith("rm_") else "am_ppo"
         for seed in judgments[arm]:
             if rehearses:
-                assert policy_side(judgments[arm][seed]) != policy_side(judgments[base][seed]), (
-                    f"{arm} seed {seed}: judgments identical to {base}'s (rehearsal did nothing)"
-                )
+                same = policy_side(judgments[arm][seed]) == policy_side(judgments[base][seed])
+                assert not same, f"{arm} seed {seed}: judged exactly as {base} (no rehearsal?)"
             metrics = out / "ppo" / arm / f"seed{seed}" / "metrics.jsonl"
             if arm == "null":
                 continue

@@ -252,6 +252,11 @@ def sweep_md(results: dict, settings: dict) -> list[str]:
                      f"{fmt(gold, 3)} | {fmt({'mean': row['forget']['net_win'], **row['forget']}, 1)} |")  # fmt: skip
     spread = results["table2"]["am_ppo_sr"]["main"]["per_seed"]
     gold_spread = results["arms"]["am_ppo_sr"]["main"]["gold_gain"]["per_seed"]
+    counts = sorted({len(results["table2"][arm]["main"]["per_seed"]) for _, _, arm in rows})
+    if len(counts) > 1:
+        lines += ["", f"Seeds per row: {', '.join(map(str, counts))} (the sweep runs on the "
+                  "first seeds only). Intervals of rows over different seeds overlapping is "
+                  "not a test that the counts are equivalent; no claim about c is made here."]  # fmt: skip
     if len(spread) > 1:
         lines += ["", f"Seed-to-seed spread of AM-PPO-SR (c={c0}, k={k0}): main net win std "
                   f"{np.std(spread, ddof=1):.1f} points, gold gain std "
