@@ -274,6 +274,18 @@ def verdict_summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def beats_sft_md(results: dict, arms: list[str]) -> list[str]:
+    """Which arms beat SFT on the main set (95 % interval above 0): whether "AM-PPO-SR beats
+    SFT" says anything about rehearsal."""
+    cells = {arm: results["table2"][arm]["main"] for arm in arms if arm != "null"}
+    if any(cell["ci_low"] is None for cell in cells.values()):
+        return []
+    above = [ARM_LABELS.get(arm, arm) for arm, cell in cells.items() if cell["ci_low"] > 0]
+    return ["", f"Main-set net win over SFT with its 95 % interval above 0 (unadjusted): "
+            f"{len(above)} of {len(cells)} trained arms ({', '.join(above) or 'none'}). "
+            "Beating SFT is evidence for rehearsal only where the arms without it do not."]  # fmt: skip
+
+
 def run_time(settings: dict) -> list[str]:
     if "cpu_seconds" not in settings:
         return []
@@ -345,6 +357,7 @@ def write_report(out: Path, results: dict, pairs: dict) -> None:
         *claims_md(checked, "paper"),
         "",
         *verdict_summary(checked),
+        *beats_sft_md(results, main_arms),
         "",
         "Exploratory (not the paper's claims, which are about 1-epoch reward models and PPO "
         "arms; the over-training claims are here; Holm within this family):",
