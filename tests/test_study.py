@@ -1,8 +1,10 @@
 """The study: the text world's gold reward and labels, the aggregation math, and the quick run.
 
 The quick run (slow) checks that ``study --preset quick --seeds 2 --ppo steps=4 --jobs 2`` writes every output the issue
-names and that results.json is exactly what ``stats.results_from_records`` computes from the raw
-records it wrote.
+names, that results.json is exactly what ``stats.results_from_records`` computes from the raw
+records it wrote, and that every trained arm did something (``check_trained_arms``: a no-op
+PPO or a rehearsal term that does nothing fails it) and the reward models learned from the labels
+(``check_label_swap_retrains``: an RM trained on swapped labels ranks below chance).
 """
 
 from __future__ import annotations
@@ -188,6 +190,8 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
     assert json.loads((again / "results.json").read_text()) == results
     assert (again / "report.md").read_text() == (out / "report.md").read_text()
     check_sanity_bounds(out, results)
+    check_trained_arms(out, results)
+    check_label_swap_retrains(out, results, tmp_path / "swapped")
     report = (out / "report.md").read_text()
     assert "Table 1" in report and "Table 2" in report and "Fig. 6" in report
     for png in ("reliability", "per_task", "net_win", "cluster_sweep"):
@@ -273,15 +277,27 @@ def test_holm_paired_tests_and_seeds_needed_against_scipy():
     assert shifted["p"] == pytest.approx(sp.ttest_1samp(diffs, -1.0).pvalue, rel=1e-9)
     low, high = sp.t.interval(0.95, 8, loc=diffs.mean(), scale=sp.sem(diffs))
     assert (test["ci_low"], test["ci_high"]) == pytest.approx((low, high))
-    n = claims.seeds_needed(0.5, 1.0)
-    half = lambda k: sp.t.ppf(0.975, k - 1) / math.sqrt(k)  # noqa: E731
-    assert half(n) < 0.5 <= half(n - 1)
-    assert claims.seeds_needed(0.0, 1.0) is None
+    assert claims.holm_levels([0.01, 0.04, 0.03, 0.005]) == pytest.approx(
+        [0.05 / 3, 0.05, 0.05 / 2, 0.05 / 4]
+    )
+    # seeds needed: 80 % power of the two-sided t-test, here checked by simulating t-tests
+    assert claims.seeds_needed(0.5, 1.0) == 34  # the textbook figure for d = 0.5
+    sim = np.random.default_rng(7)
+    for alpha in (0.05, 0.01):
+        n = claims.seeds_needed(-0.5, 1.0, alpha=alpha)  # the sign does not matter
+        for k, side in ((n, 1), (n - 1, -1)):
+            draws = sim.normal(0.5, 1.0, (20000, k))
+            t = draws.mean(1) / (draws.std(1, ddof=1) / math.sqrt(k))
+            power = np.mean(np.abs(t) > sp.t.ppf(1 - alpha / 2, k - 1))
+            assert side * (power - claims.POWER) > -0.015, (alpha, k, power)
+    assert claims.seeds_needed(0.0, 1.0) is None and claims.seeds_needed(1.0, None) is None
+    assert claims.seeds_needed(1e-3, 1.0) is None  # beyond SEEDS_LIMIT
 
 
 def _fake_results(better: dict, seeds: int = 6) -> dict:
     """results.json with per-seed values only where the claims read them: every arm's net win
-    0 +- 1 and every scorer's metrics 50 +- 1, plus ``better`` {path: shift}."""
+    and every scorer's over-confidence 0 +- 1, its other metrics 50 +- 1, plus ``better``
+    {path: shift}."""
     rng = np.random.default_rng(0)
     noise = lambda center: {"per_seed": list(center + rng.normal(0, 1, seeds))}  # noqa: E731
     arms = ("rm_ppo", "rm_ppo_ma", "am_ppo", "am_ppo_sr", "am_ppo_rr", "rm_ppo_sr")
@@ -289,7 +305,8 @@ def _fake_results(better: dict, seeds: int = 6) -> dict:
     models = ("rm", "am", "rm_long", "am_long", "am_m1.5", "am_m4", "am_m8")
     results = {
         "table2": {a: {s: noise(0.0) for s in ("main", "forget")} for a in arms},
-        "reward_models": {m: {k: noise(50.0) for k in metrics} for m in models},
+        "reward_models": {m: {k: noise(0.0 if k == "overconfidence" else 50.0) for k in metrics}
+                          for m in models},
         "arms": {a: {"main": {"hacking_index": noise(0.0), "because_code": noise(0.0)}}
                  for a in arms},
     }  # fmt: skip
@@ -319,6 +336,26 @@ def test_claims_are_decided_by_holm_on_the_papers_side():
     paper = [r for r in rows.values() if r["family"] == "paper" and r["p"] is not None]
     adjusted = claims.holm([r["p"] for r in paper])
     assert [r["p_holm"] for r in paper] == pytest.approx(adjusted)
+    # claims as data: every row names itself and carries what the report shows
+    names = [r["name"] for r in rows.values()]
+    assert len(set(names)) == len(names) == len(claims.declared_claims())
+    keys = {"name", "family", "estimate", "ci_low", "ci_high", "p", "p_holm", "holm_level",
+            "verdict", "seeds_needed"}  # fmt: skip
+    assert all(keys <= set(r) for r in rows.values())
+    family = {r["name"]: r["family"] for r in rows.values()}
+    assert family["rm_overconfident"] == "paper"  # the paper's claim: its 1-epoch RM
+    assert (
+        family["overtraining_rm_overconfident"]
+        == family["overtrained_am_ece_lower"]
+        == ("exploratory")
+    )
+    assert not any(n.startswith("am_m2.5") for n in names)  # m = 2.5 counted once
+    level = claims.holm_levels([r["p"] for r in paper])
+    assert [r["holm_level"] for r in paper] == pytest.approx(level)
+    for row in paper:
+        assert row["seeds_needed"] == claims.seeds_needed(
+            row["estimate"] + row["margin"], row["sd"], alpha=row["holm_level"]
+        )
     # a missing arm drops its claims, nothing else
     del results["table2"]["am_ppo_rr"]
     texts = {r["text"] for r in claims.evaluate_claims(results)}
@@ -352,11 +389,35 @@ def test_hacking_index_is_per_task_so_offsets_do_not_inflate_it():
     assert g["truncated_policy"] == 50.0 and g["truncated_sft"] == 0.0
 
 
+def test_gold_composition_reads_every_term_of_the_gold_reward():
+    """Judgment records of world responses (well formed, cut, off-topic; every family):
+    the recorded terms, and the terms read off the gold reward where a record lacks them,
+    give each gold reward back, and the composition sums to the gold gain and the net win."""
+    from megatron_rlhf.study.stages import gold_judgments
+
+    rng = random.Random(11)
+    samples = []
+    for index, task in enumerate(list(world.TASK_SPECS) * 60):
+        prompt = rng.choice(world.all_prompts(task))
+        policy, sft = (world.response_text(prompt, rng, world.ResponseStyle()) for _ in range(2))
+        if index % 3 == 0:
+            policy = policy[: len(policy) // 2]  # broken form, often off the band
+        samples.append({"prompt": prompt, "set": "main", "index": index, "policy_response": policy,
+                        "sft_response": sft, "policy_score": 0.0, "sft_score": 0.0,
+                        "policy_response_token_ids": [0], "sft_response_token_ids": [0]})  # fmt: skip
+    judgments = gold_judgments(samples, tie_margin=0.1, eos_id=0)
+    assert {j["task"] for j in judgments} == set(world.TASK_SPECS)
+    assert 0 < np.mean([j["form_policy"] for j in judgments]) < 1
+    check_gold_parts(judgments)
+    moved = stats.gold_composition(judgments)
+    assert moved["utility_form"] < 0 and moved["net_win_mixed"] != 0.0
+
+
 def check_sanity_bounds(out, results: dict) -> None:
     """Bounds a broken pipeline breaks, on the quick run's own records (not a recomputation
-    with the same code): scorers above chance and not above the oracle, the AM inside its
-    confidence cap, a budget that cuts no SFT response, the null arm all ties, and labels
-    swapped making every scorer worse than chance."""
+    with the same code): scorers above chance and below the oracle + 5 points, the AM inside
+    its confidence cap + 0.02, a budget that cuts under 5 % of the SFT responses, the null arm
+    all ties, and every judgment's recorded gold terms adding up to its gold reward."""
     from megatron_rlhf.study.stages import load_records
 
     oracle = results["oracle_accuracy"]["mean"]
@@ -373,16 +434,113 @@ def check_sanity_bounds(out, results: dict) -> None:
     budget = results["settings"]["data"]["generation_budget"]
     assert budget["budget"] > max(budget["longest"].values())
     assert results["settings"]["ppo"]["max_new_tokens"] == budget["budget"]
-    pairs, judgments = load_records(out)
-    swapped = {
-        model: {seed: [{**p, "chosen_score": p["rejected_score"],
-                        "rejected_score": p["chosen_score"]} for p in rows]
-                for seed, rows in by_seed.items()}
-        for model, by_seed in pairs.items()
-    }  # fmt: skip
-    flipped = stats.results_from_records(swapped, judgments)
-    for model in ("rm", "am"):
-        assert max(flipped["table1"][model]["accuracy"]["per_seed"]) < 45.0
+    _, judgments = load_records(out)
+    for by_seed in judgments.values():
+        for rows in by_seed.values():
+            check_gold_parts(rows)
+
+
+def check_gold_parts(judgments: list[dict]) -> None:
+    """Each response's recorded terms give its gold reward back; the terms read off the gold
+    reward alone (how the published records, which lack form and topic, are decomposed)
+    equal the recorded ones; the composition sums to the gold gain and to the net win."""
+    for judgment in judgments:
+        spec = world.TASK_SPECS[judgment["task"]]
+        bare = {
+            k: v for k, v in judgment.items() if not k.startswith(("form_", "topic_", "in_band_"))
+        }
+        for who in ("policy", "sft"):
+            parts = stats.response_parts(judgment, who)
+            total = parts["form"] + parts["topic"] + parts["band"] + parts["because"]
+            assert spec.offset + spec.scale * total == pytest.approx(judgment[f"gold_{who}"])
+            derived = stats.response_parts(bare, who)
+            assert derived == pytest.approx({k: parts[k] for k in derived}), (judgment, who)
+    composition = stats.gold_composition(judgments)
+    utility = np.mean([(j["gold_policy"] - j["gold_sft"]) / world.TASK_SPECS[j["task"]].scale
+                       for j in judgments])  # fmt: skip
+    assert composition["utility_gain"] == pytest.approx(utility)
+    assert composition["utility_form"] + composition["utility_topic"] == pytest.approx(
+        composition["utility_form_topic"]
+    )
+    flips = sum(composition[f"net_win_{k}"] for k in ("because", "band", "form_topic", "mixed"))
+    assert flips == pytest.approx(stats.outcome_rates(judgments)["net_win"])
+
+
+REHEARSING = ("am_ppo_sr", "rm_ppo_sr", "am_ppo_rr")
+"""The arms with a rehearsal term (and every ``am_ppo_sr_c*`` sweep arm)."""
+
+
+def check_trained_arms(out, results: dict) -> None:
+    """What a no-op PPO (the policy stays SFT) or a rehearsal term that does nothing (gamma 0,
+    its NLL not added, no D_R) breaks: RM-PPO and AM-PPO raise their own reward on the main set
+    on every seed; every trained arm has a non-tie on every seed; each rehearsing arm's
+    judgments differ from those of its arm without rehearsal (the judge and the evaluation
+    sampling are the same, so an identical policy gives identical records); and every PPO step
+    of a rehearsing arm logs a positive rehearsal NLL (and no other arm logs one)."""
+    from megatron_rlhf.study.stages import load_records
+
+    for arm in ("rm_ppo", "am_ppo"):
+        gains = results["arms"][arm]["main"]["train_gain"]["per_seed"]
+        assert min(gains) > 0.0, f"{arm}: own-reward gain on the main set per seed {gains}"
+    _, judgments = load_records(out)
+    for arm, by_seed in judgments.items():
+        for seed, rows in by_seed.items():
+            moved = sum(j["outcome"] != "tie" for j in rows)
+            assert (moved == 0) == (arm == "null"), f"{arm} seed {seed}: {moved} non-ties"
+
+    def policy_side(rows):
+        return [(j["set"], j["prompt_id"], j["gold_policy"], j["train_policy"]) for j in rows]
+
+    for arm in judgments:
+        rehearses = arm in REHEARSING or arm.startswith("am_ppo_sr_c")
+        base = "rm_ppo" if arm.startswith("rm_") else "am_ppo"
+        for seed in judgments[arm]:
+            if rehearses:
+                same = policy_side(judgments[arm][seed]) == policy_side(judgments[base][seed])
+                assert not same, f"{arm} seed {seed}: judged exactly as {base} (no rehearsal?)"
+            metrics = out / "ppo" / arm / f"seed{seed}" / "metrics.jsonl"
+            if arm == "null":
+                continue
+            steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+            assert len(steps) == results["settings"]["ppo"]["steps"], (arm, seed)
+            nll = [step.get("actor/rehearsal_nll") for step in steps]
+            if rehearses:
+                assert all(v is not None and v > 0.0 for v in nll), f"{arm} seed {seed}: {nll}"
+            else:
+                assert all(v is None for v in nll), f"{arm} seed {seed} rehearses: {nll}"
+
+
+def check_label_swap_retrains(out, results: dict, work) -> None:
+    """An RM trained (in this process, seed 0, the run's settings) on the run's preference
+    data with chosen and rejected swapped ranks the held-out pairs below chance: the reward
+    models' accuracy comes from the labels, not from anything else that tells the two
+    responses apart (the order of the columns, their length)."""
+    import time
+
+    from megatron_rlhf.study import stages
+    from megatron_rlhf.utils import write_jsonl
+
+    started = time.time()
+    settings = results["settings"]
+    rows = stages.read_records(out / "data" / "pref_train.jsonl")
+    swapped = work / "pref_train_swapped.jsonl"
+    write_jsonl(swapped, ({**r, "chosen": r["rejected"], "rejected": r["chosen"],
+                           "p_true": 1.0 - r["p_true"]} for r in rows))  # fmt: skip
+    prefix = stages.preprocess(swapped, "preference", out / "tokenizer", work / "indexed",
+                               settings["max_length"])  # fmt: skip
+    checkpoint = stages.train_reward_model(
+        loss="rm", sft=out / "sft" / "hf", train_prefix=prefix, out=work / "rm",
+        epochs=settings["reward_epochs"], lr=settings["reward_lr"],
+        global_batch_size=settings["reward_batch"], seed=0,
+    )  # fmt: skip
+    pairs = stages.read_records(stages.score_pairs(
+        checkpoint, out / "data" / "pref_test.jsonl", out / "tokenizer", work / "pairs.jsonl"
+    ))  # fmt: skip
+    swapped_accuracy = stats.PAIR_METRICS["accuracy"](pairs)
+    accuracy = results["table1"]["rm"]["accuracy"]["per_seed"][0]
+    print(f"label swap: RM seed 0 accuracy {accuracy:.1f} -> {swapped_accuracy:.1f} when "
+          f"trained on swapped labels ({time.time() - started:.1f} s)")  # fmt: skip
+    assert swapped_accuracy < 50.0, (accuracy, swapped_accuracy)
 
 
 def test_generation_budget_is_above_every_demonstration(tmp_path):

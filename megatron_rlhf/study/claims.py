@@ -1,4 +1,4 @@
-"""The study's claims, declared before any run, and how each is decided.
+"""The study's claims, and how each is decided.
 
 Every claim is a paired comparison of per-seed values (same seed, two settings: the seed fixes
 the reward models' init and data order, k-means, PPO and evaluation sampling), in the paper's
@@ -12,12 +12,22 @@ own direction. A claim is one of:
 The claims of one family are corrected together by Holm's step-down method (familywise error
 5 %): a claim is *reproduced* when its Holm-adjusted p-value is below 0.05 and the difference
 lies on the paper's side of the null, *contradicted* when it is below 0.05 on the other side,
-*inconclusive* otherwise. The raw 95 % t-interval is reported beside it, with the number of
-seeds an interval would need to exclude the null at the observed mean and spread.
+*inconclusive* otherwise. The raw 95 % t-interval is reported beside it.
 
-Families: ``paper`` (the paper's claims), ``margin`` (Table 1 per AM margin m), and
-``exploratory`` (not the paper's claims: reported, corrected among themselves, never counted
-for or against the paper).
+Seeds needed (``seeds_needed``): the fewest seeds at which a two-sided paired t-test at the
+claim's Holm level (``holm_level``: 0.05 / (family size - rank + 1), rank 1 the smallest raw p
+of the family) has 80 % power (noncentral t), taking the observed mean difference (minus the
+null) and its across-seed std as the truth. It is a planning figure: the observed effect of
+a claim chosen because it looked interesting is biased away from 0, so it is optimistic.
+
+Families: ``paper`` (the paper's claims; the paper fixes 1 epoch of reward training, so its
+calibration claims are about the 1-epoch models), ``margin`` (Table 1 per AM margin m other
+than the paper's 2.5, which the paper family holds), and ``exploratory`` (not the paper's
+claims, over-training included: reported, corrected among themselves, never counted for or
+against the paper).
+
+``CLAIMS_VERSION`` numbers this list; a run records it (``settings.claims_version``), so a report
+says whether its claims were declared before its records were written or applied to them after.
 """
 
 from __future__ import annotations
@@ -31,12 +41,20 @@ import numpy as np
 from megatron_rlhf.study.presets import TABLE1_MARGINS
 
 ALPHA = 0.05
+POWER = 0.8
+"""Power the ``seeds_needed`` figure is computed for."""
 ACCURACY_NI_MARGIN = 1.0
 """Points of ranking accuracy the AM may lose to the RM and still "keep" its accuracy."""
+CLAIMS_VERSION = 3
+"""3 (issue 36): the 1-epoch RM over-confidence claim declared; the over-training claims moved
+to the exploratory family; m = 2.5 counted once (paper family, not again in ``margin``);
+seeds needed at 80 % power and the Holm level. 2: the list of the 15-seed published run."""
 
 
 @dataclass(frozen=True)
 class Claim:
+    name: str
+    """A stable identifier (results.json ``claims[].name``)."""
     family: str
     text: str
     """The claim in the paper's direction."""
@@ -72,56 +90,78 @@ def _zero(values):
     return lambda results: [0.0] * len(values(results))
 
 
+def _above_zero(values):
+    """A one-sample claim (value > 0) as a pair: the values against zeros."""
+    return _pair(values, _zero(values))
+
+
 def declared_claims() -> list[Claim]:
     """Every claim, in the order the report lists them."""
     claims = [
-        Claim("paper", "AM is better calibrated than RM (ECE lower)",
+        Claim("am_ece_lower", "paper", "AM is better calibrated than RM (ECE lower)",
               _pair(_t1("am", "ece", True), _t1("rm", "ece", True)), units="ECE x100"),
-        Claim("paper", "AM is closer to the true preference probability (Brier lower)",
+        Claim("am_brier_lower", "paper",
+              "AM is closer to the true preference probability (Brier lower)",
               _pair(_t1("am", "brier", True), _t1("rm", "brier", True)), digits=4),
-        Claim("paper", f"AM keeps RM's ranking accuracy (non-inferior, margin "
-              f"{ACCURACY_NI_MARGIN:g} point)", _pair(_t1("am", "accuracy"), _t1("rm", "accuracy")),
+        Claim("am_keeps_accuracy", "paper", f"AM keeps RM's ranking accuracy (non-inferior, "
+              f"margin {ACCURACY_NI_MARGIN:g} point)",
+              _pair(_t1("am", "accuracy"), _t1("rm", "accuracy")),
               margin=ACCURACY_NI_MARGIN, units="points"),
-        Claim("paper", "Over-training makes the RM over-confident (signed confidence - "
-              "accuracy rises)", _pair(_t1("rm_long", "overconfidence"),
-                                       _t1("rm", "overconfidence")), units="points"),
-        Claim("paper", "Over-trained, the AM stays better calibrated than the RM (ECE lower)",
-              _pair(_t1("am_long", "ece", True), _t1("rm_long", "ece", True))),
-        Claim("paper", "AM-PPO beats RM-PPO on the main set (net win vs SFT)",
+        Claim("rm_overconfident", "paper", "The RM as trained (1 epoch) is over-confident "
+              "(signed confidence - accuracy > 0)", _above_zero(_t1("rm", "overconfidence")),
+              units="points"),
+        Claim("am_ppo_beats_rm_ppo_main", "paper",
+              "AM-PPO beats RM-PPO on the main set (net win vs SFT)",
               _pair(_net("am_ppo", "main"), _net("rm_ppo", "main")), units="points"),
-        Claim("paper", "AM-PPO beats RM-PPO with moving-average normalisation on the main set "
-              "(MA does not rescue RM-PPO)",
+        Claim("am_ppo_beats_rm_ppo_ma_main", "paper", "AM-PPO beats RM-PPO with moving-average "
+              "normalisation on the main set (MA does not rescue RM-PPO)",
               _pair(_net("am_ppo", "main"), _net("rm_ppo_ma", "main")), units="points"),
-        Claim("paper", "AM-PPO forgets less than RM-PPO (forget-set net win)",
+        Claim("am_ppo_forgets_less", "paper",
+              "AM-PPO forgets less than RM-PPO (forget-set net win)",
               _pair(_net("am_ppo", "forget"), _net("rm_ppo", "forget")), units="points"),
-        Claim("paper", "Selective Rehearsal helps AM-PPO on the forget set",
+        Claim("sr_helps_forget", "paper", "Selective Rehearsal helps AM-PPO on the forget set",
               _pair(_net("am_ppo_sr", "forget"), _net("am_ppo", "forget")), units="points"),
-        Claim("paper", "Selective Rehearsal helps AM-PPO on the main set",
+        Claim("sr_helps_main", "paper", "Selective Rehearsal helps AM-PPO on the main set",
               _pair(_net("am_ppo_sr", "main"), _net("am_ppo", "main")), units="points"),
-        Claim("paper", "AM-PPO-SR beats SFT on the main set (net win > 0)",
-              _pair(_net("am_ppo_sr", "main"), _zero(_net("am_ppo_sr", "main"))),
-              units="points"),
-        Claim("paper", "AM-PPO-SR beats SFT on the forget set (net win > 0)",
-              _pair(_net("am_ppo_sr", "forget"), _zero(_net("am_ppo_sr", "forget"))),
-              units="points"),
-        Claim("paper", "RM-PPO hacks its reward more than AM-PPO (hacking index, mean over "
-              "tasks)", _pair(_arm("rm_ppo", "main", "hacking_index"),
-                              _arm("am_ppo", "main", "hacking_index")), units="SFT std"),
+        Claim("am_ppo_sr_beats_sft_main", "paper",
+              "AM-PPO-SR beats SFT on the main set (net win > 0)",
+              _above_zero(_net("am_ppo_sr", "main")), units="points"),
+        Claim("am_ppo_sr_beats_sft_forget", "paper",
+              "AM-PPO-SR beats SFT on the forget set (net win > 0)",
+              _above_zero(_net("am_ppo_sr", "forget")), units="points"),
+        Claim("rm_ppo_hacks_more", "paper", "RM-PPO hacks its reward more than AM-PPO "
+              "(hacking index, mean over tasks)", _pair(_arm("rm_ppo", "main", "hacking_index"),
+                                                       _arm("am_ppo", "main", "hacking_index")),
+              units="SFT std"),
     ]  # fmt: skip
     for m, model in TABLE1_MARGINS.items():
+        if model == "am":  # m = 2.5: the paper family's first two claims
+            continue
         claims += [
-            Claim("margin", f"AM (m = {m:g}) is better calibrated than RM (ECE lower)",
+            Claim(f"am_m{m:g}_ece_lower", "margin",
+                  f"AM (m = {m:g}) is better calibrated than RM (ECE lower)",
                   _pair(_t1(model, "ece", True), _t1("rm", "ece", True))),
-            Claim("margin", f"AM (m = {m:g}) is closer to p_true than RM (Brier lower)",
+            Claim(f"am_m{m:g}_brier_lower", "margin",
+                  f"AM (m = {m:g}) is closer to p_true than RM (Brier lower)",
                   _pair(_t1(model, "brier", True), _t1("rm", "brier", True)), digits=4),
         ]  # fmt: skip
     claims += [
-        Claim("exploratory", "Selection beats random rehearsal (forget-set net win)",
+        Claim("overtraining_rm_overconfident", "exploratory", "Over-training makes the RM "
+              "over-confident (signed confidence - accuracy rises from 1 epoch)",
+              _pair(_t1("rm_long", "overconfidence"), _t1("rm", "overconfidence")),
+              units="points"),
+        Claim("overtrained_am_ece_lower", "exploratory",
+              "Over-trained, the AM stays better calibrated than the RM (ECE lower)",
+              _pair(_t1("am_long", "ece", True), _t1("rm_long", "ece", True)), units="ECE x100"),
+        Claim("selection_beats_random", "exploratory",
+              "Selection beats random rehearsal (forget-set net win)",
               _pair(_net("am_ppo_sr", "forget"), _net("am_ppo_rr", "forget")), units="points"),
-        Claim("exploratory", "Rehearsal helps RM-PPO too (forget-set net win)",
+        Claim("rehearsal_helps_rm_ppo", "exploratory",
+              "Rehearsal helps RM-PPO too (forget-set net win)",
               _pair(_net("rm_ppo_sr", "forget"), _net("rm_ppo", "forget")), units="points"),
-        Claim("exploratory", "RM-PPO writes the planted feature into code more than AM-PPO "
-              "('because' rate in code, policy - SFT; the gold reward penalises it there)",
+        Claim("rm_ppo_because_code", "exploratory", "RM-PPO writes the planted feature into "
+              "code more than AM-PPO ('because' rate in code, policy - SFT; the gold reward "
+              "penalises it there)",
               _pair(_arm("rm_ppo", "main", "because_code"), _arm("am_ppo", "main", "because_code")),
               units="points"),
     ]  # fmt: skip
@@ -138,42 +178,72 @@ def holm(pvalues: list[float]) -> list[float]:
     return adjusted
 
 
+def holm_levels(pvalues: list[float], alpha: float = ALPHA) -> list[float]:
+    """The level each test is held to in Holm's step-down: ``alpha / (m - rank + 1)``, rank 1
+    the smallest p (ties in input order), in the input order."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    levels = [alpha] * len(pvalues)
+    for rank, i in enumerate(order):
+        levels[i] = alpha / (len(pvalues) - rank)
+    return levels
+
+
 def paired_test(diffs: list[float], null: float = 0.0) -> dict:
-    """Mean difference, its 95 % t-interval (``stats.t_interval``) and the two-sided p-value
-    against ``null`` (None where fewer than 2 seeds leave them undefined)."""
+    """Mean difference (``estimate``), its 95 % t-interval (``stats.t_interval``) and the
+    two-sided p-value against ``null`` (None where fewer than 2 seeds leave them undefined)."""
     from scipy import stats
 
     from megatron_rlhf.study.stats import t_interval
 
     mean, low, high = t_interval(diffs)
     if low is None:
-        return {"mean": mean, "ci_low": None, "ci_high": None, "p": None, "sd": None}
+        return {"estimate": mean, "ci_low": None, "ci_high": None, "p": None, "sd": None}
     n, sd = len(diffs), float(np.std(diffs, ddof=1))
     if sd == 0.0:
         p = 0.0 if mean != null else 1.0
     else:
         p = float(2 * stats.t.sf(abs(mean - null) / (sd / math.sqrt(n)), n - 1))
-    return {"mean": mean, "ci_low": low, "ci_high": high, "p": p, "sd": sd}
+    return {"estimate": mean, "ci_low": low, "ci_high": high, "p": p, "sd": sd}
 
 
-def seeds_needed(effect: float, sd: float | None, limit: int = 1000) -> int | None:
-    """Seeds for a 95 % t-interval of half-width below |effect| at this spread (None: more
-    than ``limit``, or no effect)."""
+SEEDS_LIMIT = 100_000
+
+
+def t_test_power(effect: float, sd: float, n: int, alpha: float) -> float:
+    """Power of the two-sided one-sample t-test at level ``alpha`` with ``n`` seeds when the
+    true mean difference is ``effect`` and its std ``sd`` (noncentral t, ``n - 1`` df)."""
+    from scipy import stats
+
+    df, shift = n - 1, abs(effect) / sd * math.sqrt(n)
+    critical = stats.t.ppf(1 - alpha / 2, df)
+    return float(stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift))
+
+
+def seeds_needed(effect: float, sd: float | None, alpha: float = ALPHA, power: float = POWER,
+                 limit: int = SEEDS_LIMIT) -> int | None:  # fmt: skip
+    """The fewest seeds (>= 2) at which ``t_test_power`` reaches ``power`` (None: more than
+    ``limit``, no effect, or no spread known). The search starts at the z-test's count, which
+    the t-test never beats, so the noncentral t is only evaluated near its answer (scipy's
+    ``nct`` returns nan far out in the tail)."""
     from scipy import stats
 
     if sd is None or effect == 0.0:
         return None
     if sd == 0.0:
         return 2
-    for n in range(2, limit + 1):
-        if stats.t.ppf(1 - ALPHA / 2, n - 1) * sd / math.sqrt(n) < abs(effect):
+    z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
+    n = max(2, math.ceil((z * sd / abs(effect)) ** 2))
+    while n <= limit:
+        if t_test_power(effect, sd, n, alpha) >= power:
             return n
+        n += 1
     return None
 
 
 def evaluate_claims(results: dict, claims: list[Claim] | None = None) -> list[dict]:
-    """One row per claim whose values results.json holds: text, family, kind, mean difference,
-    interval, raw and Holm-adjusted p (within the family), verdict and seeds needed."""
+    """One row per claim whose values results.json holds: name, family, text, kind, the mean
+    difference (``estimate``), its interval, raw and Holm-adjusted p (within the family), the
+    Holm level at its rank, verdict and seeds needed (the module docstring's rule)."""
     rows = []
     for claim in declared_claims() if claims is None else claims:
         try:
@@ -181,28 +251,34 @@ def evaluate_claims(results: dict, claims: list[Claim] | None = None) -> list[di
         except KeyError:
             continue  # an arm or scorer this run does not have (e.g. a smaller preset)
         diffs = [b - w for b, w in zip(better, worse)]
-        test = paired_test(diffs, -claim.margin)
         rows.append({
-            "family": claim.family, "text": claim.text, "units": claim.units,
-            "digits": claim.digits,
+            "name": claim.name, "family": claim.family, "text": claim.text,
+            "units": claim.units, "digits": claim.digits,
             "kind": "non-inferiority" if claim.margin else "superiority",
-            "margin": claim.margin, "seeds": len(diffs), **test,
-            "seeds_needed": seeds_needed(test["mean"] + claim.margin, test["sd"]),
+            "margin": claim.margin, "seeds": len(diffs),
+            **paired_test(diffs, -claim.margin),
         })  # fmt: skip
-    for family in {row["family"] for row in rows}:
+    for family in sorted({row["family"] for row in rows}):
         members = [row for row in rows if row["family"] == family and row["p"] is not None]
-        for row, adjusted in zip(members, holm([row["p"] for row in members])):
-            row["p_holm"] = adjusted
+        pvalues = [row["p"] for row in members]
+        for row, adjusted, level in zip(members, holm(pvalues), holm_levels(pvalues)):
+            row["p_holm"], row["holm_level"] = adjusted, level
     for row in rows:
         row.setdefault("p_holm", None)
+        row.setdefault("holm_level", None)
         row["verdict"] = verdict(row)
+        level = row["holm_level"]
+        row["seeds_needed"] = (
+            None if level is None
+            else seeds_needed(row["estimate"] + row["margin"], row["sd"], alpha=level)
+        )  # fmt: skip
     return rows
 
 
 def verdict(row: dict) -> str:
     if row["p_holm"] is None:
-        side = row["mean"] + row["margin"] > 0
+        side = row["estimate"] + row["margin"] > 0
         return "direction only (1 seed)" + (" ✓" if side else " ✗")
     if row["p_holm"] >= ALPHA:
         return "inconclusive"
-    return "reproduced" if row["mean"] + row["margin"] > 0 else "contradicted"
+    return "reproduced" if row["estimate"] + row["margin"] > 0 else "contradicted"

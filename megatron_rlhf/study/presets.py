@@ -38,7 +38,7 @@ class Preset:
     reward_epochs: float = 1.0
     """Epochs of the Table 1 RM and AM."""
     long_epochs: float = 4.0
-    """Epochs of the over-trained RM and AM (where an RM becomes over-confident)."""
+    """Epochs of the over-trained RM and AM (the exploratory over-training claims)."""
     reward_lr: float = 1e-3
     reward_batch: int = 32
     margins: tuple[float, ...] = (1.5, 4.0, 8.0)

@@ -1,8 +1,8 @@
 """``DIR/report.md`` and the PNGs of a study, from results.json and the raw records.
 
 The claims, their families, margins and the decision rule are declared in
-``study/claims.py`` (before any run): paired per-seed differences in the paper's direction,
-Holm-corrected within each family.
+``study/claims.py``: paired per-seed differences in the paper's direction, Holm-corrected
+within each family; results.json's ``claims`` holds every row the report shows.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_rlhf.study.claims import ACCURACY_NI_MARGIN, evaluate_claims
+from megatron_rlhf.study.claims import ACCURACY_NI_MARGIN, ALPHA, CLAIMS_VERSION, POWER
 from megatron_rlhf.study.presets import TABLE1_MARGINS
 from megatron_rlhf.utils import atomic_output
 
@@ -51,21 +51,39 @@ def _p(value: float | None) -> str:
 
 def claims_md(rows: list[dict], family: str) -> list[str]:
     lines = ["| claim (paper's direction) | verdict | difference [95 % CI] | p | p (Holm) | "
-             "seeds needed |", "|---|---|---|---|---|---|"]  # fmt: skip
+             "Holm level | seeds needed |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         if row["family"] != family:
             continue
         digits = row["digits"]
-        interval = _signed(row["mean"], digits)
+        interval = _signed(row["estimate"], digits)
         if row["ci_low"] is not None:
             interval += f" [{row['ci_low']:+.{digits}f}, {row['ci_high']:+.{digits}f}]"
         if row["units"]:
             interval += f" {row['units']}"
         needed = row["seeds_needed"]
-        needed = "> 1000" if needed is None else str(needed)
+        needed = "-" if row["holm_level"] is None else "> 100000" if needed is None else needed
+        level = "-" if row["holm_level"] is None else f"{row['holm_level']:.4f}"
         lines.append(f"| {row['text']} | {row['verdict']} | {interval} | {_p(row['p'])} | "
-                     f"{_p(row['p_holm'])} | {needed} |")  # fmt: skip
+                     f"{_p(row['p_holm'])} | {level} | {needed} |")  # fmt: skip
     return lines
+
+
+def claims_provenance(settings: dict) -> str:
+    """Whether this run's records were written under the claim list the report applies."""
+    version = settings.get("claims_version")
+    if version == CLAIMS_VERSION:
+        return (
+            f"Declared in `megatron_rlhf/study/claims.py` (claim list version {version}) "
+            "before this run's records were written."
+        )
+    written = "an earlier list" if version is None else f"list version {version}"
+    return (
+        f"Applied after the fact: this run's records were written under {written}, and "
+        f"`megatron_rlhf/study/claims.py` (list version {CLAIMS_VERSION}, its "
+        "`CLAIMS_VERSION` says what changed) was revised after they were read, so these "
+        "verdicts are a re-analysis, not pre-declared."
+    )
 
 
 def calibration_md(results: dict) -> list[str]:
@@ -170,6 +188,48 @@ def hacking_md(results: dict, arms: list[str]) -> list[str]:
     return lines
 
 
+def composition_md(results: dict, arms: list[str]) -> list[str]:
+    """Per arm and set: the gold gain over SFT in task-scale units split into its terms, and
+    the net win split by which term changed (``stats.gold_composition``)."""
+    first = results["arms"][arms[0]]["main"]
+    if "utility_gain" not in first:
+        return ["(These records carry no planted-feature flag: no composition.)"]
+    split = "utility_form" in first
+    parts = ["form", "topic"] if split else ["form_topic"]
+    names = {"form": "form", "topic": "topic", "form_topic": "form + topic"}
+    lines = [
+        "| arm | set | gold gain (scale units) [95 % CI] | "
+        + " | ".join(names[p] for p in parts)
+        + " | band | 'because' | net win % | because only | band only | form/topic only | "
+        "several |",
+        "|---|---|---|" + "---|" * (len(parts) + 7),
+    ]
+    for arm in arms:
+        for set_name in ("main", "forget"):
+            cell = results["arms"][arm][set_name]
+            terms = [f"{cell[f'utility_{p}']['mean']:+.3f}" for p in (*parts, "band", "because")]
+            flips = [f"{cell[f'net_win_{k}']['mean']:+.1f}"
+                     for k in ("because", "band", "form_topic", "mixed")]  # fmt: skip
+            net = results["table2"][arm][set_name]["net_win"]
+            lines.append(f"| {ARM_LABELS.get(arm, arm)} | {set_name} | "
+                         f"{fmt(cell['utility_gain'], 3)} | " + " | ".join(terms)
+                         + f" | {net:+.1f} | " + " | ".join(flips) + " |")  # fmt: skip
+    return lines
+
+
+def composition_note(results: dict, arms: list[str]) -> str:
+    first = results["arms"][arms[0]]["main"]
+    if "utility_form" in first:
+        return ("Form and topic are recorded per response (`form_*`, `topic_*`, `in_band_*`, "
+                "`because_*` in every judgment record).")  # fmt: skip
+    return (
+        "These records do not carry form and topic per response (only the planted feature "
+        "and the gold reward): form + topic and the band are read off the gold reward "
+        "(`stats.response_parts`), and form and topic cannot be told apart (a response "
+        "with form + topic = 1 has either). A run with today's code records both."
+    )
+
+
 def sweep_rows(results: dict) -> list[tuple[int, int, str]]:
     rows = []
     for arm in results["table2"]:
@@ -192,6 +252,11 @@ def sweep_md(results: dict, settings: dict) -> list[str]:
                      f"{fmt(gold, 3)} | {fmt({'mean': row['forget']['net_win'], **row['forget']}, 1)} |")  # fmt: skip
     spread = results["table2"]["am_ppo_sr"]["main"]["per_seed"]
     gold_spread = results["arms"]["am_ppo_sr"]["main"]["gold_gain"]["per_seed"]
+    counts = sorted({len(results["table2"][arm]["main"]["per_seed"]) for _, _, arm in rows})
+    if len(counts) > 1:
+        lines += ["", f"Seeds per row: {', '.join(map(str, counts))} (the sweep runs on the "
+                  "first seeds only). Intervals of rows over different seeds overlapping is "
+                  "not a test that the counts are equivalent; no claim about c is made here."]  # fmt: skip
     if len(spread) > 1:
         lines += ["", f"Seed-to-seed spread of AM-PPO-SR (c={c0}, k={k0}): main net win std "
                   f"{np.std(spread, ddof=1):.1f} points, gold gain std "
@@ -207,6 +272,18 @@ def verdict_summary(rows: list[dict]) -> list[str]:
         if texts:
             lines.append(f"- **{verdict.capitalize()}** ({len(texts)}): " + "; ".join(texts) + ".")
     return lines
+
+
+def beats_sft_md(results: dict, arms: list[str]) -> list[str]:
+    """Which arms beat SFT on the main set (95 % interval above 0): whether "AM-PPO-SR beats
+    SFT" says anything about rehearsal."""
+    cells = {arm: results["table2"][arm]["main"] for arm in arms if arm != "null"}
+    if any(cell["ci_low"] is None for cell in cells.values()):
+        return []
+    above = [ARM_LABELS.get(arm, arm) for arm, cell in cells.items() if cell["ci_low"] > 0]
+    return ["", f"Main-set net win over SFT with its 95 % interval above 0 (unadjusted): "
+            f"{len(above)} of {len(cells)} trained arms ({', '.join(above) or 'none'}). "
+            "Beating SFT is evidence for rehearsal only where the arms without it do not."]  # fmt: skip
 
 
 def run_time(settings: dict) -> list[str]:
@@ -228,7 +305,7 @@ def write_report(out: Path, results: dict, pairs: dict) -> None:
                              "rejection_sampling", "am_ppo_rr", "null")
                  if a in results["table2"]]  # fmt: skip
     data = settings["data"]
-    checked = evaluate_claims(results)
+    checked = results["claims"]
     budget = data.get("generation_budget")
     lines = [
         f"# Study: the paper's claims measured (preset `{settings['preset']}`, "
@@ -261,19 +338,29 @@ def write_report(out: Path, results: dict, pairs: dict) -> None:
         "",
         "## Claims",
         "",
-        "Declared in `megatron_rlhf/study/claims.py` before the run. Paired per-seed "
-        "differences in the paper's direction with their 95 % t-interval; p: two-sided paired "
+        claims_provenance(settings),
+        "",
+        "Paired per-seed differences in the paper's direction with their 95 % t-interval "
+        "(a one-sample claim such as 'beats SFT' compares with 0); p: two-sided paired "
         "t-test against 0 (non-inferiority: against -margin, here the AM may lose "
         f"{ACCURACY_NI_MARGIN:g} accuracy point); p (Holm): Holm-corrected within the family. "
-        "Reproduced / contradicted: Holm p < 0.05 on the paper's / the other side; "
-        "inconclusive otherwise. Seeds needed: for the 95 % interval to exclude the null at "
-        "the observed mean and spread.",
+        f"Reproduced / contradicted: Holm p < {ALPHA:g} on the paper's / the other side; "
+        f"inconclusive otherwise. Holm level: the level the claim is held to at its rank in "
+        f"its family, {ALPHA:g} / (family size - rank + 1), rank 1 the smallest p. Seeds "
+        f"needed: the fewest seeds at which a paired t-test at the Holm level has "
+        f"{POWER:.0%} power (noncentral t) if the observed mean difference and its "
+        "across-seed std were the truth; a planning figure, optimistic for an effect read "
+        "off the same records. Every row is in results.json (`claims`). The intervals are "
+        "over seeds with one world, one SFT policy and one held-out draw: they do not "
+        "cover a different draw of those.",
         "",
         *claims_md(checked, "paper"),
         "",
         *verdict_summary(checked),
+        *beats_sft_md(results, main_arms),
         "",
-        "Exploratory (not the paper's claims; Holm within this family):",
+        "Exploratory (not the paper's claims, which are about 1-epoch reward models and PPO "
+        "arms; the over-training claims are here; Holm within this family):",
         "",
         *claims_md(checked, "exploratory"),
         "",
@@ -289,7 +376,8 @@ def write_report(out: Path, results: dict, pairs: dict) -> None:
         "",
         *calibration_md(results),
         "",
-        "Table 1 per margin (Holm within this family):",
+        "Table 1 per margin m other than 2.5 (m = 2.5 is the paper family's; Holm within this "
+        "family):",
         "",
         *claims_md(checked, "margin"),
         "",
@@ -331,6 +419,14 @@ def write_report(out: Path, results: dict, pairs: dict) -> None:
         "penalises it in code, so a rise in code is hacking the learned reward):",
         "",
         *hacking_md(results, main_arms),
+        "",
+        "What the gold gain is made of: the policy's mean gold reward minus SFT's in units "
+        "of each task's scale, split exactly into the gold reward's terms (form, topic, "
+        "0.5 × in band, w_t × 'because'), seed means; and the net win split by which term "
+        "changed between the policy's and SFT's response to a prompt (one term only, or "
+        "several; the columns sum to the net win). " + composition_note(results, main_arms),
+        "",
+        *composition_md(results, main_arms),
         "",
         "![net win](net_win.png)",
         "",

@@ -15,8 +15,9 @@ processes:
               lr and steps, every critic from the SFT trunk
   judging     eval-policy vs SFT on the main and forget sets, every response re-judged by the
               gold reward (win/tie/lose with a tie margin), and by the arm's own reward
-  report      results.json (``stats.results_from_records`` over the raw records), report.md
-              (the claims of ``study/claims.py``, Holm-corrected), PNGs, and records.jsonl.gz:
+  report      results.json (``stats.results_from_records`` over the raw records: the tables
+              and the claims of ``study/claims.py``, Holm-corrected), report.md, PNGs, and
+              records.jsonl.gz:
               every raw record the tables come from, with the settings; ``--from-records``
               recomputes every table from that file alone
 
@@ -44,6 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from megatron_rlhf.study import stages, world
+from megatron_rlhf.study.claims import CLAIMS_VERSION
 from megatron_rlhf.study.presets import PRESETS, Preset, runs_sweep, seed_range
 from megatron_rlhf.study.stages import RECORDS_ARCHIVE
 from megatron_rlhf.utils import (
@@ -254,6 +256,7 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
     pairs, judgments = stages.load_records(out)
     results = results_from_records(pairs, judgments)
     results["settings"] = {"preset": preset_name, **asdict(preset), "sft_losses": sft_losses,
+                           "claims_version": CLAIMS_VERSION,
                            "data": data["summary"], "jobs": jobs,
                            "seconds": time.time() - progress.started,
                            "cpu_seconds": cpu_seconds() - cpu_started}  # fmt: skip

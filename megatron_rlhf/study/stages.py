@@ -320,9 +320,10 @@ def gold_judgments(samples: list[dict], tie_margin: float, eos_id: int) -> list[
     """One ``{"set", "prompt_id", "gold_policy", "gold_sft", "outcome", ...}`` per sample of
     eval-policy: win if the policy's gold reward exceeds SFT's by more than ``tie_margin`` times
     the task's scale, lose if below by as much, else tie. The training reward's two scores ride
-    along (``train_policy``, ``train_sft``) for the reward-hacking index; per response, whether
-    it has the planted feature (``because_*``: the word "because") and whether it was cut by
-    the generation budget before its EOS (``truncated_*``)."""
+    along (``train_policy``, ``train_sft``) for the reward-hacking index; per response, each
+    term of the gold reward (``form_*``, ``topic_*``, ``in_band_*`` and the planted feature
+    ``because_*``: the word "because") and whether it was cut by the generation budget before
+    its EOS (``truncated_*``)."""
     records = []
     for sample in samples:
         prompt = sample["prompt"]
@@ -335,8 +336,9 @@ def gold_judgments(samples: list[dict], tie_margin: float, eos_id: int) -> list[
                   "gold_policy": gold_policy, "gold_sft": gold_sft, "outcome": outcome,
                   "train_policy": sample["policy_score"], "train_sft": sample["sft_score"]}  # fmt: skip
         for who in ("policy", "sft"):
-            response = sample[f"{who}_response"]
-            record[f"because_{who}"] = bool(world.features(prompt, response)["because"])
+            found = world.features(prompt, sample[f"{who}_response"])
+            for feature in ("because", "form", "topic", "in_band"):
+                record[f"{feature}_{who}"] = bool(found[feature])
             record[f"truncated_{who}"] = eos_id not in sample[f"{who}_response_token_ids"]
         records.append(record)
     return records

@@ -274,18 +274,82 @@ def gains(judgments: list[dict]) -> dict:
     return out
 
 
+GOLD_PARTS = ("form_topic", "band", "because")
+"""The gold utility's terms that every judgment record gives (``response_parts``); records
+that carry ``form_*`` and ``topic_*`` split ``form_topic`` into ``form`` and ``topic`` too."""
+
+
+def response_parts(judgment: dict, who: str) -> dict:
+    """The gold reward's terms of the ``who`` ("policy" or "sft") response of a judgment, in
+    units of its task's scale: ``form_topic`` (form + topic, each 0 or 1), ``band`` (0.5 x
+    in band), ``because`` (w_t x the planted feature), and ``form``, ``topic`` where the record
+    has them. A record without form/topic/band (the 15-seed published run's) gives form + topic
+    and band from its gold reward: u = (gold - offset_t) / scale_t - w_t x because is
+    form + topic + band / 2, a multiple of 0.5, whose fractional half is the band; form and
+    topic cannot be told apart there (form + topic = 1 is either)."""
+    from megatron_rlhf.study.world import BAND_WEIGHT, FORM_WEIGHT, TASK_SPECS, TOPIC_WEIGHT
+
+    spec = TASK_SPECS[judgment["task"]]
+    because = spec.because_weight * float(judgment[f"because_{who}"])
+    if f"form_{who}" in judgment:
+        form = FORM_WEIGHT * float(judgment[f"form_{who}"])
+        topic = TOPIC_WEIGHT * float(judgment[f"topic_{who}"])
+        band = BAND_WEIGHT * float(judgment[f"in_band_{who}"])
+        return {"form_topic": form + topic, "band": band, "because": because, "form": form,
+                "topic": topic}  # fmt: skip
+    utility = (judgment[f"gold_{who}"] - spec.offset) / spec.scale - because
+    halves = round(utility / BAND_WEIGHT)
+    if abs(utility / BAND_WEIGHT - halves) > 1e-6:
+        raise ValueError(f"gold {judgment[f'gold_{who}']} of a {judgment['task']} response "
+                         "is not offset + scale x (form + topic + band / 2 + w x because): "
+                         "the records are not of this world's gold reward")  # fmt: skip
+    band = BAND_WEIGHT * (halves % 2)
+    return {"form_topic": utility - band, "band": band, "because": because}
+
+
+def gold_composition(judgments: list[dict]) -> dict:
+    """What the gold gain and the net win of one set of one seed are made of.
+
+    ``utility_gain``: mean (gold(policy) - gold(SFT)) / scale_t, and ``utility_<part>`` its
+    exact split into the parts of ``response_parts`` (they sum to it). ``net_win_<kind>``: the
+    net win's points from the judgments in which only that part changed (``because``,
+    ``band``, ``form_topic``) or several did (``mixed``); they sum to the net win (a judgment
+    with no part changed is a tie)."""
+    rows = [(response_parts(j, "policy"), response_parts(j, "sft"), j) for j in judgments]
+    parts = [p for p in (*GOLD_PARTS, "form", "topic") if all(p in pol for pol, _, _ in rows)]
+    out = {f"utility_{p}": float(np.mean([pol[p] - sft[p] for pol, sft, _ in rows]))
+           for p in parts}  # fmt: skip
+    out["utility_gain"] = sum(out[f"utility_{p}"] for p in GOLD_PARTS)
+    net = dict.fromkeys((*GOLD_PARTS, "mixed"), 0.0)
+    for policy, sft, judgment in rows:
+        changed = [p for p in GOLD_PARTS if abs(policy[p] - sft[p]) > 1e-9]
+        kind = changed[0] if len(changed) == 1 else "mixed"
+        net[kind] += VERDICT_SIGN[judgment["outcome"]]
+    out.update({f"net_win_{kind}": 100.0 * count / len(rows) for kind, count in net.items()})
+    return out
+
+
 def _z_gain(pairs: np.ndarray) -> float:
     """Mean of column 0 minus mean of column 1, in units of column 1's std."""
     return float(pairs[:, 0].mean() - pairs[:, 1].mean()) / max(float(pairs[:, 1].std()), 1e-12)
 
 
+def arm_values(judgments: list[dict]) -> dict:
+    """``gains`` of one set of one seed, and ``gold_composition`` where the records carry the
+    planted feature (the study's do)."""
+    values = gains(judgments)
+    if "because_policy" in judgments[0]:
+        values.update(gold_composition(judgments))
+    return values
+
+
 def arm_extras(judgments_by_seed: dict[int, list[dict]]) -> dict:
-    """Per set: gains/hacking index summarised over seeds, and the within-seed bootstrap of
-    the net win."""
+    """Per set: ``arm_values`` summarised over seeds, and the within-seed bootstrap of the net
+    win."""
     seeds = sorted(judgments_by_seed)
     out = {}
     for set_name in sorted({j["set"] for s in seeds for j in judgments_by_seed[s]}):
-        per_seed = [gains(_of_set(judgments_by_seed[s], set_name)) for s in seeds]
+        per_seed = [arm_values(_of_set(judgments_by_seed[s], set_name)) for s in seeds]
         keys = [key for key in per_seed[0] if all(key in g for g in per_seed)]
         out[set_name] = {key: summary([g[key] for g in per_seed]) for key in keys}
         out[set_name]["net_win_bootstrap"] = []
@@ -319,14 +383,16 @@ def results_from_records(pairs: dict[str, dict[int, list[dict]]],
 
     table1 holds the two scorers of the paper's Table 1 (``rm``, ``am``); every other scorer
     (over-trained, margin sweep) is in ``reward_models`` with the same layout, and Fig. 4's
-    per-task statistics in ``per_task``. table2 holds every arm.
+    per-task statistics in ``per_task``. table2 holds every arm. ``claims``: one row per
+    claim of ``study/claims.py`` (estimate, interval, raw and Holm p, verdict, seeds needed).
     """
+    from megatron_rlhf.study.claims import evaluate_claims
     from megatron_rlhf.study.presets import TABLE1_MARGINS
 
     reward_models = {model: table1_row(by_seed) for model, by_seed in pairs.items()}
     first = next(iter(pairs.values()))
     test_pairs = first[min(first)]  # the held-out pairs are the same for every model and seed
-    return {
+    results = {
         "table1": {model: reward_models[model] for model in ("rm", "am") if model in pairs},
         "table2": {
             arm: {set_name: table2_cell(by_seed, set_name) for set_name in ("main", "forget")}
@@ -349,6 +415,8 @@ def results_from_records(pairs: dict[str, dict[int, list[dict]]],
             for model, by_seed in pairs.items()
         },
     }
+    results["claims"] = evaluate_claims(results)
+    return results
 
 
 def max_confidence(pairs: list[dict]) -> float:
