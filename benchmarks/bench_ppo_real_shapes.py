@@ -101,6 +101,17 @@ in ~2.3 s against our ~5.3 s, but its weight sync takes ~3 s a step in this proc
 layer-by-layer reload re-materialises and re-packs every layer) and ``old_logprobs=auto``
 recomputes log pi_old with an actor forward (+1.9 s of scoring). Tiny (``--size tiny --steps
 4``): 0.30 vs 0.39 s a step (0.78x; per seed 0.61x, 1.12x).
+
+After the shard-to-shard sync (issue 35), with vLLM's own log-probs under a correction
+(``--size 560m --engines megatron vllm --steps 2 --prompts-per-step 8 --new-tokens 128
+--rollout-correction token_tis``, 3 reps x 2 seeds, idle 2-core VM, 2026-12-03):
+
+    | side        | step (s)           | rollout            | of it sync      | scoring         | update             | peak RSS (GB) | start-up (s) |
+    | megatron    | 37.7 / 39.9 / 49.3 | 14.8 / 17.1 / 22.9 | 0               | 6.9 / 7.0 / 7.8 | 15.8 / 16.3 / 18.6 | 13.25         | 8 / 10 / 19  |
+    | vllm        | 28.3 / 31.2 / 34.1 | 6.6 / 8.8 / 9.6    | 0.9 / 2.5 / 3.1 | 5.9 / 6.4 / 7.7 | 15.5 / 16.1 / 16.9 | 16.68         | 20 / 22 / 25 |
+
+megatron / vllm step, medians: 1.28x (per seed 1.22x, 1.42x). 77 % of the sync is vLLM's CPU
+backend re-packing the tied LM head (README, "rollout engines").
 """
 
 from __future__ import annotations
