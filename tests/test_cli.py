@@ -62,10 +62,11 @@ def _leaf_keys(cls, prefix: str = "") -> list[str]:
     keys = []
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
+        key = field.metadata.get("key", field.name)  # async_ is the key async
         if dataclasses.is_dataclass(hints[field.name]):
-            keys += _leaf_keys(hints[field.name], f"{prefix}{field.name}.")
+            keys += _leaf_keys(hints[field.name], f"{prefix}{key}.")
         else:
-            keys.append(prefix + field.name)
+            keys.append(prefix + key)
     return keys
 
 

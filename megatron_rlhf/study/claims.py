@@ -189,11 +189,11 @@ def holm_levels(pvalues: list[float], alpha: float = ALPHA) -> list[float]:
 
 
 def paired_test(diffs: list[float], null: float = 0.0) -> dict:
-    """Mean difference (``estimate``), its 95 % t-interval (``stats.t_interval``) and the
+    """Mean difference (``estimate``), its 95 % t-interval (``intervals.t_interval``) and the
     two-sided p-value against ``null`` (None where fewer than 2 seeds leave them undefined)."""
     from scipy import stats
 
-    from megatron_rlhf.study.stats import t_interval
+    from megatron_rlhf.study.intervals import t_interval
 
     mean, low, high = t_interval(diffs)
     if low is None:

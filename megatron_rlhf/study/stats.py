@@ -10,7 +10,7 @@ bootstrap over pairs or prompts (``bootstrap``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -20,21 +20,11 @@ from megatron_rlhf.reward.calibration import (
     per_task_stats,
     ranking_accuracy,
 )
+from megatron_rlhf.study.intervals import t_interval
 
 BOOTSTRAP_SAMPLES = 1000
 OUTCOMES = ("win", "tie", "lose")
 VERDICT_SIGN = {"win": 1, "tie": 0, "lose": -1}
-
-
-def t_interval(values: Sequence[float]) -> tuple[float, float | None, float | None]:
-    """Mean and the 95 % Student-t interval of per-seed values (None, None with one value)."""
-    from scipy import stats
-
-    mean = float(np.mean(values))
-    if len(values) < 2:
-        return mean, None, None
-    half = stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(len(values))
-    return mean, float(mean - half), float(mean + half)
 
 
 def bootstrap_interval(
