@@ -84,12 +84,17 @@ def write_synthetic_pairs(prefix: Path, pairs_per_task: int, seed: int = 0) -> P
 
 
 @pytest.fixture(scope="module")
-def dist_results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reward_dist")
+def dist_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("reward_dist")
+
+
+@pytest.fixture(scope="module")
+def dist_results(dist_root):
+    root = dist_root
     data = write_synthetic_pairs(root / "pairs", pairs_per_task=22)
     hf_am = save_hf_bloom(root / "hf_am", num_outputs=2, seed=1)
     hf_rm = save_hf_bloom(root / "hf_rm", num_outputs=1, seed=1)
-    return run_checks(
+    results = run_checks(
         REPO / "tests" / "dist_reward_train.py",
         4,
         root / "results",
@@ -102,12 +107,35 @@ def dist_results(tmp_path_factory):
         "--work",
         str(root / "work"),
     )
+    return results
 
 
 @pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("check", DIST_CHECKS)
 def test_parallel_layouts_and_resume(dist_results, check):
     assert_check(dist_results, check)
+
+
+@pytest.mark.launch(ranks=4)  # its checkpoint is the dist_results launch's
+def test_a_run_saved_on_4_ranks_resumes_on_1_at_its_step(dist_results, dist_root, tmp_path, capsys):
+    """The 4-rank launch's TP1 x DP4 AM run (2 steps) resumed in this 1-rank process for a 3rd
+    step: it continues at step 2 with its data position and LR schedule (the global trainer
+    state in the checkpoint's metadata), instead of restarting at step 0 with trained weights."""
+    import shutil
+
+    from megatron_rlhf.reward.train import main
+
+    saved = dist_root / "work" / "am_tp1_pp1"  # written by the dist_results launch
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    argv = ["--config", str(run / "config.json"), f"train.output_dir={run}", "train.steps=3"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"resumed from {run / 'step_0000002'} at step 2" in err
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    trainer = json.loads((run / "step_0000003" / "megatron_rlhf.json").read_text())
+    assert trainer["trainer_state"]["consumed_samples"] == 3 * 8  # GLOBAL_BATCH a step
 
 
 # ---------------------------------------------------------------- Fig. 4 with the BLOOM trunk

@@ -106,7 +106,7 @@ class PPOTrainer:
         self.consumed_prompts, self.consumed_rehearsal = 0, 0
         self.queue = RolloutQueue(config.async_.max_staleness)
         if self.run.resume_from is not None:
-            self.load_state(self.run.restore(self.engines(), needs_state=True))
+            self.load_state(self.run.restore(self.engines()))
         self.step, self.output_dir = self.run.step, self.run.output_dir
         self.data = RunData(config, self.consumed_prompts, self.consumed_rehearsal)
         self.logger = self.run.start(train.steps)
@@ -376,19 +376,9 @@ class PPOTrainer:
             "actor": {"head": "lm", "num_scalar_outputs": 0, "prefix": "actor."},
             "critic": {"head": "scalar", "num_scalar_outputs": 1, "prefix": "critic."},
         }
-        # The trainer state is global (positions count global samples): kept in the metadata
-        # too, so a run resumes at another world size or layout.
-        schedulers = {
-            "actor": self.actor.engine.scheduler_state(),
-            "critic": self.critic.engine.scheduler_state(),
-        }
-        metadata = model_metadata(
-            self.actor.model,
-            roles=roles,
-            config=to_dict(self.config),
-            trainer_state=state,
-            schedulers=schedulers,
-        )
+        # save_training_checkpoint keeps the (global) trainer state and the schedules in the
+        # metadata too, so that a run resumes at another world size or layout
+        metadata = model_metadata(self.actor.model, roles=roles, config=to_dict(self.config))
         return save_training_checkpoint(
             self.output_dir,
             step,

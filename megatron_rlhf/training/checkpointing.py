@@ -76,15 +76,16 @@ def save_training_checkpoint(
     ``trainer_tensors``: the trainer state's global tensors (``dist.load_global_tensors``
     reads them back)."""
     sharded = {role: engine.sharded_state_dict() for role, engine in engines.items()}
+    schedulers = {role: engine.scheduler_state() for role, engine in engines.items()}
+    # The trainer state is global (steps, data positions counted in global samples): kept in
+    # the metadata too, so that a run resumes at another world size or layout (Run.restore).
     metadata = {
+        "trainer_state": trainer_state,
+        "schedulers": schedulers,
         **metadata,
         OPTIMIZER_SHARDING_KEY: {r: e.checkpoint_sharding for r, e in engines.items()},
     }
-    rank_state = {
-        "rng": rng_state(),
-        "schedulers": {role: engine.scheduler_state() for role, engine in engines.items()},
-        "trainer": trainer_state,
-    }
+    rank_state = {"rng": rng_state(), "schedulers": schedulers, "trainer": trainer_state}
     directory = Path(run_dir) / f"step_{step:07d}"
     dist_ckpt.save(
         directory,

@@ -71,10 +71,10 @@ class Run:
         self.stopped_by: signal.Signals | None = None
         self.log: RunLog | None = None
 
-    def restore(self, engines: dict, needs_state: bool = False) -> dict:
+    def restore(self, engines: dict) -> dict:
         """Load :attr:`resume_from` into ``engines`` ({role: TrainEngine}); the trainer state it
         holds: this rank's, or at another world size the global one of its metadata (a
-        checkpoint without one: ``{}``, refused when ``needs_state``)."""
+        checkpoint without one is refused: it would restart at step 0 with trained weights)."""
         from megatron_rlhf.checkpoint.dist import read_metadata
         from megatron_rlhf.training.checkpointing import load_training_checkpoint
 
@@ -85,7 +85,7 @@ class Run:
                 state = meta["trainer_state"]
                 for role, engine in engines.items():
                     engine.load_scheduler_state(meta["schedulers"][role])
-            elif needs_state:
+            else:
                 raise InputError(
                     f"{self.resume_from}: saved at another world size by a version without a "
                     "global trainer state; resume with the same launch"
