@@ -59,10 +59,12 @@ def test_every_help_parses_before_any_heavy_import():
 
 
 def _leaf_keys(cls, prefix: str = "") -> list[str]:
+    from megatron_rlhf.config import key_of
+
     keys = []
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
-        key = field.metadata.get("key", field.name)  # async_ is the key async
+        key = key_of(field)  # async_ is the key async
         if dataclasses.is_dataclass(hints[field.name]):
             keys += _leaf_keys(hints[field.name], f"{prefix}{key}.")
         else:
