@@ -200,10 +200,10 @@ def test_rollout_queue_trains_batch_t_at_step_t_at_most_n_steps_stale(max_stalen
             state, tensors = queue.state()
             save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "q.st")
             json.dumps(state)  # JSON-able
-            saved = [(e.sequences, e.rollout_logprobs, e.policy_version) for e in queue.pending]
+            saved = [(e.sequences, e.rollout_logprobs, e.policy_version) for e, _ in queue.pending]
             queue = RolloutQueue(max_staleness)
             queue.load(state, load_file(tmp_path / "q.st"), "cpu")
-            for experience, (sequences, logprobs, version) in zip(queue.pending, saved):
+            for (experience, _), (sequences, logprobs, version) in zip(queue.pending, saved):
                 assert torch.equal(experience.sequences, sequences)
                 assert torch.equal(experience.rollout_logprobs, logprobs)
                 assert torch.equal(experience.policy_version, version)

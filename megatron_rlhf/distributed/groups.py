@@ -77,21 +77,60 @@ def build_layout_groups(layouts: dict[str, Layout]) -> dict[str, LayoutGroups]:
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    by_shape: dict[tuple[int, int], LayoutGroups] = {}
+    by_shape: dict[tuple[int, int, int, int], LayoutGroups] = {}
     result = {}
     for role, layout in layouts.items():
-        shape = (layout.tp, layout.pp)
-        if shape not in by_shape:
+        shape = (layout.tp, layout.pp, layout.first_rank, layout.size)
+        if shape in by_shape:
+            result[role] = by_shape[shape]
+            continue
+        if layout.first_rank == 0 and layout.size == dist.get_world_size():
             unseal()
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp
             )
-            by_shape[shape] = LayoutGroups(
-                layout=layout, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
-            )
-        result[role] = by_shape[shape]
+            collection = ProcessGroupCollection.use_mpu_process_groups()
+        else:
+            collection = subset_groups(layout)
+        by_shape[shape] = result[role] = LayoutGroups(layout=layout, pg_collection=collection)
     seal()
     return result
+
+
+def subset_groups(layout: Layout):
+    """The process groups of a layout over ranks ``[first_rank, first_rank + size)`` only
+    (train-ppo's disaggregated placement), in Megatron-Core's rank order (tp fastest, then
+    dp, then pp), built with Megatron-Core's ``HyperCommGrid``: the groups
+    ``initialize_model_parallel`` would build for that layout on a world of its own, with one
+    context-parallel rank, one expert and one distributed-optimizer instance. Collective over
+    the whole world (every rank creates every group); a rank outside the layout gets an empty
+    collection (every group None)."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    grid = HyperCommGrid(
+        [layout.tp, 1, layout.dp, layout.pp], ["tp", "cp", "dp", "pp"], layout.first_rank
+    )
+    tp, cp, dp, pp = (grid.create_pg(dim) for dim in ("tp", "cp", "dp", "pp"))
+    mp, tp_dp = grid.create_pg(["tp", "pp"]), grid.create_pg(["tp", "dp"])
+    everyone = grid.create_pg(["tp", "cp", "dp", "pp"])
+    stages = grid.get_rank_enum("pp")  # one list of ranks per pipeline
+    embedding = _group_of([[p[0], p[-1]] if len(p) > 1 else [p[0]] for p in stages])
+    position = _group_of([[p[0]] for p in stages])
+    if not layout.holds(dist.get_rank()):
+        return ProcessGroupCollection()
+    return ProcessGroupCollection(
+        tp=tp, pp=pp, mp=mp, embd=embedding, pos_embd=position, cp=cp, tp_cp=tp, hcp=None,
+        ep=cp, expt_tp=tp, tp_ep=tp, tp_ep_pp=mp, tp_dp_cp=tp_dp, dp=dp, dp_cp=dp,
+        expt_dp=dp, intra_dp_cp=dp, intra_expt_dp=dp, inter_dist_opt=None,
+        intra_dist_opt=everyone,
+    )  # fmt: skip
+
+
+def _group_of(rank_lists: list[list[int]]):
+    """This rank's group among ``rank_lists`` (None if it is in none); collective."""
+    group, _ = dist.new_subgroups_by_enumeration(rank_lists)
+    return group
 
 
 def seed_layout(groups: LayoutGroups, seed: int) -> None:

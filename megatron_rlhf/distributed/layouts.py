@@ -103,6 +103,19 @@ class Layout:
     """Data-parallel size: copies of the model, each fed its own rows of the batch."""
     sequence_parallel: bool = False
     """Activations outside attention/MLP split along the sequence over the TP group."""
+    first_rank: int = 0
+    """The layout's ranks are ``[first_rank, first_rank + tp * pp * dp)`` of the world: the
+    whole world except in train-ppo's disaggregated placement, where the rollout engine holds
+    the last ``placement.rollout_ranks`` ranks and the training roles the others."""
+
+    @property
+    def size(self) -> int:
+        """Ranks the layout spans."""
+        return self.tp * self.pp * self.dp
+
+    def holds(self, rank: int) -> bool:
+        """Whether global ``rank`` is one of the layout's."""
+        return self.first_rank <= rank < self.first_rank + self.size
 
     def as_dict(self) -> dict:
         """The shape as reports print it (``{"tp", "pp", "dp"}``)."""

@@ -8,6 +8,7 @@ the megatron-core compatibility layer is installed first. The layout is validate
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -65,6 +66,32 @@ def current_groups():
 def model_groups(model):
     """The ProcessGroupCollection a model was built with (through a DDP wrapper too)."""
     return getattr(model, "pg_collection", None) or model.module.pg_collection
+
+
+@contextlib.contextmanager
+def default_group(group):
+    """Within the block, ``group`` stands for the world wherever a collective is given no
+    group (Megatron-Core's optimizer set-up and dist-checkpoint reads and writes, our
+    barriers): train-ppo's training ranks of the disaggregated placement run what only they
+    take part in this way, while the rollout ranks go on. Ranks keep their numbers (the
+    group holds ranks ``0..n-1``); None: the world itself."""
+    from torch.distributed.distributed_c10d import _world
+
+    if group is None:
+        yield
+        return
+    world, _world.default_pg = _world.default_pg, group
+    try:
+        yield
+    finally:
+        _world.default_pg = world
+
+
+def layout_group(groups):
+    """Every rank of the layout of ``groups`` (a ``ProcessGroupCollection``): Megatron-Core's
+    distributed-optimizer instance group, which with one instance is the whole layout: the
+    world, or in train-ppo's disaggregated placement the training ranks."""
+    return groups.intra_dist_opt
 
 
 def vocab_group(groups):

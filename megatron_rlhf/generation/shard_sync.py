@@ -48,6 +48,7 @@ class TensorSpec:
     split_dim: int | None
     kind: str = "plain"
     head_rows: int = 1  # qkv: 3 x head_dim rows per head (a unit never splits a head)
+    vocab_multiple: int = VLLM_VOCAB_PADDING  # vocab: the rollout pads the rows to a multiple
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,18 @@ class SyncPlan:
         return sum(p.numel for p in pieces) * self.element_bytes
 
 
-def vllm_vocab_rows(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
+def vllm_vocab_rows(
+    vocab: int, tp: int, rank: int, multiple: int = VLLM_VOCAB_PADDING
+) -> tuple[int, int, int]:
     """vLLM's vocabulary shard of rank ``rank`` of ``tp``: (first row, end of the real rows,
-    rows in the shard incl. padding), as ``VocabParallelEmbedding._get_indices``."""
-    padded = -(-vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    rows in the shard incl. padding), as ``VocabParallelEmbedding._get_indices``; with
+    ``multiple`` = our padded vocabulary (``models/bloom/config.padded_vocab_size``),
+    Megatron-Core's shard, which pads the same way to another multiple."""
+    padded = -(-vocab // multiple) * multiple
     if padded % tp:
-        raise ValueError(f"vLLM pads the vocabulary to {padded}, which TP {tp} does not divide")
+        raise ValueError(
+            f"the rollout pads the vocabulary to {padded}, which TP {tp} does not divide"
+        )
     per = padded // tp
     start = rank * per
     return start, min(start + per, vocab), per
@@ -116,7 +123,7 @@ def rollout_shard(spec: TensorSpec, rank: int, tp: int) -> tuple[tuple[int, int]
     if spec.split_dim is None:
         return tuple(ranges)
     if spec.kind == "vocab":
-        start, end, _ = vllm_vocab_rows(spec.shape[0], tp, rank)
+        start, end, _ = vllm_vocab_rows(spec.shape[0], tp, rank, spec.vocab_multiple)
         ranges[0] = (min(start, end), end)
         return tuple(ranges)
     size = spec.shape[spec.split_dim]
@@ -132,7 +139,7 @@ def rollout_shard_start(spec: TensorSpec, rank: int, tp: int) -> int:
     if spec.split_dim is None:
         return 0
     if spec.kind == "vocab":
-        return vllm_vocab_rows(spec.shape[0], tp, rank)[0]
+        return vllm_vocab_rows(spec.shape[0], tp, rank, spec.vocab_multiple)[0]
     return rank * spec.shape[spec.split_dim] // tp
 
 
@@ -140,7 +147,7 @@ def rollout_shard_shape(spec: TensorSpec, tp: int) -> tuple[int, ...]:
     """The shape of a rollout shard in vLLM's parameter (vocab: with its padding rows)."""
     shape = list(spec.shape)
     if spec.kind == "vocab":
-        shape[0] = vllm_vocab_rows(spec.shape[0], tp, 0)[2]
+        shape[0] = vllm_vocab_rows(spec.shape[0], tp, 0, spec.vocab_multiple)[2]
     elif spec.split_dim is not None:
         shape[spec.split_dim] //= tp
     return tuple(shape)
@@ -178,7 +185,7 @@ class RankLayout:
     dim) and where it sits in the rollout layout."""
 
     actor_shards: dict[str, tuple[int, int]]
-    rollout_rank: int
+    rollout_rank: int | None  # None: the rank holds no rollout shard (disaggregated)
     rollout_tp: int
 
 
@@ -229,20 +236,23 @@ def build_plan(
     element_bytes: int,
 ) -> SyncPlan:
     """This rank's sends, receives and local copies, bucket by bucket. ``layouts[i]``
-    describes rank ``i``; every rank is a rollout rank (vLLM's ranks are the world's)."""
+    describes rank ``i``: vLLM's ranks are the world's (every rank receives); in the
+    disaggregated placement the training ranks hold no rollout shard (``rollout_rank`` None)
+    and the rollout ranks no actor shard."""
     holders = _Holders(layouts)
     missing = [s.name for s in specs if s.name not in holders.by_name]
     if missing:
         raise ValueError(f"no actor rank holds {missing[:3]}")
+    tp = layouts[rank].rollout_tp  # the same on every rank
     units = [
         (spec, first, stop)
         for spec in specs
-        for first, stop in _units(spec, layouts[rank].rollout_tp, bucket_bytes, element_bytes)
+        for first, stop in _units(spec, tp, bucket_bytes, element_bytes)
     ]
     buckets: list[Bucket] = []
     current, used = Bucket(), 0
     for spec, first, stop in units:
-        shape = rollout_shard_shape(spec, layouts[rank].rollout_tp)
+        shape = rollout_shard_shape(spec, tp)
         nbytes = element_bytes * (stop - first)
         for n in shape[1:]:
             nbytes *= n
@@ -252,6 +262,8 @@ def build_plan(
         used += nbytes
         current.names.add(spec.name)
         for dst, layout in enumerate(layouts):
+            if layout.rollout_rank is None:
+                continue
             ranges = _unit_ranges(spec, layout.rollout_rank, layout.rollout_tp, first, stop)
             if ranges is None:
                 continue
@@ -317,11 +329,16 @@ def write_piece(target: torch.Tensor, spec: TensorSpec, ranges, data: torch.Tens
     view.copy_(data)
 
 
-def run_plan(plan: SyncPlan, sources: dict[str, torch.Tensor], write, done=None, group=None):
+def run_plan(
+    plan: SyncPlan, sources: dict[str, torch.Tensor], write, done=None, group=None, like=None
+):
     """Execute ``plan``: ``sources`` maps each tensor this rank holds of the actor to its
     local shard; ``write(piece, shard_ranges, data)`` stores a received piece; ``done(names)``
     is called after each bucket with the tensors whose last unit it held. Collective over
-    ``group`` (default: the world; ranks are the world's)."""
+    ``group`` (default: the world; ranks are the world's). ``like``: a tensor with the dtype
+    and device of the receive buffers (default: the sources'; a rank without sources must
+    give one)."""
+    like = like if like is not None else next(iter(sources.values()))
     last_bucket = {}
     for index, bucket in enumerate(plan.buckets):
         for name in bucket.names:
@@ -332,9 +349,9 @@ def run_plan(plan: SyncPlan, sources: dict[str, torch.Tensor], write, done=None,
             flat = torch.cat([_source_view(plan, p, sources).reshape(-1) for p in pieces])
             ops.append(dist.P2POp(dist.isend, flat, _global(peer, group), group))
         for peer, pieces in sorted(bucket.recvs.items()):
-            dtype = sources_dtype(sources)
-            device = next(iter(sources.values())).device
-            inbox[peer] = torch.empty(sum(p.numel for p in pieces), dtype=dtype, device=device)
+            inbox[peer] = torch.empty(
+                sum(p.numel for p in pieces), dtype=like.dtype, device=like.device
+            )
             ops.append(dist.P2POp(dist.irecv, inbox[peer], _global(peer, group), group))
         requests = dist.batch_isend_irecv(ops) if ops else []
         for piece in bucket.local:  # overlaps the transfers
@@ -354,12 +371,8 @@ def run_plan(plan: SyncPlan, sources: dict[str, torch.Tensor], write, done=None,
 def zero_padding(target: torch.Tensor, spec: TensorSpec, rank: int, tp: int) -> None:
     """Zero a vocab shard's rows past the real vocabulary (vLLM's loader does the same)."""
     if spec.kind == "vocab":
-        start, end, per = vllm_vocab_rows(spec.shape[0], tp, rank)
+        start, end, per = vllm_vocab_rows(spec.shape[0], tp, rank, spec.vocab_multiple)
         target[max(end - start, 0) :].zero_()
-
-
-def sources_dtype(sources: dict[str, torch.Tensor]) -> torch.dtype:
-    return next(iter(sources.values())).dtype
 
 
 def _global(rank: int, group) -> int:
@@ -397,7 +410,11 @@ def describe_actor(model, rollout_tp_group) -> tuple[list[TensorSpec], RankLayou
         specs.append(
             TensorSpec(hf_name, tuple(shape), split, kind, head_rows if kind == "qkv" else 1)
         )
-    layout = RankLayout(shards, rollout_tp_group.rank(), rollout_tp_group.size())
+    layout = RankLayout(
+        shards,
+        rollout_tp_group.rank() if rollout_tp_group is not None else None,
+        rollout_tp_group.size() if rollout_tp_group is not None else 0,
+    )
     return specs, layout, actor_sources(model)
 
 
@@ -420,6 +437,52 @@ def plan_from_actor(model, rollout_tp_group, bucket_bytes: int, canonical_order:
     build this rank's plan; returns ``(plan, sources)``. ``canonical_order``: the HF names in
     the order to send them (the specs of every stage, merged)."""
     specs, layout, sources = describe_actor(model, rollout_tp_group)
+    dtypes = {tensor.dtype for tensor in sources.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"the actor's parameters mix dtypes {sorted(map(str, dtypes))}")
+    element_bytes = next(iter(sources.values())).element_size()
+    plan = _gathered_plan(specs, layout, bucket_bytes, element_bytes, canonical_order)
+    return plan, sources
+
+
+def plan_to_megatron(
+    actor, rollout_model, rollout_tp: int, bucket_bytes: int, canonical_order: list[str]
+) -> SyncPlan:
+    """The plan of the disaggregated placement (``ppo/placement.py``): the training ranks hold
+    the ``actor`` (``rollout_model`` None), the rollout ranks ``rollout_model``, our BLOOM at
+    rollout PP = 1 and TP ``rollout_tp`` (``actor`` None); each rollout rank receives its
+    Megatron-Core TP shard of every tensor, a row range of the HF tensor (the fused QKV's heads
+    lie in HF's order; the vocabulary is padded as ``padded_vocab_size``). Collective over the
+    world."""
+    from functools import partial
+
+    from megatron_rlhf.models.bloom import padded_vocab_size
+
+    if actor is not None:
+        specs, mine, sources = describe_actor(actor, None)
+        layout = RankLayout(mine.actor_shards, None, rollout_tp)
+        element_bytes, vocab = next(iter(sources.values())).element_size(), actor.arch.vocab_size
+    else:
+        specs, layout = [], RankLayout({}, rollout_model.pg_collection.tp.rank(), rollout_tp)
+        element_bytes = next(rollout_model.parameters()).element_size()
+        vocab = rollout_model.arch.vocab_size
+    retarget = partial(megatron_target, padded_vocab=padded_vocab_size(vocab, rollout_tp))
+    return _gathered_plan(specs, layout, bucket_bytes, element_bytes, canonical_order, retarget)
+
+
+def megatron_target(spec: TensorSpec, padded_vocab: int) -> TensorSpec:
+    """``spec`` as our BLOOM shards it over the rollout TP (rather than vLLM): QKV rows as
+    HF's, the vocabulary padded to ``padded_vocab`` rows."""
+    from dataclasses import replace
+
+    if spec.kind == "qkv":
+        return replace(spec, kind="plain", head_rows=1)
+    if spec.kind == "vocab":
+        return replace(spec, vocab_multiple=padded_vocab)
+    return spec
+
+
+def _gathered_plan(specs, layout, bucket_bytes, element_bytes, canonical_order, retarget=None):
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (specs, layout))
@@ -431,9 +494,7 @@ def plan_from_actor(model, rollout_tp_group, bucket_bytes: int, canonical_order:
     if len(ordered) != len(every):
         extra = sorted(set(every) - set(canonical_order))
         raise ValueError(f"tensors outside the canonical order: {extra[:3]}")
-    dtypes = {tensor.dtype for tensor in sources.values()}
-    if len(dtypes) != 1:
-        raise ValueError(f"the actor's parameters mix dtypes {sorted(map(str, dtypes))}")
-    element_bytes = next(iter(sources.values())).element_size()
-    plan = build_plan(ordered, [lay for _, lay in gathered], rank, bucket_bytes, element_bytes)
-    return plan, sources
+    if retarget is not None:
+        ordered = [retarget(spec) for spec in ordered]
+    layouts = [lay for _, lay in gathered]
+    return build_plan(ordered, layouts, rank, bucket_bytes, element_bytes)

@@ -15,7 +15,7 @@ def rollout(engine, prompts: dict, sampling: SamplingConfig) -> Experience:
     """One response per prompt of this rank's ``prompts`` (``collate_prompts`` output) from a
     :class:`~megatron_rlhf.generation.engines.RolloutEngine`."""
     out = engine.generate(prompts["input_ids"], prompts["attention_mask"], sampling)
-    return _experience(prompts, out.response_ids, out.response_mask, out.response_logprobs)
+    return experience_of(prompts, out.response_ids, out.response_mask, out.response_logprobs)
 
 
 def rollout_global(engine, prompts: dict, sampling: SamplingConfig, row_seeds) -> Experience:
@@ -36,7 +36,7 @@ def rollout_global(engine, prompts: dict, sampling: SamplingConfig, row_seeds) -
 
     batch = prompts["input_ids"].shape[0]
     out = for_each_dp_shard(engine.groups.dp, batch, generate, {"ids": sampling.pad_id})
-    return _experience(prompts, out["ids"], out["mask"], out["logprobs"])
+    return experience_of(prompts, out["ids"], out["mask"], out["logprobs"])
 
 
 def step_row_seeds(seed: int, step: int, rows: int) -> list[int]:
@@ -45,7 +45,8 @@ def step_row_seeds(seed: int, step: int, rows: int) -> list[int]:
     return [(seed * 1_000_003 + step) * 100_003 + row for row in range(rows)]
 
 
-def _experience(prompts: dict, response_ids, response_mask, rollout_logprobs) -> Experience:
+def experience_of(prompts: dict, response_ids, response_mask, rollout_logprobs) -> Experience:
+    """The Experience of ``prompts`` (``collate_prompts`` output) and their responses."""
     device = response_ids.device  # the compute device: the experience stays there
     prompt_ids = prompts["input_ids"].to(device)  # (B, P)
     prompt_mask = prompts["attention_mask"].to(device)

@@ -10,7 +10,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlhf.checkpoint import CheckpointInfo, describe_checkpoint, load_bloom
+from megatron_rlhf.checkpoint import (
+    CheckpointInfo,
+    describe_checkpoint,
+    load_bloom,
+)
 from megatron_rlhf.checkpoint.hf_io import hf_reward_outputs
 from megatron_rlhf.data.tokenizer import check_same_tokenizer
 from megatron_rlhf.distributed.layouts import Layout, check_global_batch, resolve_layouts
@@ -102,6 +106,7 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
     if not (math.isfinite(cap) and cap >= 1):
         problems.append(f"ppo.rollout_correction_cap={cap} must be a finite number >= 1")
     problems += async_problems(config)
+    problems += placement_problems(config, world_size)
     if problems:
         raise InputError("; ".join(problems))
     if (models.reward is None) == (models.reward_fn is None):
@@ -114,7 +119,7 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
             raise InputError(f"models.{role}: checkpoint directory {path} does not exist")
         checkpoints[role] = describe_checkpoint(path)
     archs = {role: info.arch for role, info in checkpoints.items()}
-    layouts = resolve_layouts(config.parallel, world_size, archs, roles=layout_roles(config))
+    layouts = placed_layouts(config, world_size, archs)
     vocabs = {role: arch.vocab_size for role, arch in archs.items()}
     if len(set(vocabs.values())) > 1:
         raise InputError(
@@ -215,6 +220,58 @@ def async_problems(config: TrainPPOConfig) -> list[str]:
     return problems
 
 
+def placement_problems(config: TrainPPOConfig, world_size: int) -> list[str]:
+    """What is wrong with the ``placement`` section for this world."""
+    placement, problems = config.placement, []
+    ranks = placement.rollout_ranks
+    if placement.mode not in ("colocated", "disaggregated"):
+        return [f"placement.mode={placement.mode!r} must be colocated or disaggregated"]
+    if placement.mode == "colocated":
+        if ranks:
+            problems.append(
+                f"placement.rollout_ranks={ranks} applies to placement.mode=disaggregated; "
+                "set placement.rollout_ranks=0 or placement.mode=disaggregated"
+            )
+        return problems
+    if not 1 <= ranks < world_size:
+        problems.append(
+            f"placement.rollout_ranks={ranks} must be between 1 and the world size minus one "
+            f"({world_size - 1}): the rollout engine and the training roles each need ranks"
+        )
+    if config.rollout.engine != "megatron":
+        problems.append(
+            f"placement.mode=disaggregated generates with our engine on the rollout ranks; "
+            f"rollout.engine={config.rollout.engine} runs vLLM over the whole world (its "
+            "launcher takes every rank): set rollout.engine=megatron or placement.mode=colocated"
+        )
+    if config.ppo.algorithm == "rejection_sampling":
+        problems.append(
+            "placement.mode=disaggregated overlaps PPO's update with generation; "
+            "ppo.algorithm=rejection_sampling: use placement.mode=colocated"
+        )
+    return problems
+
+
+def placed_layouts(config: TrainPPOConfig, world_size: int, archs: dict) -> dict[str, Layout]:
+    """Every role's layout: over the whole world (colocated), or the training roles over the
+    first ``world - placement.rollout_ranks`` ranks and the rollout over the rest."""
+    roles = layout_roles(config)
+    if config.placement.mode == "colocated":
+        return resolve_layouts(config.parallel, world_size, archs, roles=roles)
+    training = world_size - config.placement.rollout_ranks
+    trained = tuple(role for role in roles if role != "rollout")
+    layouts = resolve_layouts(config.parallel, training, archs, roles=trained)
+    rollout = resolve_layouts(
+        config.parallel, config.placement.rollout_ranks, archs, roles=("rollout",)
+    )["rollout"]
+    if rollout.pp != 1:
+        raise InputError(
+            f"placement.mode=disaggregated needs a rollout layout without pipeline stages (it "
+            f"resolves to pp={rollout.pp}); set parallel.rollout.pp=1"
+        )
+    return layouts | {"rollout": replace(rollout, first_rank=training)}
+
+
 def layout_roles(config: TrainPPOConfig) -> tuple[str, ...]:
     """The roles that hold a model in this run (``rollout`` is the actor's generation copy)."""
     roles = ("actor", "reference", "critic", "rollout")
@@ -308,18 +365,73 @@ class Roles:
 
 def build_roles(plan: PPOPlan, role_groups: dict, seed: int) -> Roles:
     """Load every model on its own layout's groups (``role_groups``: each role's LayoutGroups
-    from ``initialize_layouts``; the model-parallel RNG seeded per layout), wrap the actor and the critic in their TrainEngines, and set up the rollout engine."""
+    from ``initialize_layouts``; the model-parallel RNG seeded per layout), wrap the actor and
+    the critic in their TrainEngines, and set up the rollout engine. In the disaggregated
+    placement a rollout rank builds only the rollout copy (its Roles hold no other role) and a
+    training rank all but it (``ppo/placement.py``)."""
     from megatron_rlhf.distributed.groups import seed_layout
+    from megatron_rlhf.distributed.parallel import default_group
     from megatron_rlhf.generation.engines import build_rollout_engine
-    from megatron_rlhf.training import TrainEngine
+    from megatron_rlhf.ppo.placement import DisaggregatedRollout
 
-    config, checkpoints = plan.config, plan.checkpoints
+    config, checkpoints, layouts = plan.config, plan.checkpoints, plan.layouts
     dtype = torch.bfloat16 if use_bf16(config.train.bf16, "train.bf16") else torch.float32
     common = dict(
         params_dtype=dtype,
         sequence_parallel=config.parallel.sequence_parallel,
         attention_backend=config.models.attention_backend,
     )
+
+    def build_copy(rollout_groups):
+        from megatron_rlhf.models.bloom import BloomModel
+
+        seed_layout(rollout_groups, seed)
+        return BloomModel(
+            checkpoints["actor"].arch,
+            head="lm",
+            init_weights=False,
+            pg_collection=rollout_groups.pg_collection,
+            **common,
+        )
+
+    if config.placement.mode == "disaggregated":
+        bucket_mb, training = config.rollout.sync_bucket_mb, layouts["rollout"].first_rank
+        training_group = torch.distributed.new_group(list(range(training)))  # every rank
+        if layouts["rollout"].holds(torch.distributed.get_rank()):
+            copy = build_copy(role_groups["rollout"])
+            link = DisaggregatedRollout(None, copy, layouts, training_group, bucket_mb)
+            return Roles(actor=None, reference=None, critic=None, reward=None, rollout=link)
+        with default_group(training_group):  # the optimizers' set-up, the checkpoint reads
+            actor, reference, critic, reward = _training_roles(plan, role_groups, seed, common)
+        link = DisaggregatedRollout(actor.model, None, layouts, training_group, bucket_mb)
+        return Roles(actor=actor, reference=reference, critic=critic, reward=reward, rollout=link)
+    actor, reference, critic, reward = _training_roles(plan, role_groups, seed, common)
+    rollout_rows = config.rollout.prompts_per_step // layouts["rollout"].dp
+    if config.ppo.algorithm == "rejection_sampling":
+        rollout_rows *= config.ppo.rejection_samples_per_prompt
+    vllm_settings = dict(
+        max_model_len=config.data.max_prompt_length + config.rollout.max_new_tokens,
+        max_rows=rollout_rows,
+        seed=seed,
+        sync_bucket_mb=config.rollout.sync_bucket_mb,
+    )
+    rollout = build_rollout_engine(
+        actor.model,
+        role_groups["actor"],
+        role_groups["rollout"],
+        build_copy,
+        engine=config.rollout.engine,
+        vllm_settings=vllm_settings,
+    )
+    return Roles(actor=actor, reference=reference, critic=critic, reward=reward, rollout=rollout)
+
+
+def _training_roles(plan: PPOPlan, role_groups: dict, seed: int, common: dict) -> tuple:
+    """(actor, reference, critic, reward or None), each on its layout's groups."""
+    from megatron_rlhf.distributed.groups import seed_layout
+    from megatron_rlhf.training import TrainEngine
+
+    config, checkpoints = plan.config, plan.checkpoints
     trained = dict(common, recompute_activations=config.train.recompute_activations)
 
     def load(role: str, **kwargs):
@@ -365,37 +477,7 @@ def build_roles(plan: PPOPlan, role_groups: dict, seed: int) -> Roles:
     for frozen in (reference, reward):
         if frozen is not None:
             frozen.model.requires_grad_(False)
-
-    def build_copy(rollout_groups):
-        from megatron_rlhf.models.bloom import BloomModel
-
-        seed_layout(rollout_groups, seed)
-        return BloomModel(
-            checkpoints["actor"].arch,
-            head="lm",
-            init_weights=False,
-            pg_collection=rollout_groups.pg_collection,
-            **common,
-        )
-
-    rollout_rows = config.rollout.prompts_per_step // plan.layouts["rollout"].dp
-    if config.ppo.algorithm == "rejection_sampling":
-        rollout_rows *= config.ppo.rejection_samples_per_prompt
-    vllm_settings = dict(
-        max_model_len=config.data.max_prompt_length + config.rollout.max_new_tokens,
-        max_rows=rollout_rows,
-        seed=seed,
-        sync_bucket_mb=config.rollout.sync_bucket_mb,
-    )
-    rollout = build_rollout_engine(
-        actor.model,
-        role_groups["actor"],
-        role_groups["rollout"],
-        build_copy,
-        engine=config.rollout.engine,
-        vllm_settings=vllm_settings,
-    )
-    return Roles(actor=actor, reference=reference, critic=critic, reward=reward, rollout=rollout)
+    return actor, reference, critic, reward
 
 
 def import_reward_fn(spec: str, key: str = "models.reward_fn"):

@@ -14,7 +14,9 @@ earlier (staleness.py: a FIFO of rollouts in flight; colocated, so no overlap on
 the score stage recomputes pi_old with the current actor (the proximal policy), the policy term
 is clipped around it and weighted by min(pi_old/mu, async.is_cap) toward the behaviour policy
 mu (the decoupled objective, losses.behaviour_correction), and ``async.value_targets=vtrace``
-gives the critic V-trace targets (advantages.vtrace). N = 0 is the synchronous step.
+gives the critic V-trace targets (advantages.vtrace). N = 0 is the synchronous step. With
+``placement.mode=disaggregated`` (placement.py) rollout ranks generate while the training ranks
+score and update: every rank runs this loop, each side skipping the other's stages.
 Checkpoints (actor, critic, optimizers, schedules, KL controller, reward normaliser, RNG, data
 positions) are saved every ``train.save_interval`` steps and resumed exactly. The run's
 lifecycle (run directory, resume, log, non-finite guard, save on a signal, summary) is
@@ -38,6 +40,7 @@ from megatron_rlhf.ppo.advantages import compute_advantages, global_mean_var, gl
 from megatron_rlhf.ppo.config import TrainPPOConfig
 from megatron_rlhf.ppo.control import KLController, RewardNormalizer
 from megatron_rlhf.ppo.losses import behaviour_correction, explained_variance
+from megatron_rlhf.ppo.placement import DisaggregatedRollout
 from megatron_rlhf.ppo.rejection import rejection_update, repeat_prompts, select_best
 from megatron_rlhf.ppo.rollout import rollout_global, step_row_seeds
 from megatron_rlhf.ppo.run_io import RunData, dump_samples
@@ -105,8 +108,15 @@ class PPOTrainer:
         )  # fmt: skip
         self.consumed_prompts, self.consumed_rehearsal = 0, 0
         self.queue = RolloutQueue(config.async_.max_staleness)
+        self.link = (
+            self.roles.rollout if isinstance(self.roles.rollout, DisaggregatedRollout) else None
+        )
+        self.trains = self.link is None or not self.link.is_rollout_rank
+        """Whether this rank scores and updates (False: a rollout rank of the disaggregated
+        placement, which only generates)."""
         if self.run.resume_from is not None:
-            self.load_state(self.run.restore(self.engines()))
+            with self.training_world():
+                self.load_state(self.run.restore(self.engines()))
         self.step, self.output_dir = self.run.step, self.run.output_dir
         self.data = RunData(config, self.consumed_prompts, self.consumed_rehearsal)
         self.logger = self.run.start(train.steps)
@@ -120,55 +130,20 @@ class PPOTrainer:
             timings, t0 = {}, time.time()
             controls = self.kl.state_dict(), self.normalizer.state_dict()
             experience, sync_s = self.roll_out(timings, t0)
-            t0 = time.time()
-            experience = score_in_layouts(
-                experience,
-                self.scoring_roles(),
-                config.models.reward_kind,
-                config.rollout.temperature,
-                config.ppo.micro_batch_size,
-                self.reward_fn,
-                max_tokens=self.token_budget(experience),
-            )
-            timings["score"], t0 = time.time() - t0, time.time()
-            experience.is_weights, correction = self.behaviour_correction(experience)
-            if config.ppo.algorithm == "rejection_sampling":
-                metrics = self.rejection_step(experience)
-                timings["update"] = time.time() - t0
-            else:
-                experience = compute_advantages(
-                    experience, self.kl, self.normalizer, config.ppo.kl.estimator,
-                    config.ppo.gamma, config.ppo.lam, config.ppo.whiten_advantages,
-                    vtrace_cap=self.vtrace_cap(),
-                )  # fmt: skip
-                timings["advantages"], t0 = time.time() - t0, time.time()
-                metrics = ppo_update(
-                    experience,
-                    self.actor,
-                    self.critic,
-                    config.ppo,
-                    config.rollout.temperature,
-                    torch.Generator().manual_seed(config.train.seed * 100003 + self.step),
-                    self.rehearsal_minibatches(),
-                    config.rehearsal.gamma,
-                    self.data.pad_id,
-                    config.rehearsal.nll_reduction,
-                    max_tokens=self.token_budget(experience),
-                )
-                timings["update"] = time.time() - t0
-                self.kl.update(*observed_kl(experience))
+            metrics = {}  # a rollout rank's: its batches are sent, nothing more to do
+            if self.trains:
+                with self.training_world():  # what only the training ranks take part in
+                    metrics = self.train_on(experience, timings, sync_s)
             self.consumed_prompts = self.data.consumed_prompts
             self.consumed_rehearsal = self.data.consumed_rehearsal
-            metrics |= self.rollout_metrics(experience, timings)
-            metrics |= self.sync_metrics(sync_s)
-            metrics |= correction
             done = self.step + 1
             if not self.run.check(done, metrics):  # skipped: undo the step's controls
                 self.kl.load_state_dict(controls[0])
                 self.normalizer.load_state_dict(controls[1])
-            last_reward = metrics["reward/mean"]
-            first_reward = last_reward if first_reward is None else first_reward
-            self.log(done, metrics, experience)
+            if self.trains:
+                last_reward = metrics["reward/mean"]
+                first_reward = last_reward if first_reward is None else first_reward
+                self.log(done, metrics, experience)
             save_due = done % config.train.save_interval == 0 or done == config.train.steps
             if self.run.end_step(done, save_due, self.save, exit_signals):
                 break
@@ -188,6 +163,51 @@ class PPOTrainer:
             stopped_by.name if stopped_by is not None else None,
         )
 
+    def train_on(self, experience, timings: dict, sync_s: float | None) -> dict:
+        """Score, advantages and update on the step's rollout; the step's metrics."""
+        config = self.config
+        t0 = time.time()
+        experience = score_in_layouts(
+            experience,
+            self.scoring_roles(),
+            config.models.reward_kind,
+            config.rollout.temperature,
+            config.ppo.micro_batch_size,
+            self.reward_fn,
+            max_tokens=self.token_budget(experience),
+        )
+        timings["score"], t0 = time.time() - t0, time.time()
+        experience.is_weights, correction = self.behaviour_correction(experience)
+        if config.ppo.algorithm == "rejection_sampling":
+            metrics = self.rejection_step(experience)
+            timings["update"] = time.time() - t0
+        else:
+            experience = compute_advantages(
+                experience, self.kl, self.normalizer, config.ppo.kl.estimator,
+                config.ppo.gamma, config.ppo.lam, config.ppo.whiten_advantages,
+                vtrace_cap=self.vtrace_cap(),
+            )  # fmt: skip
+            timings["advantages"], t0 = time.time() - t0, time.time()
+            metrics = ppo_update(
+                experience,
+                self.actor,
+                self.critic,
+                config.ppo,
+                config.rollout.temperature,
+                torch.Generator().manual_seed(config.train.seed * 100003 + self.step),
+                self.rehearsal_minibatches(),
+                config.rehearsal.gamma,
+                self.data.pad_id,
+                config.rehearsal.nll_reduction,
+                max_tokens=self.token_budget(experience),
+            )
+            timings["update"] = time.time() - t0
+            self.kl.update(*observed_kl(experience))
+        metrics |= self.rollout_metrics(experience, timings)
+        metrics |= self.sync_metrics(sync_s)
+        metrics |= correction
+        return metrics
+
     def roll_out(self, timings: dict, t0: float):
         """(the step's rollout, the weight sync's seconds or None): the rollouts due
         (:meth:`RolloutQueue.due`: this step's with N = 0, else batch step + N, and at step 0
@@ -201,18 +221,25 @@ class PPOTrainer:
             prompts = self.data.next_prompts()
             if config.ppo.algorithm == "rejection_sampling":
                 prompts = repeat_prompts(prompts, config.ppo.rejection_samples_per_prompt)
-            rows = prompts["input_ids"].shape[0]
-            experience = rollout_global(
-                self.roles.rollout,
-                prompts,
-                self.sampling(),
-                step_row_seeds(config.train.seed, batch, rows),
-            )
-            self.queue.push(experience, self.step)
+            self.queue.push(self.generate(prompts, batch), self.step)
         experience = self.queue.pop(self.step)
-        self.old_logprobs.take_from_rollout(experience)
+        if experience is not None:  # None: a rollout rank of the disaggregated placement
+            self.old_logprobs.take_from_rollout(experience)
         timings["rollout"] = time.time() - t0
         return experience, sync_s
+
+    def generate(self, prompts: dict, batch: int):
+        """Batch ``batch``'s rollout of ``prompts``: generated here, or in the disaggregated
+        placement sent by a rollout rank (None) and pending on a training rank."""
+        if self.link is not None and self.trains:
+            return self.link.receive(prompts)
+        rows = prompts["input_ids"].shape[0]
+        seeds = step_row_seeds(self.config.train.seed, batch, rows)
+        experience = rollout_global(self.roles.rollout, prompts, self.sampling(), seeds)
+        if self.link is not None:
+            self.link.send(experience)
+            return None
+        return experience
 
     def behaviour_correction(self, experience) -> tuple:
         """(the policy term's weights or None, their metrics). Synchronous:
@@ -354,10 +381,27 @@ class PPOTrainer:
         return metrics | {"throughput/response_tokens_per_s": responses / max(seconds, 1e-9)}
 
     def engines(self) -> dict:
+        """The trained roles' engines (none on a rollout rank)."""
+        if not self.trains:
+            return {}
         return {"actor": self.actor.engine, "critic": self.critic.engine}
 
-    def save(self, step: int) -> Path:
-        """Checkpoint ``step``: both engines, and the trainer state (:meth:`load_state`'s)."""
+    def training_world(self):
+        """A block that only the training ranks run (``distributed.parallel.default_group``):
+        in the disaggregated placement the rollout ranks hold nothing to save or load."""
+        from megatron_rlhf.distributed.parallel import default_group
+
+        return default_group(self.link.training_group if self.link is not None else None)
+
+    def save(self, step: int) -> Path | None:
+        """Checkpoint ``step``: both engines, and the trainer state (:meth:`load_state`'s);
+        written by the training ranks alone (a rollout rank returns None)."""
+        if not self.trains:
+            return None
+        with self.training_world():
+            return self._save(step)
+
+    def _save(self, step: int) -> Path:
         from megatron_rlhf.checkpoint.dist import model_metadata
         from megatron_rlhf.training.checkpointing import save_training_checkpoint
 
@@ -400,8 +444,8 @@ class PPOTrainer:
         in_flight = state.get("rollouts_in_flight")
         if in_flight is None:  # none in flight: the next batch is the resumed step's
             self.queue.next_batch = state["step"]
-        else:
-            tensors = load_global_tensors(self.run.resume_from)
+        else:  # a rollout rank keeps their count only
+            tensors = load_global_tensors(self.run.resume_from) if self.trains else None
             self.queue.load(in_flight, tensors, compute_device())
         self.consumed_prompts = state["consumed_prompts"]
         self.consumed_rehearsal = state["consumed_rehearsal"]

@@ -15,7 +15,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.distributed.handoff import dp_shard
-from megatron_rlhf.distributed.parallel import compute_device, is_last_stage, vocab_group
+from megatron_rlhf.distributed.parallel import (
+    compute_device,
+    is_last_stage,
+    layout_group,
+    vocab_group,
+)
 from megatron_rlhf.kernels import token_logprobs
 from megatron_rlhf.ppo.experience import Experience
 from megatron_rlhf.ppo.losses import masked_mean, policy_loss, ppo_sr_loss, sft_nll, value_loss
@@ -231,7 +236,7 @@ def _real_rows(rehearsal: list[dict] | None) -> list[tuple] | None:
 def _sum_over_replicas(pg, metrics: dict, keys, num_microbatches: int) -> dict:
     """Each metric summed over microbatches and DP replicas (one contribution per replica:
     its last pipeline stage, TP rank 0, of ``pg``), then handed to every rank of the
-    world."""
+    layout (the world, or the training ranks of the disaggregated placement)."""
     contributes = is_last_stage(pg) and pg.tp.rank() == 0
     values = torch.tensor(
         [metrics[k] * num_microbatches if contributes else 0.0 for k in keys],
@@ -239,5 +244,5 @@ def _sum_over_replicas(pg, metrics: dict, keys, num_microbatches: int) -> dict:
         device=compute_device(),
     )
     if dist.is_initialized():
-        dist.all_reduce(values)
+        dist.all_reduce(values, group=layout_group(pg))
     return dict(zip(keys, values.tolist()))

@@ -165,6 +165,9 @@ def load_training_checkpoint(directory: str | Path, engines: dict) -> dict:
     record it, in the engine's configured one)."""
     from megatron_rlhf.training.config import OPTIMIZER_CHECKPOINT_SHARDINGS
 
+    if not engines:  # a rank that holds no trained model (train-ppo's rollout ranks)
+        state = dist_ckpt.load_rank_state(directory)
+        return state["trainer"] if state else {}
     saved = dist_ckpt.read_metadata(directory).get(OPTIMIZER_SHARDING_KEY, {})
     for role, sharding in saved.items():
         if sharding not in OPTIMIZER_CHECKPOINT_SHARDINGS:
