@@ -313,3 +313,17 @@ def test_ppo_plans_follow_the_attention_backend():
     assert per_backend["te"] == per_backend["torch"]
     for layout, torch_bytes in per_backend["torch"].items():
         assert per_backend["triton"][layout] < torch_bytes, layout
+
+
+def test_candidate_layouts_split_the_global_batch():
+    """train-ppo refuses a role whose DP size does not divide rollout.prompts_per_step, so the
+    planner offers none: on 160 GPUs the 176B's TP 8 x PP 2 (DP 10) is out at 256 sequences."""
+    from megatron_rlhf.distributed.layouts import Layout
+    from megatron_rlhf.planning.plan import candidate_layouts
+
+    shape = model_shape("bloom-176b")
+    every = candidate_layouts(shape, 160)
+    assert Layout(tp=8, pp=2, dp=10) in every
+    kept = candidate_layouts(shape, 160, 256)
+    assert kept == [layout for layout in every if 256 % layout.dp == 0]
+    assert Layout(tp=8, pp=2, dp=10) not in kept and Layout(tp=8, pp=10, dp=2) in kept

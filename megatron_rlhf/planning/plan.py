@@ -32,7 +32,12 @@ import contextlib
 import itertools
 from dataclasses import dataclass, field
 
-from megatron_rlhf.distributed.layouts import Layout, divisors, validate_layouts
+from megatron_rlhf.distributed.layouts import (
+    Layout,
+    check_global_batch,
+    divisors,
+    validate_layouts,
+)
 from megatron_rlhf.planning import hardware, memory
 from megatron_rlhf.planning.memory import GB, Memory, Workload
 from megatron_rlhf.planning.shapes import ModelShape, max_rank_params, model_params
@@ -118,13 +123,20 @@ class Plan:
         }
 
 
-def candidate_layouts(shape: ModelShape, gpus: int) -> list[Layout]:
+def candidate_layouts(
+    shape: ModelShape, gpus: int, global_batch: int | None = None
+) -> list[Layout]:
     """Every layout the commands would accept for ``shape`` on ``gpus`` GPUs (tp among
-    ``TP_CANDIDATES``, pp among the divisors of the layers), as the layout validator decides."""
+    ``TP_CANDIDATES``, pp among the divisors of the layers), as the layout validator decides,
+    and (given ``global_batch``, train-ppo's ``rollout.prompts_per_step``) whose DP size
+    splits that batch, as train-ppo's batch check decides."""
     accepted = []
     for tp, pp in itertools.product(TP_CANDIDATES, divisors(shape.num_layers)):
         with contextlib.suppress(InputError):  # this model refuses it on this many GPUs
-            accepted += validate_layouts({"": (tp, pp)}, gpus, {"": shape}).values()
+            layouts = validate_layouts({"": (tp, pp)}, gpus, {"": shape})
+            if global_batch is not None:
+                check_global_batch(global_batch, "rollout.prompts_per_step", layouts)
+            accepted += layouts.values()
     return accepted
 
 
@@ -254,7 +266,7 @@ class _RoleOption:
 def _role_options(request: PlanRequest, role: str, recompute: bool) -> list[_RoleOption]:
     shape, head = request.models[role], ROLE_HEADS[role]
     options = []
-    for layout in candidate_layouts(shape, request.gpus):
+    for layout in candidate_layouts(shape, request.gpus, request.rollout_sequences):
         work = role_workload(request, layout, recompute)
         if role in ("actor", "critic"):
             full = memory.train_memory(shape, layout, head, work)
@@ -279,7 +291,7 @@ def _role_options(request: PlanRequest, role: str, recompute: bool) -> list[_Rol
 def _rollout_options(request: PlanRequest) -> list[_RoleOption]:
     shape = request.models["actor"]
     options = []
-    for layout in candidate_layouts(shape, request.gpus):
+    for layout in candidate_layouts(shape, request.gpus, request.rollout_sequences):
         rows = max(1, request.rollout_sequences // layout.dp)
         gen = memory.generate_memory(
             shape,
