@@ -335,7 +335,7 @@ def make_plans(request: PlanRequest, top: int = 10) -> Ranking:
         options = {role: pareto(_role_options(request, role, recompute)) for role in ROLE_HEADS}
         for combo in itertools.product(*options.values(), rollouts):
             total, seconds = _score(request, combo)
-            fits = total + request.reserve_gb * GB <= request.gpu_memory_gb * GB
+            fits = fits_memory(request, total)
             key = (not fits, seconds, total) if fits else (not fits, total, seconds)
             scored.append((*key, recompute, combo))
     scored.sort(key=lambda item: item[:3])
@@ -350,14 +350,25 @@ def _score(request: PlanRequest, combo) -> tuple[float, float]:
     resharded = rollout.layout != actor.layout
     total = sum(option.static_total for option in roles)
     total += rollout.static_total if resharded else 0.0
-    transient = {}
-    for option in combo:
-        for phase, value in option.transient_totals.items():
-            transient[phase] = max(transient.get(phase, 0.0), value)
     seconds = sum(option.seconds_total for option in combo)
     if resharded:
         seconds += _reshard_seconds(request, rollout.layout)
-    return total + max(transient.values()), seconds
+    return total + peak_transient(combo), seconds
+
+
+def peak_transient(options) -> float:
+    """The largest transient of any phase of options whose shards share a GPU (the phases run
+    one after another, so only one phase's working set is live at a time)."""
+    transient = {}
+    for option in options:
+        for phase, value in option.transient_totals.items():
+            transient[phase] = max(transient.get(phase, 0.0), value)
+    return max(transient.values(), default=0.0)
+
+
+def fits_memory(request: PlanRequest, total: float) -> bool:
+    """Whether ``total`` bytes a GPU, plus the reserve, fit in the GPU's memory."""
+    return total + request.reserve_gb * GB <= request.gpu_memory_gb * GB
 
 
 def _sync_bandwidth(request: PlanRequest) -> float:
@@ -443,7 +454,7 @@ def _combine(request, recompute, actor, reference, critic, reward, rollout) -> P
     if resharded:
         seconds["reshard"] = _reshard_seconds(request, rollout.layout)
     layouts = {role: option.layout for role, option in roles.items()} | {"rollout": rollout.layout}
-    fits = total + request.reserve_gb * GB <= request.gpu_memory_gb * GB
+    fits = fits_memory(request, total)
     return Plan(
         layouts=layouts,
         recompute=recompute,
