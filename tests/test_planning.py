@@ -301,7 +301,7 @@ def test_attention_memory_follows_the_backend():
 def test_ppo_plans_follow_the_attention_backend():
     """PPO's scoring, update and prefill keep O(s) attention memory with the fused kernel and
     store the (s x s) scores with the PyTorch path (and TE): the same layout plans less
-    memory and more plans fit with triton (the 176B setting on 160 x 80 GB: 1,173 vs 271)."""
+    memory and more plans fit with triton (the 176B setting on 160 x 80 GB: 532 vs 138)."""
     from megatron_rlhf.planning.plan import PlanRequest, _role_options
 
     models = {role: model_shape("bloom-1b7") for role in ROLES}
