@@ -301,7 +301,7 @@ def test_attention_memory_follows_the_backend():
 def test_ppo_plans_follow_the_attention_backend():
     """PPO's scoring, update and prefill keep O(s) attention memory with the fused kernel and
     store the (s x s) scores with the PyTorch path (and TE): the same layout plans less
-    memory and more plans fit with triton (the 176B setting on 160 x 80 GB: 1,173 vs 271)."""
+    memory and more plans fit with triton (the 176B setting on 160 x 80 GB: 532 vs 138)."""
     from megatron_rlhf.planning.plan import PlanRequest, _role_options
 
     models = {role: model_shape("bloom-1b7") for role in ROLES}
@@ -313,3 +313,222 @@ def test_ppo_plans_follow_the_attention_backend():
     assert per_backend["te"] == per_backend["torch"]
     for layout, torch_bytes in per_backend["torch"].items():
         assert per_backend["triton"][layout] < torch_bytes, layout
+
+
+def test_candidate_layouts_split_the_global_batch():
+    """train-ppo refuses a role whose DP size does not divide rollout.prompts_per_step, so the
+    planner offers none: on 160 GPUs the 176B's TP 8 x PP 2 (DP 10) is out at 256 sequences."""
+    from megatron_rlhf.distributed.layouts import Layout
+    from megatron_rlhf.planning.plan import candidate_layouts
+
+    shape = model_shape("bloom-176b")
+    every = candidate_layouts(shape, 160)
+    assert Layout(tp=8, pp=2, dp=10) in every
+    kept = candidate_layouts(shape, 160, 256)
+    assert kept == [layout for layout in every if 256 % layout.dp == 0]
+    assert Layout(tp=8, pp=2, dp=10) not in kept and Layout(tp=8, pp=10, dp=2) in kept
+
+
+def _small_request(**overrides):
+    """A 1b7 policy with 560m critic and reward on 8 x 40 GB, 64 sequences of 1,024 tokens:
+    splits fit at R = 2, 4, 6 rollout GPUs (an odd R leaves a DP size that does not divide 64)."""
+    from megatron_rlhf.planning.plan import PlanRequest
+
+    big, small = model_shape("bloom-1b7"), model_shape("bloom-560m")
+    models = {"actor": big, "reference": big, "critic": small, "reward": small}
+    fields = dict(
+        models=models, gpus=8, gpu_memory_gb=40, rollout_sequences=64, max_length=1024
+    )  # fmt: skip
+    return PlanRequest(**fields | overrides)
+
+
+def _phase_seconds(request, layouts: dict, recompute: bool) -> float:
+    """Score + update of the four roles on ``request.gpus`` GPUs, from the per-phase model."""
+    from megatron_rlhf.planning.plan import _forward_seconds, _train_seconds, role_workload
+
+    seconds = 0.0
+    for role, layout in layouts.items():
+        shape = request.models[role]
+        seconds += _forward_seconds(request, shape, layout)
+        if role in ("actor", "critic"):
+            work = role_workload(request, layout, recompute)
+            seconds += _train_seconds(request, shape, layout, work)
+    return seconds
+
+
+def test_colocated_step_is_rollout_sync_score_update():
+    """The synchronous step the async estimate is compared with: every phase one after
+    another, the refit counted only when the rollout layout differs from the actor's."""
+    from dataclasses import replace
+
+    from megatron_rlhf.planning.plan import make_plans
+
+    for request in (_small_request(), replace(_small_request(), rollout_sequences=32)):
+        for plan in make_plans(request, top=5).plans:
+            roles = {r: plan.layouts[r] for r in ROLES}
+            update_and_score = _phase_seconds(request, roles, plan.recompute)
+            resharded = plan.layouts["rollout"] != plan.layouts["actor"]
+            assert ("reshard" in plan.seconds) == resharded
+            expected = plan.seconds["rollout"] + plan.seconds.get("reshard", 0.0)
+            assert plan.step_seconds == pytest.approx(expected + update_and_score, rel=1e-12)
+
+
+def _hand_split(request, split) -> tuple[float, float, float]:
+    """(rollout, score + update, weight sync) seconds of a split, recomputed from the phase
+    model on each set and the sync's bytes: each rollout GPU receives its (tp x pp) shard of
+    the bf16 actor, the training GPUs send dp_rollout whole copies between them."""
+    from dataclasses import replace
+
+    from megatron_rlhf.planning.plan import _rollout_options
+
+    rollout_request = replace(request, gpus=split.rollout_gpus)
+    (option,) = [o for o in _rollout_options(rollout_request) if o.layout == split.rollout_layout]
+    training_request = replace(request, gpus=request.gpus - split.rollout_gpus)
+    training = _phase_seconds(training_request, split.layouts, split.recompute)
+    weights = 2 * model_params(request.models["actor"])
+    layout = split.rollout_layout
+    received = weights / (layout.tp * layout.pp)
+    sent = layout.dp * weights / (request.gpus - split.rollout_gpus)
+    bandwidth = (450 if request.gpus <= 8 else 50) * 1e9  # H100 NVLink, else InfiniBand
+    return option.seconds["rollout"], training, max(received, sent) / bandwidth
+
+
+def test_disaggregated_step_and_speedup_by_hand():
+    """Each split's step is max(rollout, score + update) + sync at staleness 1 and their sum
+    at staleness 0, from phase times recomputed on each GPU set; the speed-up is the best
+    colocated plan's step over the best split's."""
+    from megatron_rlhf.planning.placement import plan_disaggregated
+    from megatron_rlhf.planning.plan import make_plans
+
+    request = _small_request()
+    plan = make_plans(request, top=1).plans[0]
+    colocated = plan.step_seconds
+    estimates = {n: plan_disaggregated(request, n, colocated=plan) for n in (1, 0)}
+    for staleness, estimate in estimates.items():
+        assert [s.rollout_gpus for s in estimate.splits] == [2, 4, 6]
+        for split in estimate.splits:
+            rollout, training, sync = _hand_split(request, split)
+            overlapped = max(rollout, training) if staleness else rollout + training
+            assert split.step_seconds == pytest.approx(overlapped + sync, rel=1e-9)
+            for layout in (split.rollout_layout, *split.layouts.values()):
+                assert 64 % layout.dp == 0
+            assert split.rollout_layout.tp * split.rollout_layout.pp * split.rollout_layout.dp == (
+                split.rollout_gpus
+            )
+            for layout in split.layouts.values():
+                assert layout.tp * layout.pp * layout.dp == 8 - split.rollout_gpus
+        best = min(estimate.splits, key=lambda s: s.step_seconds)
+        assert estimate.best.step_seconds == best.step_seconds
+        assert estimate.speedup == pytest.approx(colocated / best.step_seconds, rel=1e-12)
+    # at these shapes: R = 4 overlaps best, 1.08x the colocated step; staleness 0 gains nothing
+    assert estimates[1].best.rollout_gpus == 4
+    assert estimates[1].speedup == pytest.approx(1.077, abs=1e-3)
+    assert all(split.step_seconds > colocated for split in estimates[0].splits)
+
+
+def test_disaggregated_split_is_the_argmin_of_every_layout():
+    """Brute force over every split R, every rollout layout and every layout of the four roles
+    (no Pareto pruning), each set's memory summed by hand (static state of every role it holds
+    plus the largest transient of any phase, plus the reserve, within the GPU): the planner's
+    best split has the smallest step, and it lists exactly the R where both sets fit."""
+    import itertools
+    from dataclasses import replace
+
+    from megatron_rlhf.planning.placement import plan_disaggregated
+    from megatron_rlhf.planning.plan import _role_options, _rollout_options
+
+    request = _small_request()
+    limit = (request.gpu_memory_gb - request.reserve_gb) * 1e9
+
+    def peak(options) -> float:
+        static = sum(option.static.total for option in options)
+        phases = {phase for option in options for phase in option.transient}
+        return static + max(
+            max(o.transient[p].total for o in options if p in o.transient) for p in phases
+        )
+
+    best_step, feasible = float("inf"), []
+    for r in range(1, request.gpus):
+        rollouts = [
+            o for o in _rollout_options(replace(request, gpus=r)) if peak([o]) <= limit
+        ]  # fmt: skip
+        training_request = replace(request, gpus=request.gpus - r)
+        training = [
+            sum(option.seconds_total for option in roles)
+            for recompute in (False, True)
+            for roles in itertools.product(
+                *(_role_options(training_request, role, recompute) for role in ROLES)
+            )
+            if peak(roles) <= limit
+        ]
+        if not rollouts or not training:
+            continue
+        feasible.append(r)
+        weights = 2 * model_params(request.models["actor"])
+        for option in rollouts:
+            layout = option.layout
+            sync = max(weights / (layout.tp * layout.pp), layout.dp * weights / (8 - r)) / 450e9
+            step = max(option.seconds["rollout"], min(training)) + sync
+            best_step = min(best_step, step)
+    estimate = plan_disaggregated(request, 1)
+    assert [s.rollout_gpus for s in estimate.splits] == feasible
+    assert estimate.best.step_seconds == pytest.approx(best_step, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "actor, gpus, rollout_gpus, speedup",
+    [("bloomz-7b1", 16, 8, 0.711), ("bloomz-176b", 160, 80, 1.172)],
+)
+def test_readme_async_predictions(actor, gpus, rollout_gpus, speedup):
+    """The README's figures for the 7B1 (16 GPUs) and 176B (160 GPUs) examples, and that the
+    disaggregated step without overlap (staleness 0) is never faster than colocated."""
+    from megatron_rlhf.planning.placement import plan_disaggregated
+    from megatron_rlhf.planning.plan import PlanRequest
+
+    models = {"actor": model_shape(actor), "reference": model_shape(actor)}
+    models |= {"critic": model_shape("bloomz-7b1"), "reward": model_shape("bloomz-7b1")}
+    request = PlanRequest(models=models, gpus=gpus, gpu_memory_gb=80)
+    estimate = plan_disaggregated(request, 1)
+    assert estimate.best.rollout_gpus == rollout_gpus
+    assert estimate.speedup == pytest.approx(speedup, abs=1e-3)
+    synchronous = plan_disaggregated(request, 0)
+    assert synchronous.speedup < 1
+    for split in synchronous.splits:
+        assert split.step_seconds > synchronous.colocated.step_seconds
+
+
+def test_cli_disaggregated_table_and_json(capsys):
+    rc, out = _plan(capsys, "--placement", "disaggregated", "--gpu-memory-gb", "40")
+    assert rc == 0, out.err
+    assert "disaggregated placement, async.max_staleness=1" in out.out
+    assert "best split: " in out.out and "speed-up" in out.out and "assumptions: " in out.out
+    rc, out = _plan(
+        capsys, "--placement", "disaggregated", "--max-staleness", "0", "--rollout-gpus", "4",
+        "--json",
+    )  # fmt: skip
+    assert rc == 0, out.err
+    result = json.loads(out.out)["disaggregated"]
+    assert result["max_staleness"] == 0 and [s["rollout_gpus"] for s in result["splits"]] == [4]
+    (split,) = result["splits"]
+    times = split["time_s"]
+    total = times["rollout"] + times["score_and_update"] + times["weight_sync"]
+    assert split["step_time_s"] == pytest.approx(total, abs=2e-3)
+    assert result["best_step_time_s"] == split["step_time_s"]
+    assert result["speedup"] == pytest.approx(
+        result["colocated_sync_step_s"] / split["step_time_s"], abs=2e-3
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--rollout-gpus", "8"], "--rollout-gpus must be in [1, --gpus - 1] = [1, 7], got 8"),
+        (["--rollout-gpus", "0"], "--rollout-gpus must be in [1, --gpus - 1]"),
+        (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
+    ],
+)
+def test_cli_disaggregated_bad_input(capsys, extra, message):
+    rc, out = _plan(capsys, "--placement", "disaggregated", *extra)
+    assert rc == 2 and message in out.err and "Traceback" not in out.err
+    rc, out = _plan(capsys, *extra)  # without --placement disaggregated
+    assert rc == 2 and "add --placement disaggregated" in out.err

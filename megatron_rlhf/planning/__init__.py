@@ -7,6 +7,8 @@
   distributed optimizer, activations with or without recompute, KV cache, logits working set).
 - ``plan``: candidate layouts per role and for the rollout, the ones that fit, ranked by an
   estimated step time; JSON and a runnable ``train-ppo`` config.
+- ``placement``: the disaggregated split of the GPUs into rollout and training sets and its
+  predicted asynchronous step against the best colocated synchronous plan.
 
 Pure arithmetic, used by training/ to check memory before a run; the tools that build models
 (``tools/``: the CLI, the scaling sweep and the measuring study) sit above training in the

@@ -32,7 +32,12 @@ import contextlib
 import itertools
 from dataclasses import dataclass, field
 
-from megatron_rlhf.distributed.layouts import Layout, divisors, validate_layouts
+from megatron_rlhf.distributed.layouts import (
+    Layout,
+    check_global_batch,
+    divisors,
+    validate_layouts,
+)
 from megatron_rlhf.planning import hardware, memory
 from megatron_rlhf.planning.memory import GB, Memory, Workload
 from megatron_rlhf.planning.shapes import ModelShape, max_rank_params, model_params
@@ -118,13 +123,20 @@ class Plan:
         }
 
 
-def candidate_layouts(shape: ModelShape, gpus: int) -> list[Layout]:
+def candidate_layouts(
+    shape: ModelShape, gpus: int, global_batch: int | None = None
+) -> list[Layout]:
     """Every layout the commands would accept for ``shape`` on ``gpus`` GPUs (tp among
-    ``TP_CANDIDATES``, pp among the divisors of the layers), as the layout validator decides."""
+    ``TP_CANDIDATES``, pp among the divisors of the layers), as the layout validator decides,
+    and (given ``global_batch``, train-ppo's ``rollout.prompts_per_step``) whose DP size
+    splits that batch, as train-ppo's batch check decides."""
     accepted = []
     for tp, pp in itertools.product(TP_CANDIDATES, divisors(shape.num_layers)):
         with contextlib.suppress(InputError):  # this model refuses it on this many GPUs
-            accepted += validate_layouts({"": (tp, pp)}, gpus, {"": shape}).values()
+            layouts = validate_layouts({"": (tp, pp)}, gpus, {"": shape})
+            if global_batch is not None:
+                check_global_batch(global_batch, "rollout.prompts_per_step", layouts)
+            accepted += layouts.values()
     return accepted
 
 
@@ -254,7 +266,7 @@ class _RoleOption:
 def _role_options(request: PlanRequest, role: str, recompute: bool) -> list[_RoleOption]:
     shape, head = request.models[role], ROLE_HEADS[role]
     options = []
-    for layout in candidate_layouts(shape, request.gpus):
+    for layout in candidate_layouts(shape, request.gpus, request.rollout_sequences):
         work = role_workload(request, layout, recompute)
         if role in ("actor", "critic"):
             full = memory.train_memory(shape, layout, head, work)
@@ -279,7 +291,7 @@ def _role_options(request: PlanRequest, role: str, recompute: bool) -> list[_Rol
 def _rollout_options(request: PlanRequest) -> list[_RoleOption]:
     shape = request.models["actor"]
     options = []
-    for layout in candidate_layouts(shape, request.gpus):
+    for layout in candidate_layouts(shape, request.gpus, request.rollout_sequences):
         rows = max(1, request.rollout_sequences // layout.dp)
         gen = memory.generate_memory(
             shape,
@@ -323,7 +335,7 @@ def make_plans(request: PlanRequest, top: int = 10) -> Ranking:
         options = {role: pareto(_role_options(request, role, recompute)) for role in ROLE_HEADS}
         for combo in itertools.product(*options.values(), rollouts):
             total, seconds = _score(request, combo)
-            fits = total + request.reserve_gb * GB <= request.gpu_memory_gb * GB
+            fits = fits_memory(request, total)
             key = (not fits, seconds, total) if fits else (not fits, total, seconds)
             scored.append((*key, recompute, combo))
     scored.sort(key=lambda item: item[:3])
@@ -338,14 +350,25 @@ def _score(request: PlanRequest, combo) -> tuple[float, float]:
     resharded = rollout.layout != actor.layout
     total = sum(option.static_total for option in roles)
     total += rollout.static_total if resharded else 0.0
-    transient = {}
-    for option in combo:
-        for phase, value in option.transient_totals.items():
-            transient[phase] = max(transient.get(phase, 0.0), value)
     seconds = sum(option.seconds_total for option in combo)
     if resharded:
         seconds += _reshard_seconds(request, rollout.layout)
-    return total + max(transient.values()), seconds
+    return total + peak_transient(combo), seconds
+
+
+def peak_transient(options) -> float:
+    """The largest transient of any phase of options whose shards share a GPU (the phases run
+    one after another, so only one phase's working set is live at a time)."""
+    transient = {}
+    for option in options:
+        for phase, value in option.transient_totals.items():
+            transient[phase] = max(transient.get(phase, 0.0), value)
+    return max(transient.values(), default=0.0)
+
+
+def fits_memory(request: PlanRequest, total: float) -> bool:
+    """Whether ``total`` bytes a GPU, plus the reserve, fit in the GPU's memory."""
+    return total + request.reserve_gb * GB <= request.gpu_memory_gb * GB
 
 
 def _sync_bandwidth(request: PlanRequest) -> float:
@@ -431,7 +454,7 @@ def _combine(request, recompute, actor, reference, critic, reward, rollout) -> P
     if resharded:
         seconds["reshard"] = _reshard_seconds(request, rollout.layout)
     layouts = {role: option.layout for role, option in roles.items()} | {"rollout": rollout.layout}
-    fits = total + request.reserve_gb * GB <= request.gpu_memory_gb * GB
+    fits = fits_memory(request, total)
     return Plan(
         layouts=layouts,
         recompute=recompute,

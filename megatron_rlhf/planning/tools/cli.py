@@ -9,7 +9,11 @@ Models are BLOOM presets (bloom-560m, -1b1, -1b7, -3b, -7b1, -176b; ``bloomz-*``
 time), each with its per-role layouts and per-GPU memory breakdown (GB). ``--write-config``
 writes the best plan as a ``train-ppo`` config (``parallel:`` per role, rollout batch and
 lengths) on top of ``--base-config`` (default: placeholders for the model and data paths).
-How memory and time are estimated: ``megatron_rlhf/planning/{memory,plan}.py``.
+``--placement disaggregated`` also splits the G GPUs into R rollout GPUs and G - R training
+GPUs and prints every fitting split's predicted asynchronous step (``--max-staleness``, default
+1: max(rollout, score + update) + weight sync) against the best colocated synchronous plan;
+``--rollout-gpus R`` plans one split only.
+How memory and time are estimated: ``megatron_rlhf/planning/{memory,plan,placement}.py``.
 """
 
 from __future__ import annotations
@@ -52,6 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="the roles' attention (models.attention_backend): triton keeps O(s) memory; "
         "torch and te store (s x s) scores (default torch until the GPU check has measured triton)",
     )  # fmt: skip
+    parser.add_argument(
+        "--placement", default="colocated", choices=["colocated", "disaggregated"],
+        help="disaggregated: also split the GPUs into R rollout and G - R training GPUs and "
+        "print every split's predicted asynchronous step against the best colocated one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-staleness", type=int,
+        help="async.max_staleness of the disaggregated step (default 1: generation overlaps "
+        "score + update; 0: they follow each other)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rollout-gpus", type=int, help="only this split R (default: every R in [1, G))"
+    )
     parser.add_argument("--top", type=int, default=10, help="plans to print")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--write-config", help="write the best plan as a train-ppo YAML here")
@@ -68,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
 
         ranking = make_plans(request, top=args.top)
         plans = ranking.plans
+        split = None
+        if args.placement == "disaggregated":
+            from megatron_rlhf.planning.placement import plan_disaggregated
+
+            staleness = 1 if args.max_staleness is None else args.max_staleness
+            split = plan_disaggregated(request, staleness, args.rollout_gpus, plans[0])
         if args.write_config:
             write_config(plans[0], request, args)
     except InputError as err:
@@ -81,13 +104,16 @@ def main(argv: list[str] | None = None) -> int:
                     "request": request_dict(request),
                     "roles": roles_summary(request),
                     "plans": [p.to_dict(request) for p in shown],
-                },
+                }
+                | ({} if split is None else {"disaggregated": split.to_dict()}),
                 indent=1,
             )
         )
     else:
         print(table(request, roles_summary(request), shown))
         print(sync_line(weight_sync(request, plans[0].layouts)))
+        if split is not None:
+            print(split_table(request, split))
     print(
         f"[plan_parallelism] done: candidates={ranking.candidates} fitting={ranking.fitting} "
         f"best_step_s={plans[0].step_seconds:.1f} best_gb_per_gpu={plans[0].total_bytes / 1e9:.1f}",
@@ -115,6 +141,22 @@ def request_from_args(args):
     for name in ("gpus", "rollout_sequences", "max_length", "micro_batch", "top"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.placement != "disaggregated":
+        for name in ("max_staleness", "rollout_gpus"):
+            if getattr(args, name) is not None:
+                raise InputError(
+                    f"--{name.replace('_', '-')} plans a disaggregated split: add "
+                    "--placement disaggregated"
+                )
+    else:
+        from megatron_rlhf.planning.placement import check_split
+
+        check_split(args.gpus, args.max_staleness or 0, args.rollout_gpus)
+        if args.write_config:
+            raise InputError(
+                "--write-config writes the best colocated plan, not a disaggregated placement: "
+                "drop --write-config or --placement disaggregated"
+            )
     budget = args.max_tokens_per_micro_batch
     if budget is not None and budget < args.max_length:
         raise InputError(
@@ -237,3 +279,48 @@ def write_config(plan, request, args) -> None:
         tmp.write_text(header + yaml.safe_dump(config, sort_keys=False))
         load_config(TrainPPOConfig, tmp)
     print(f"wrote {out}", file=sys.stderr)
+
+
+def split_table(request, estimate) -> str:
+    """Every fitting split of the GPUs into rollout and training sets, the best marked, its
+    predicted step against the best colocated synchronous plan, and the assumptions."""
+    from megatron_rlhf.planning.placement import ASSUMPTIONS
+
+    n, best = estimate.max_staleness, estimate.best
+    step = (
+        "max(rollout, score+update) + weight sync"
+        if n >= 1
+        else "rollout + score+update + weight sync (no overlap)"
+    )
+    lines = [
+        "",
+        f"disaggregated placement, async.max_staleness={n}: step = {step}; layouts TPxPPxDP, "
+        "memory GB per GPU of each set",
+        f"{'':1} {'R':>4} {'G-R':>4} {'rollout':<9} {'actor':<9} {'ref':<9} {'critic':<9} "
+        f"{'reward':<9} {'recomp':<6} {'roll GB':>7} {'train GB':>8} {'rollout s':>9} "
+        f"{'score+upd s':>11} {'sync s':>6} {'step s':>7}",
+    ]
+    for split in estimate.splits:
+        roles = " ".join(
+            f"{_layout(split.layouts[r]):<9}" for r in ("actor", "reference", "critic", "reward")
+        )
+        lines.append(
+            f"{'*' if split is best else '':1} {split.rollout_gpus:>4} {split.training_gpus:>4} "
+            f"{_layout(split.rollout_layout):<9} {roles} {'yes' if split.recompute else 'no':<6} "
+            f"{split.rollout_bytes / 1e9:>7.1f} {split.training_bytes / 1e9:>8.1f} "
+            f"{split.rollout_seconds:>9.1f} {split.training_seconds:>11.1f} "
+            f"{split.sync_seconds:>6.2f} {split.step_seconds:>7.1f}"
+        )
+    if best is None:
+        lines.append("no split fits: the rollout or the training set has no layout that fits")
+    colocated = estimate.colocated
+    if best is not None and colocated is not None:
+        lines.append(
+            f"best split: {best.rollout_gpus} rollout + {best.training_gpus} training GPUs, "
+            f"{best.step_seconds:.1f} s/step vs {colocated.step_seconds:.1f} s colocated "
+            f"synchronous (the best plan above): speed-up {estimate.speedup:.2f}x"
+        )
+    elif colocated is None:
+        lines.append("no colocated plan fits: no speed-up to state")
+    lines.append("assumptions: " + "; ".join(ASSUMPTIONS))
+    return "\n".join(lines)
