@@ -5,10 +5,11 @@
   a checkpoint of the last completed step; relaunched, every logged number and the final
   checkpoint's tensors equal the uninterrupted run's bit for bit; no process of the run is left.
 - Killing the trainer itself (SIGKILL, not its process group) leaves no child behind.
-- train-ppo on 4 ranks with per-role layouts and train-reward on DeepSpeed ZeRO-3 on 2 ranks,
-  one chaos sequence each: SIGTERM to every worker at a random step -> checkpoint, relaunch;
-  SIGKILL of the launcher and every worker after a random later checkpoint -> relaunch: the
-  end is bit-for-bit the uninterrupted run's, and no process is left at any stop.
+- train-ppo on 4 ranks with per-role layouts, asynchronous (one step stale: every checkpoint
+  holds a rollout in flight), and train-reward on DeepSpeed ZeRO-3 on 2 ranks, one chaos
+  sequence each: SIGTERM to every worker at a random step -> checkpoint, relaunch; SIGKILL of
+  the launcher and every worker after a random later checkpoint -> relaunch: the end is
+  bit-for-bit the uninterrupted run's, and no process is left at any stop.
 """
 
 from __future__ import annotations
@@ -277,8 +278,21 @@ def stopped_and_killed_runs_resume_exactly(args: list[str], nproc: int, steps: i
     assert shards(run / final) and shards(run / final) == shards(reference / final)
 
 
+ASYNC = ["async.max_staleness=1", "async.value_targets=vtrace", "async.is_cap=2"]
+"""One step stale, both corrections (V-trace targets, importance weights capped at 2)."""
+
+
 @pytest.mark.chaos
-def test_train_ppo_per_role_layouts_on_4_ranks_sigterm_then_resume_is_bit_identical(tmp_path):
+def test_async_train_ppo_per_role_layouts_on_4_ranks_sigterm_sigkill_resume_is_bit_identical(
+    tmp_path,
+):
+    """An asynchronous run (``async.max_staleness=1``, V-trace, ``is_cap=2``): every step
+    after the first trains on a rollout the previous step's actor generated, so each
+    checkpoint, the signal's and the ones the SIGKILL cuts off after, holds one rollout in
+    flight. The resumed runs train on those rollouts as saved: they are persisted in the
+    checkpoint, not regenerated (no checkpoint holds the older actor that generated them), and
+    the end is the uninterrupted run's bit for bit. The synchronous step's SIGKILL resume is
+    tests/test_ppo_training.py's (1 rank)."""
     from ppo_fixtures import make_ppo_setup
 
     setup, steps = make_ppo_setup(tmp_path / "setup"), 5
@@ -286,6 +300,7 @@ def test_train_ppo_per_role_layouts_on_4_ranks_sigterm_then_resume_is_bit_identi
         "train-ppo", "--config", str(setup["config"]), f"train.steps={steps}",
         "train.save_interval=100", "rollout.prompts_per_step=8", "ppo.micro_batch_size=2",
         "ppo.num_minibatches=2", "ppo.epochs=1", "train.sample_interval=100", *PPO_LAYOUTS,
+        *ASYNC,
     ]  # fmt: skip
     stopped_and_killed_runs_resume_exactly(args, 4, steps, tmp_path)
 
