@@ -32,6 +32,7 @@ class Experience:
     kl: torch.Tensor | None = None  # (B, N) per-token KL estimate
     is_weights: torch.Tensor | None = None  # (B, N) truncated pi_old / mu (rollout correction)
     policy_version: torch.Tensor | None = None  # (B,) the step of the actor that generated it
+    generate_s: float | None = None  # seconds the rollout ranks took (disaggregated placement)
 
     @property
     def responses(self) -> torch.Tensor:  # (B, N)

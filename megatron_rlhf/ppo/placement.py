@@ -117,14 +117,14 @@ class DisaggregatedRollout:
     def idle_call(self) -> None:
         pass
 
-    def send(self, experience) -> None:
+    def send(self, experience, seconds: float) -> None:
         """Rollout side: hand a generated batch (every rollout rank holds it) to the training
         ranks; the rollout group's first rank posts the messages and goes on."""
         if dist.get_rank() != self.first_rollout_rank:
             return
         self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
         tensors = _sample_tensors(experience)
-        header = _header(tensors)
+        header = _header(tensors, seconds)
         for tensor in (header, *tensors):
             work = dist.isend(tensor, 0, group=self.samples_group, tag=SAMPLES_TAG)
             self._sends.append((work, tensor))
@@ -134,8 +134,9 @@ class DisaggregatedRollout:
         return PendingRollout(self, prompts)
 
     def _receive_tensors(self) -> list[torch.Tensor]:
-        """The oldest batch not yet received: training rank 0 takes it from the rollout side
-        and broadcasts it over the training ranks (collective over them)."""
+        """(header, response ids, mask, log-probs) of the oldest batch not yet received:
+        training rank 0 takes it from the rollout side and broadcasts it over the training
+        ranks (collective over them)."""
         device = compute_device()
         header = torch.zeros(_HEADER, dtype=torch.long, device=device)
         tensors = [header]
@@ -146,7 +147,7 @@ class DisaggregatedRollout:
                 source = self.first_rollout_rank
                 dist.recv(tensors[index], source, group=self.samples_group, tag=SAMPLES_TAG)
             dist.broadcast(tensors[index], 0, group=self.training_group)
-        return tensors[1:]
+        return tensors
 
     def close(self) -> None:
         """Wait until the training ranks have taken every batch sent (the end of the run)."""
@@ -165,11 +166,14 @@ class PendingRollout:
     def result(self):
         from megatron_rlhf.ppo.rollout import experience_of
 
-        ids, mask, logprobs = self.link._receive_tensors()
-        return experience_of(self.prompts, ids, mask, logprobs)
+        header, ids, mask, logprobs = self.link._receive_tensors()
+        experience = experience_of(self.prompts, ids, mask, logprobs)
+        experience.generate_s = int(header[_SECONDS]) / 1e6
+        return experience
 
 
-_HEADER = 8  # rows, width, then a dtype code per tensor (ids, mask, log-probs)
+_HEADER = 8  # rows, width, a dtype code per tensor (ids, mask, log-probs), microseconds
+_SECONDS = 5  # the header's slot of the generation's microseconds
 
 
 def _sample_tensors(experience) -> list[torch.Tensor]:
@@ -183,10 +187,11 @@ def _sample_tensors(experience) -> list[torch.Tensor]:
 _DTYPES = (torch.long, torch.int32, torch.bool, *_FLOAT_DTYPES)
 
 
-def _header(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _header(tensors: list[torch.Tensor], seconds: float) -> torch.Tensor:
     rows, width = tensors[0].shape
     codes = [_DTYPES.index(t.dtype) for t in tensors]
-    values = [rows, width, *codes] + [0] * (_HEADER - 2 - len(codes))
+    values = [rows, width, *codes, round(seconds * 1e6)]
+    values += [0] * (_HEADER - len(values))
     return torch.tensor(values, device=compute_device())
 
 

@@ -233,11 +233,11 @@ class PPOTrainer:
         placement sent by a rollout rank (None) and pending on a training rank."""
         if self.link is not None and self.trains:
             return self.link.receive(prompts)
-        rows = prompts["input_ids"].shape[0]
+        rows, start = prompts["input_ids"].shape[0], time.time()
         seeds = step_row_seeds(self.config.train.seed, batch, rows)
         experience = rollout_global(self.roles.rollout, prompts, self.sampling(), seeds)
         if self.link is not None:
-            self.link.send(experience)
+            self.link.send(experience, time.time() - start)
             return None
         return experience
 
@@ -345,6 +345,8 @@ class PPOTrainer:
         if self.config.async_.max_staleness == 0:  # else async/kl_behaviour_current
             metrics |= self.old_logprobs.gap(experience, self.config.rollout.temperature)
         metrics |= {f"time/{stage}_s": seconds for stage, seconds in timings.items()}
+        if experience.generate_s is not None:  # disaggregated: generated beside the update
+            metrics["rollout/generate_s"] = experience.generate_s
         metrics |= self.throughput(experience, sum(timings.values()))
         metrics |= self.data.per_cluster_rewards(experience)
         if self.data.rehearsal is not None:  # rows of D_R cut to rehearsal.max_length so far
