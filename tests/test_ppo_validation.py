@@ -229,3 +229,52 @@ def test_a_checkpoint_from_before_the_async_section_resumes(tmp_path):
             continue
         with pytest.raises(InputError, match=rf"resuming with a changed config \({refused}\)"):
             _check_changes(tmp_path, checkpoint, saved, config, ("train.",), False, defaults)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["placement.rollout_ranks=1"],
+            "placement.rollout_ranks=1 applies to placement.mode=disaggregated",
+        ),
+        (
+            ["placement.mode=disaggregated", "placement.rollout_ranks=1"],
+            "placement.rollout_ranks=1 must be between 1 and the world size minus one (0)",
+        ),
+        (
+            ["placement.mode=disaggregated", "rollout.engine=vllm"],
+            "rollout.engine=vllm runs vLLM over the whole world",
+        ),
+        (
+            ["placement.mode=disaggregated", "ppo.algorithm=rejection_sampling"],
+            "ppo.algorithm=rejection_sampling: use placement.mode=colocated",
+        ),
+        (["placement.mode=split"], "placement.mode='split'; choose one of"),
+    ],
+)
+def test_placement_settings(setup, capsys, overrides, message):
+    assert message in _fails(setup, capsys, *overrides)
+
+
+def test_disaggregated_layouts_split_the_world(setup):
+    """The training roles' layouts over the first world - R ranks, the rollout's over the last
+    R (``Layout.first_rank``); a rollout layout with pipeline stages is refused."""
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.ppo.config import TrainPPOConfig
+    from megatron_rlhf.ppo.setup import placed_layouts
+    from megatron_rlhf.utils import InputError
+
+    archs = {"actor": setup["arch"], "critic": setup["arch"]}
+    split = ["placement.mode=disaggregated", "placement.rollout_ranks=2", "parallel.critic.tp=2"]
+    config = load_config(TrainPPOConfig, setup["config"], split)
+    layouts = placed_layouts(config, 6, archs)
+    assert layouts["rollout"].as_dict() == {"tp": 1, "pp": 1, "dp": 2}
+    assert layouts["rollout"].first_rank == 4 and layouts["rollout"].holds(5)
+    assert not layouts["rollout"].holds(3)
+    assert layouts["actor"].as_dict() == {"tp": 1, "pp": 1, "dp": 4}
+    assert layouts["critic"].as_dict() == {"tp": 2, "pp": 1, "dp": 2}
+    assert all(layouts[role].first_rank == 0 for role in ("actor", "reference", "critic"))
+    piped = load_config(TrainPPOConfig, setup["config"], [*split, "parallel.rollout.pp=2"])
+    with pytest.raises(InputError, match="rollout layout without pipeline stages .* pp=2"):
+        placed_layouts(piped, 6, archs)

@@ -45,7 +45,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.distributed.parallel import compute_device
+from megatron_rlhf.distributed.parallel import compute_device, world_max
 from megatron_rlhf.generation import generate
 
 SAMPLES_TAG = 7
@@ -78,8 +78,9 @@ class DisaggregatedRollout:
         arch = (actor or model).arch
         order = [full_hf_name(name) for name in hf_names(arch.num_layers, "lm")]
         self.plan = plan_to_megatron(actor, model, rollout.tp, int(bucket_mb * 2**20), order)
-        self.sync_bytes_per_rank = self.plan.received_bytes
-        self.sync_remote_bytes_per_rank = self.plan.remote_bytes
+        # logged by rank 0, a training rank: the most a rollout rank receives
+        self.sync_bytes_per_rank = world_max(self.plan.received_bytes)
+        self.sync_remote_bytes_per_rank = world_max(self.plan.remote_bytes)
         self._sends: list = []  # (work, tensor) of samples sent and maybe not yet received
         if model is not None:
             model.requires_grad_(False)

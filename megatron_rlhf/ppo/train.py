@@ -393,7 +393,8 @@ class PPOTrainer:
         in the disaggregated placement the rollout ranks hold nothing to save or load."""
         from megatron_rlhf.distributed.parallel import default_group
 
-        return default_group(self.link.training_group if self.link is not None else None)
+        training = self.link is not None and self.trains  # a rollout rank keeps the world
+        return default_group(self.link.training_group if training else None)
 
     def save(self, step: int) -> Path | None:
         """Checkpoint ``step``: both engines, and the trainer state (:meth:`load_state`'s);
