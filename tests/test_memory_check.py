@@ -108,3 +108,31 @@ def test_resuming_a_finished_run_says_there_is_nothing_left(reward_setup, tmp_pa
     assert "step_0000001 is at step 1 of 1; raise train.steps" in captured.err
     summary = [x for x in (captured.out + captured.err).splitlines() if "] done:" in x]
     assert summary and "train_loss=-" in summary[0] and "nan" not in summary[0], summary
+
+
+def test_train_ppo_disaggregated_checks_each_side_with_its_own_roles(monkeypatch, tmp_path):
+    """Disaggregated, a training rank holds the four roles without the rollout copy and a
+    rollout rank the copy alone: the check takes the fuller side, not their sum (which a
+    colocated rank holds)."""
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.ppo.config import TrainPPOConfig
+    from megatron_rlhf.ppo.setup import validate_config
+    from megatron_rlhf.training import memory_check
+
+    setup = make_ppo_setup(tmp_path / "setup")
+    checked = {}
+    monkeypatch.setattr(
+        memory_check, "check_fits", lambda memory, *_a, **_k: checked.setdefault("m", memory)
+    )
+    totals = {}
+    for mode, world in (("colocated", 2), ("disaggregated", 4)):  # the same layouts
+        overrides = [f"placement.mode={mode}", "parallel.rollout.tp=2"]
+        if mode == "disaggregated":
+            overrides.append("placement.rollout_ranks=2")
+        config = load_config(TrainPPOConfig, setup["config"], overrides)
+        plan = validate_config(config, world)
+        memory_check.check_ppo(plan.config, plan.archs, plan.layouts)
+        totals[mode] = checked.pop("m")
+    colocated, disaggregated = totals["colocated"], totals["disaggregated"]
+    assert disaggregated.weights < colocated.weights  # the copy is not on the training side
+    assert disaggregated.optimizer == colocated.optimizer  # the actor's and critic's Adam

@@ -117,9 +117,11 @@ def check_trainer(
 
 
 def check_ppo(config, archs: dict, layouts: dict, skip: bool = False) -> None:
-    """:func:`check_fits` for ``train-ppo``: every role spans every rank, so a rank holds a
-    share of each role's weights (and the actor's and critic's gradients and Adam state) at
-    once, plus the largest working set of one pass (training, scoring or generation)."""
+    """:func:`check_fits` for ``train-ppo``: colocated, every role spans every rank, so a rank
+    holds a share of each role's weights (and the actor's and critic's gradients and Adam
+    state) at once, plus the largest working set of one pass (training, scoring or
+    generation); disaggregated, a training rank holds the four roles and a rollout rank the
+    rollout copy alone: the fuller of the two is checked."""
     from megatron_rlhf.planning.memory import (
         Workload,
         forward_memory,
@@ -162,11 +164,11 @@ def check_ppo(config, archs: dict, layouts: dict, skip: bool = False) -> None:
         roles["reward"] = forward_memory(
             shape_of(archs["reward"]), layouts["reward"], "scalar", work
         )
-    held = ("weights", "grads", "optimizer")
-    memory = Memory(**{name: sum(getattr(m, name) for m in roles.values()) for name in held})
-    busiest = max(roles, key=lambda r: roles[r].activations + roles[r].logits + roles[r].kv_cache)
-    memory.activations, memory.logits = roles[busiest].activations, roles[busiest].logits
-    memory.kv_cache = roles[busiest].kv_cache
+    if config.placement.mode == "disaggregated":  # each side holds its own roles only
+        sides = [{r: m for r, m in roles.items() if r != "rollout"}, {"rollout": roles["rollout"]}]
+        memory, busiest = max((_rank_memory(side) for side in sides), key=lambda m: m[0].total)
+    else:
+        memory, busiest = _rank_memory(roles)
     pass_keys = "ppo.micro_batch_size or train.recompute_activations=true"
     if busiest == "rollout":  # generation passes every rollout row of the replica at once
         pass_keys = "rollout.prompts_per_step or parallel.rollout.tp/pp"
@@ -178,6 +180,18 @@ def check_ppo(config, archs: dict, layouts: dict, skip: bool = False) -> None:
     )
     experience = input_bytes(rows, seq) * 3  # rollout rows, their log-probs, values, advantages
     check_fits(memory, experience, keys, skip)
+
+
+def _rank_memory(roles: dict) -> tuple[Memory, str]:
+    """(what a rank holding a share of every role in ``roles`` needs, the role whose pass is
+    the largest working set): every role's weights, gradients and optimizer state at once,
+    plus one pass."""
+    held = ("weights", "grads", "optimizer")
+    memory = Memory(**{name: sum(getattr(m, name) for m in roles.values()) for name in held})
+    busiest = max(roles, key=lambda r: roles[r].activations + roles[r].logits + roles[r].kv_cache)
+    memory.activations, memory.logits = roles[busiest].activations, roles[busiest].logits
+    memory.kv_cache = roles[busiest].kv_cache
+    return memory, busiest
 
 
 def _term_keys(*, layout: str, batch: str, kv_cache: str, inputs: str) -> dict[str, str]:
