@@ -59,9 +59,10 @@ class DisaggregatedRollout:
     rank (collective: the training ranks' group, the weight-sync plan).
 
     On a rollout rank ``model`` is the rollout copy and ``actor`` None; on a training rank the
-    reverse. ``generate`` is the rollout side's (its ``groups`` are the rollout layout's), and
-    ``submit`` hands a batch to the other side: the rollout side sends what it generated, the
-    training side gets a :class:`PendingRollout` it resolves when it trains on the batch."""
+    reverse. ``refresh`` syncs the weights (both sides); ``generate`` is the rollout side's
+    (its ``groups`` are the rollout layout's) and ``send`` hands a generated batch over; on the
+    training side ``receive`` gives a :class:`PendingRollout`, resolved when the batch is
+    trained or saved."""
 
     def __init__(self, actor, model, layouts: dict, training_group, bucket_mb: float):
         from megatron_rlhf.checkpoint.hf_names import full_hf_name, hf_names
@@ -83,8 +84,13 @@ class DisaggregatedRollout:
         self.sync_remote_bytes_per_rank = world_max(self.plan.remote_bytes)
         self._sends: list = []  # (work, tensor) of samples sent and maybe not yet received
         if model is not None:
+            from megatron_rlhf.generation.shard_sync import zero_padding
+
             model.requires_grad_(False)
             self._targets = _parameters_by_hf_name(model)
+            with torch.no_grad():  # the copy is built uninitialised; no sync writes these rows
+                for name, spec in self.plan.specs.items():
+                    zero_padding(self._targets[name], spec, self.plan.rollout_rank, rollout.tp)
 
     @property
     def is_rollout_rank(self) -> bool:
