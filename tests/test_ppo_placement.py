@@ -76,10 +76,13 @@ def colocated_stale(setup):
 
 @pytest.fixture(scope="module")
 def disaggregated_stale(setup):
-    """2 rollout ranks + 2 training ranks, one step stale: the issue's run (its directory)."""
-    return _launch(
-        setup, 4, "disaggregated_stale", "placement.rollout_ranks=2", "async.max_staleness=1"
-    )
+    """2 rollout ranks (TP 2: each receives half of every split tensor, its QKV heads and
+    vocabulary rows) + 2 training ranks (TP 1, DP 2), one step stale: the issue's run (its
+    directory)."""
+    return _launch(setup, 4, "disaggregated_stale", *STALE_2_PLUS_2)
+
+
+STALE_2_PLUS_2 = ("placement.rollout_ranks=2", "parallel.rollout.tp=2", "async.max_staleness=1")
 
 
 @pytest.mark.e2e(ranks=2)
@@ -100,9 +103,11 @@ def test_staleness_zero_disaggregated_is_the_synchronous_colocated_run(setup, co
 def test_one_step_stale_on_2_plus_2_ranks_trains_as_colocated_and_learns(
     disaggregated_stale, colocated_stale, colocated_sync
 ):
-    """The issue's run: 2 rollout ranks generate batch t + 1 while 2 training ranks train on
-    batch t, 12 steps. Every step's reward equals the colocated staleness-1 run's (1 rank)
-    exactly and the rest to rel 1e-4 (DP = 2 against 1); from step 2 on each rollout is one
+    """The issue's run: 2 rollout ranks (TP 2) generate batch t + 1 while 2 training ranks
+    (DP 2) train on batch t, 12 steps. Every step's reward equals the colocated staleness-1
+    run's (1 rank) exactly and the rest to rel 1e-4 (measured 1e-6: the rollout's TP 2
+    rounds its log-probs otherwise, DP 2 its gradient sums; at rollout PP 2 instead of TP 2 the
+    same run was bit for bit the colocated 2-rank one); from step 2 on each rollout is one
     step stale; the run learns inside the synchronous run's band as the learning gate defines
     it (tests/test_ppo_async.py; here one seed: the mean reward of steps 10-12 gains at least
     a third of the synchronous run's gain over step 1; measured 0.39); and the rollout ranks'
@@ -142,5 +147,5 @@ def test_killed_after_a_checkpoint_the_disaggregated_run_resumes_exactly(
     (killed / "latest_checkpoint.txt").write_text("step_0000008\n")
     meta = json.loads((killed / "step_0000008" / "megatron_rlhf.json").read_text())
     assert meta["trainer_state"]["rollouts_in_flight"]["next_batch"] == 9
-    _launch(setup, 4, "disaggregated_killed", "placement.rollout_ranks=2", "async.max_staleness=1")
+    _launch(setup, 4, "disaggregated_killed", *STALE_2_PLUS_2)
     assert logged(killed) == logged(disaggregated_stale)

@@ -259,7 +259,7 @@ def test_placement_settings(setup, capsys, overrides, message):
 
 def test_disaggregated_layouts_split_the_world(setup):
     """The training roles' layouts over the first world - R ranks, the rollout's over the last
-    R (``Layout.first_rank``); a rollout layout with pipeline stages is refused."""
+    R (``Layout.first_rank``); a layout that does not divide its own set names the set."""
     from megatron_rlhf.config import load_config
     from megatron_rlhf.ppo.config import TrainPPOConfig
     from megatron_rlhf.ppo.setup import placed_layouts
@@ -275,6 +275,7 @@ def test_disaggregated_layouts_split_the_world(setup):
     assert layouts["actor"].as_dict() == {"tp": 1, "pp": 1, "dp": 4}
     assert layouts["critic"].as_dict() == {"tp": 2, "pp": 1, "dp": 2}
     assert all(layouts[role].first_rank == 0 for role in ("actor", "reference", "critic"))
-    piped = load_config(TrainPPOConfig, setup["config"], [*split, "parallel.rollout.pp=2"])
-    with pytest.raises(InputError, match="rollout layout without pipeline stages .* pp=2"):
-        placed_layouts(piped, 6, archs)
+    odd = load_config(TrainPPOConfig, setup["config"], [*split, "parallel.rollout.tp=4"])
+    with pytest.raises(InputError, match="parallel.rollout: world size 2 is not divisible") as err:
+        placed_layouts(odd, 6, archs)
+    assert "(world size here: the rollout ranks: placement.rollout_ranks=2)" in str(err.value)

@@ -187,6 +187,7 @@ class RankLayout:
     actor_shards: dict[str, tuple[int, int]]
     rollout_rank: int | None  # None: the rank holds no rollout shard (disaggregated)
     rollout_tp: int
+    rollout_names: frozenset | None = None  # the tensors its rollout stage holds; None: all
 
 
 def _pieces_for(spec, ranges, dst, holders_of) -> list[Piece]:
@@ -262,7 +263,9 @@ def build_plan(
         used += nbytes
         current.names.add(spec.name)
         for dst, layout in enumerate(layouts):
-            if layout.rollout_rank is None:
+            if layout.rollout_rank is None or spec.name not in (
+                layout.rollout_names or {spec.name}
+            ):
                 continue
             ranges = _unit_ranges(spec, layout.rollout_rank, layout.rollout_tp, first, stop)
             if ranges is None:
@@ -450,10 +453,10 @@ def plan_to_megatron(
 ) -> SyncPlan:
     """The plan of the disaggregated placement (``ppo/placement.py``): the training ranks hold
     the ``actor`` (``rollout_model`` None), the rollout ranks ``rollout_model``, our BLOOM at
-    rollout PP = 1 and TP ``rollout_tp`` (``actor`` None); each rollout rank receives its
-    Megatron-Core TP shard of every tensor, a row range of the HF tensor (the fused QKV's heads
-    lie in HF's order; the vocabulary is padded as ``padded_vocab_size``). Collective over the
-    world."""
+    TP ``rollout_tp`` (``actor`` None); each rollout rank receives its Megatron-Core TP shard
+    of every tensor of its pipeline stage (``rollout_targets``), a row range of the HF tensor
+    (the fused QKV's heads lie in HF's order; the vocabulary is padded as
+    ``padded_vocab_size``). Collective over the world."""
     from functools import partial
 
     from megatron_rlhf.models.bloom import padded_vocab_size
@@ -463,11 +466,32 @@ def plan_to_megatron(
         layout = RankLayout(mine.actor_shards, None, rollout_tp)
         element_bytes, vocab = next(iter(sources.values())).element_size(), actor.arch.vocab_size
     else:
-        specs, layout = [], RankLayout({}, rollout_model.pg_collection.tp.rank(), rollout_tp)
+        names = frozenset(rollout_targets(rollout_model))
+        tp_rank = rollout_model.pg_collection.tp.rank()
+        specs, layout = [], RankLayout({}, tp_rank, rollout_tp, names)
         element_bytes = next(rollout_model.parameters()).element_size()
         vocab = rollout_model.arch.vocab_size
     retarget = partial(megatron_target, padded_vocab=padded_vocab_size(vocab, rollout_tp))
     return _gathered_plan(specs, layout, bucket_bytes, element_bytes, canonical_order, retarget)
+
+
+def rollout_targets(model) -> dict[str, torch.Tensor]:
+    """A rollout copy's parameters (our BLOOM, any TP/PP) by the HF name whose shard each
+    receives: its stage's layers; the word embedding on the first stage, and on the last the
+    LM head tied to it (at PP = 1 the same tensor, once)."""
+    from megatron_rlhf.checkpoint.hf_io import stage_layer_offset
+    from megatron_rlhf.checkpoint.hf_names import full_hf_name, mapping_for
+
+    offset, targets, head = stage_layer_offset(model), {}, None
+    for name, param in model.named_parameters():
+        if name == "output_layer.weight":
+            head = param.data
+            continue
+        targets[full_hf_name(mapping_for(name, model.head, offset).hf_name)] = param.data
+    if head is not None:
+        embedding = "embedding.word_embeddings.weight"
+        targets.setdefault(full_hf_name(mapping_for(embedding, model.head, offset).hf_name), head)
+    return targets
 
 
 def megatron_target(spec: TensorSpec, padded_vocab: int) -> TensorSpec:

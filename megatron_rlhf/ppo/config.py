@@ -181,7 +181,7 @@ class PlacementConfig:
     mode: Literal["colocated", "disaggregated"] = "colocated"
     """colocated: every rank holds every role and generates between updates. disaggregated:
     the last ``rollout_ranks`` ranks hold only the rollout engine (ours, in
-    ``parallel.rollout``'s layout over those ranks; needs parallel.rollout.pp=1), the others
+    ``parallel.rollout``'s layout over those ranks), the others
     the actor, reference, critic and reward in their layouts over the remaining ranks; samples
     travel to the training ranks and the actor's weights back (shard to shard). With
     ``async.max_staleness`` >= 1 generation overlaps the update; at 0 the two sets take

@@ -1,7 +1,7 @@
 """The disaggregated placement (``placement.mode=disaggregated``): rollout ranks and training ranks.
 
 The world's last ``placement.rollout_ranks`` ranks hold only the rollout engine, our BLOOM in
-``parallel.rollout``'s layout over those ranks (PP = 1); the others hold the actor, reference,
+``parallel.rollout``'s layout over those ranks; the others hold the actor, reference,
 critic and reward in their layouts over the remaining ranks (``Layout.first_rank``: each
 layout's groups cover only its own ranks, ``distributed/groups.subset_groups``). Every rank
 runs the same step loop (``ppo/train.py``), so the run's lifecycle (log, guard, signals,
@@ -66,7 +66,7 @@ class DisaggregatedRollout:
 
     def __init__(self, actor, model, layouts: dict, training_group, bucket_mb: float):
         from megatron_rlhf.checkpoint.hf_names import full_hf_name, hf_names
-        from megatron_rlhf.generation.shard_sync import plan_to_megatron
+        from megatron_rlhf.generation.shard_sync import plan_to_megatron, rollout_targets
 
         rollout = layouts["rollout"]
         self.first_rollout_rank = rollout.first_rank
@@ -87,10 +87,11 @@ class DisaggregatedRollout:
             from megatron_rlhf.generation.shard_sync import zero_padding
 
             model.requires_grad_(False)
-            self._targets = _parameters_by_hf_name(model)
+            self._targets = rollout_targets(model)
             with torch.no_grad():  # the copy is built uninitialised; no sync writes these rows
-                for name, spec in self.plan.specs.items():
-                    zero_padding(self._targets[name], spec, self.plan.rollout_rank, rollout.tp)
+                for name, target in self._targets.items():
+                    spec = self.plan.specs[name]
+                    zero_padding(target, spec, self.plan.rollout_rank, rollout.tp)
 
     @property
     def is_rollout_rank(self) -> bool:
@@ -205,15 +206,3 @@ def _header(tensors: list[torch.Tensor], seconds: float) -> torch.Tensor:
 def _shapes(header: torch.Tensor) -> list[tuple[tuple[int, int], torch.dtype]]:
     rows, width, *codes = header.tolist()
     return [((rows, width), _DTYPES[code]) for code in codes[:3]]
-
-
-def _parameters_by_hf_name(model) -> dict[str, torch.Tensor]:
-    """The rollout copy's parameters by HF name (PP = 1: every layer; the tied LM head is the
-    word embedding)."""
-    from megatron_rlhf.checkpoint.hf_names import full_hf_name, mapping_for
-
-    return {
-        full_hf_name(mapping_for(name, model.head, 0).hf_name): param.data
-        for name, param in model.named_parameters()
-        if name != "output_layer.weight"
-    }

@@ -258,17 +258,22 @@ def placed_layouts(config: TrainPPOConfig, world_size: int, archs: dict) -> dict
     roles = layout_roles(config)
     if config.placement.mode == "colocated":
         return resolve_layouts(config.parallel, world_size, archs, roles=roles)
-    training = world_size - config.placement.rollout_ranks
+    rollout_ranks = config.placement.rollout_ranks
+    training = world_size - rollout_ranks
     trained = tuple(role for role in roles if role != "rollout")
-    layouts = resolve_layouts(config.parallel, training, archs, roles=trained)
-    rollout = resolve_layouts(
-        config.parallel, config.placement.rollout_ranks, archs, roles=("rollout",)
-    )["rollout"]
-    if rollout.pp != 1:
-        raise InputError(
-            f"placement.mode=disaggregated needs a rollout layout without pipeline stages (it "
-            f"resolves to pp={rollout.pp}); set parallel.rollout.pp=1"
-        )
+    sets = {
+        trained: f"the training ranks: world {world_size} - placement.rollout_ranks "
+        f"{rollout_ranks} = {training}",
+        ("rollout",): f"the rollout ranks: placement.rollout_ranks={rollout_ranks}",
+    }
+    layouts = {}
+    for set_roles, described in sets.items():
+        size = training if set_roles == trained else rollout_ranks
+        try:
+            layouts |= resolve_layouts(config.parallel, size, archs, roles=set_roles)
+        except InputError as err:
+            raise InputError(f"{err}\n  (world size here: {described})") from None
+    rollout = layouts.pop("rollout")
     return layouts | {"rollout": replace(rollout, first_rank=training)}
 
 
