@@ -532,3 +532,26 @@ def test_cli_disaggregated_bad_input(capsys, extra, message):
     assert rc == 2 and message in out.err and "Traceback" not in out.err
     rc, out = _plan(capsys, *extra)  # without --placement disaggregated
     assert rc == 2 and "add --placement disaggregated" in out.err
+
+
+def test_cli_writes_the_disaggregated_split_as_a_runnable_config(capsys, tmp_path):
+    """``--placement disaggregated --write-config``: the best split's placement, staleness and
+    per-set layouts, which train-ppo's own resolution accepts at that world size."""
+    import yaml
+
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.ppo.config import TrainPPOConfig
+    from megatron_rlhf.ppo.setup import placed_layouts
+
+    out = tmp_path / "split.yaml"
+    rc, printed = _plan(capsys, "--placement", "disaggregated", "--json", "--write-config", str(out))
+    assert rc == 0, printed.err
+    best = json.loads(printed.out)["disaggregated"]
+    config = load_config(TrainPPOConfig, out)
+    assert config.placement.mode == "disaggregated" and config.async_.max_staleness == 1
+    assert config.placement.rollout_ranks == best["best_rollout_gpus"]
+    archs = {role: model_shape(n) for role, n in [("actor", "bloom-1b7"), ("critic", "bloom-560m")]}
+    layouts = placed_layouts(config, 8, archs)
+    split = next(s for s in best["splits"] if s["rollout_gpus"] == best["best_rollout_gpus"])
+    assert {role: layouts[role].as_dict() for role in split["layouts"]} == split["layouts"]
+    assert yaml.safe_load(out.read_text())["train"]["recompute_activations"] == split["recompute"]

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             staleness = 1 if args.max_staleness is None else args.max_staleness
             split = plan_disaggregated(request, staleness, args.rollout_gpus, plans[0])
         if args.write_config:
-            write_config(plans[0], request, args)
+            write_config(plans[0], request, args, split)
     except InputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -152,11 +152,6 @@ def request_from_args(args):
         from megatron_rlhf.planning.placement import check_split
 
         check_split(args.gpus, args.max_staleness or 0, args.rollout_gpus)
-        if args.write_config:
-            raise InputError(
-                "--write-config writes the best colocated plan, not a disaggregated placement: "
-                "drop --write-config or --placement disaggregated"
-            )
     budget = args.max_tokens_per_micro_batch
     if budget is not None and budget < args.max_length:
         raise InputError(
@@ -244,8 +239,10 @@ def table(request, roles: dict, plans: list) -> str:
     return "\n".join(lines)
 
 
-def write_config(plan, request, args) -> None:
-    """The plan as a train-ppo YAML, validated by loading it as ``train-ppo`` would."""
+def write_config(plan, request, args, split=None) -> None:
+    """The plan as a train-ppo YAML, validated by loading it as ``train-ppo`` would; with
+    ``split`` (``--placement disaggregated``) the best split's placement, layouts and
+    staleness instead of the colocated plan's layouts."""
     import yaml
 
     from megatron_rlhf.config import load_config
@@ -266,6 +263,15 @@ def write_config(plan, request, args) -> None:
             "data": {"prompts": "/path/to/prompts"},
         }
     config["parallel"] = layouts_to_dict(plan.layouts) | {"sequence_parallel": True}
+    if split is not None:
+        best = split.best
+        if best is None:
+            raise InputError("--write-config: no split of the GPUs fits; nothing to write")
+        layouts = best.layouts | {"rollout": best.rollout_layout}
+        config["parallel"] = layouts_to_dict(layouts) | {"sequence_parallel": True}
+        config["placement"] = {"mode": "disaggregated", "rollout_ranks": best.rollout_gpus}
+        config["async"] = {"max_staleness": best.max_staleness}
+        config.setdefault("train", {})["recompute_activations"] = best.recompute
     config.setdefault("rollout", {}).update(
         prompts_per_step=request.rollout_sequences, max_new_tokens=request.response
     )
@@ -274,8 +280,11 @@ def write_config(plan, request, args) -> None:
     if request.max_tokens_per_micro_batch is not None:
         config["ppo"]["max_tokens_per_micro_batch"] = request.max_tokens_per_micro_batch
     config.setdefault("train", {})["bf16"] = True
+    config["train"].setdefault("recompute_activations", plan.recompute)
     with atomic_output(out) as tmp:
         header = f"# written by tools/plan_parallelism.py: {request.gpus} x {request.gpu_memory_gb:g} GB, est. {plan.total_bytes / 1e9:.1f} GB/GPU, {plan.step_seconds:.1f} s/step{'' if plan.fits else ' (DOES NOT FIT)'}\n"
+        if split is not None:
+            header = f"# written by tools/plan_parallelism.py --placement disaggregated: {split.best.rollout_gpus} rollout + {split.best.training_gpus} training GPUs of {request.gpu_memory_gb:g} GB, est. {split.best.step_seconds:.1f} s/step at async.max_staleness={split.best.max_staleness}\n"
         tmp.write_text(header + yaml.safe_dump(config, sort_keys=False))
         load_config(TrainPPOConfig, tmp)
     print(f"wrote {out}", file=sys.stderr)
