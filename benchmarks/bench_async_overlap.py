@@ -45,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--records", type=Path, help="append each launch's record (JSON lines)")
     parser.add_argument("--report", type=Path, help="print the tables of a records file only")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # to the launch's finally
     if args.report is not None:
         records = [json.loads(line) for line in args.report.read_text().splitlines()]
         print_report(records)
@@ -155,14 +157,14 @@ def launch(config: Path, world: int, arm: str, seed: int, output_dir: Path, args
         process = subprocess.Popen(
             command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-        while process.poll() is None:
-            lines = count_lines(metrics_file)
-            arrivals += [time.time()] * (lines - len(arrivals))
-            if time.time() - start > args.timeout:
-                os.killpg(process.pid, 9)
-                process.wait()
-                break
-            time.sleep(0.02)
+        try:
+            while process.poll() is None and time.time() - start < args.timeout:
+                lines = count_lines(metrics_file)
+                arrivals += [time.time()] * (lines - len(arrivals))
+                time.sleep(0.02)
+        finally:  # past the timeout, or this script stopped (SIGTERM, Ctrl-C): no orphans
+            if process.poll() is None:
+                kill_tree(process)
     wall = time.time() - start
     steps = [json.loads(line) for line in metrics_file.read_text().splitlines()] if (
         metrics_file.exists()
@@ -176,6 +178,20 @@ def launch(config: Path, world: int, arm: str, seed: int, output_dir: Path, args
     if process.returncode != 0 or len(steps) != args.steps:
         record["log_tail"] = log.read_text()[-2000:]
     return record
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL the launcher and its workers (torchrun puts each worker in its own session, and
+    a worker blocked in a collective does not act on SIGTERM)."""
+    import psutil
+
+    launcher = psutil.Process(process.pid)
+    for child in [*launcher.children(recursive=True), launcher]:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    process.wait()
 
 
 def count_lines(path: Path) -> int:
