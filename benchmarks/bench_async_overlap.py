@@ -37,6 +37,56 @@ at once, so width adds more to the update than to generation (``--hidden`` to tr
 On 2 cores: at W=2 each rank can have a core, so the rollout rank can generate while the
 training rank updates. At W=4 the four ranks share the two cores: whatever one side overlaps
 it takes from the other's core time, so the overlap cannot buy time there (measured anyway).
+
+Latest run (2-core CPU VM, idle apart from this, load < 2 at W=2; torch 2.13.0+cpu; defaults,
+``--steps 8 --skip 2``): W=2 seeds 1 2 3 x 3 reps, W=4 seeds 1 2 x 3 reps, 60 launches, 14 min
+wall (a W=2 launch ~10 s, a W=4 one ~18 s, start-up included):
+
+| W | arm | s/step min / med / max | vs colocated sync | per seed | every seed | line arrivals, med | launch wall, med | n |
+|---|---|---|---:|---|---|---:|---:|---:|
+| 2 | colocated, sync | 0.24 / 0.29 / 0.41 | 1.00x | 1.00 1.00 1.00 | — | 0.29 | 11.0 | 9 |
+| 2 | colocated, N=1 | 0.27 / 0.30 / 0.44 | 1.02x | 0.86 0.93 1.11 | mixed | 0.31 | 11.3 | 9 |
+| 2 | disaggregated, sync | 0.29 / 0.36 / 0.46 | 1.23x | 1.04 1.10 1.21 | slower | 0.36 | 11.0 | 9 |
+| 2 | disaggregated, N=1 | 0.21 / 0.25 / 0.32 | 0.84x | 0.74 0.61 0.91 | faster | 0.25 | 9.7 | 9 |
+| 4 | colocated, sync | 0.40 / 0.46 / 0.53 | 1.00x | 1.00 1.00 | — | 0.48 | 18.9 | 6 |
+| 4 | colocated, N=1 | 0.44 / 0.46 / 0.66 | 0.99x | 1.52 0.89 | mixed | 0.46 | 18.8 | 6 |
+| 4 | disaggregated, sync | 0.26 / 0.34 / 0.43 | 0.73x | 0.81 0.69 | faster | 0.35 | 17.7 | 6 |
+| 4 | disaggregated, N=1 | 0.26 / 0.30 / 0.35 | 0.65x | 0.75 0.58 | faster | 0.30 | 17.5 | 6 |
+
+The training ranks' step by stage (time/<stage>_s, median over a launch's measured steps, then over launches; colocated ranks log no weight sync)
+
+| W | arm | weight_sync | rollout | score | update |
+|---|---|---:|---:|---:|---:|
+| 2 | colocated, sync | 0.000 | 0.152 | 0.041 | 0.104 |
+| 2 | colocated, N=1 | 0.000 | 0.125 | 0.069 | 0.114 |
+| 2 | disaggregated, sync | 0.001 | 0.137 | 0.064 | 0.154 |
+| 2 | disaggregated, N=1 | 0.001 | 0.003 | 0.092 | 0.149 |
+| 4 | colocated, sync | 0.000 | 0.256 | 0.061 | 0.140 |
+| 4 | colocated, N=1 | 0.000 | 0.240 | 0.096 | 0.122 |
+| 4 | disaggregated, sync | 0.002 | 0.163 | 0.051 | 0.121 |
+| 4 | disaggregated, N=1 | 0.002 | 0.018 | 0.128 | 0.115 |
+
+Generation hidden behind the update (sums over a launch's measured steps; min / med / max over launches)
+
+| W | arm | generate s | training ranks' wait s | hidden share |
+|---|---|---|---|---|
+| 2 | disaggregated, sync | 0.64 / 0.80 / 1.10 | 0.66 / 0.82 / 1.12 | -0.03 / -0.02 / -0.02 |
+| 2 | disaggregated, N=1 | 0.72 / 0.84 / 1.18 | 0.01 / 0.02 / 0.03 | 0.97 / 0.98 / 0.99 |
+| 4 | disaggregated, sync | 0.75 / 1.02 / 1.34 | 0.78 / 1.02 / 1.37 | -0.04 / -0.03 / 0.03 |
+| 4 | disaggregated, N=1 | 1.11 / 1.55 / 1.68 | 0.04 / 0.22 / 0.36 | 0.68 / 0.87 / 0.97 |
+
+At W=2 the disaggregated staleness-1 step is faster than the colocated synchronous one on every
+seed (0.84x of the medians; 0.61-0.91 per seed; the ranges overlap): the rollout rank's
+generation (~0.14 s a step) is 97-99% hidden and the step is the training rank's score +
+update, which on one rank (32 rows) costs more than on two (16 each). The disaggregated
+synchronous step is slower on every seed (1.23x): the sides take turns and one rank trains.
+Colocated staleness 1 is no faster (mixed: 0.86-1.11); its score stage is longer, since at
+N >= 1 pi_old is recomputed by an actor forward instead of taken from the rollout. At W=4 both
+disaggregated arms are faster than colocated sync on both seeds, but not through overlap:
+staleness 1 and 0 are level within noise, and generation, sharing the cores with the update,
+takes 1.5x as long and is 68-97% hidden. Colocated, each of the 4 ranks runs all 128 decode
+steps (and every stage's per-op cost) over 8 rows; disaggregated only 2 ranks decode, which on
+2 cores is likely most of the difference.
 """
 
 from __future__ import annotations
