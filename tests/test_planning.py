@@ -544,7 +544,9 @@ def test_cli_writes_the_disaggregated_split_as_a_runnable_config(capsys, tmp_pat
     from megatron_rlhf.ppo.setup import placed_layouts
 
     out = tmp_path / "split.yaml"
-    rc, printed = _plan(capsys, "--placement", "disaggregated", "--json", "--write-config", str(out))
+    rc, printed = _plan(
+        capsys, "--placement", "disaggregated", "--json", "--write-config", str(out)
+    )
     assert rc == 0, printed.err
     best = json.loads(printed.out)["disaggregated"]
     config = load_config(TrainPPOConfig, out)
