@@ -263,10 +263,10 @@ def build_plan(
         used += nbytes
         current.names.add(spec.name)
         for dst, layout in enumerate(layouts):
-            if layout.rollout_rank is None or spec.name not in (
-                layout.rollout_names or {spec.name}
-            ):
+            if layout.rollout_rank is None:  # a training rank (disaggregated)
                 continue
+            if layout.rollout_names is not None and spec.name not in layout.rollout_names:
+                continue  # another pipeline stage's tensor
             ranges = _unit_ranges(spec, layout.rollout_rank, layout.rollout_tp, first, stop)
             if ranges is None:
                 continue

@@ -51,7 +51,18 @@ from megatron_rlhf.generation import generate
 SAMPLES_TAG = 7
 """The tag of the samples' point-to-point messages (the weight sync uses the default, 0)."""
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_DTYPES = (
+    torch.long,
+    torch.int32,
+    torch.bool,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+)
+"""What the samples' header can name by index (responses, masks, log-probs)."""
+_HEADER = 8  # rows, width, a dtype code per tensor (ids, mask, log-probs), microseconds
+_SECONDS = 5  # the header's slot of the generation's microseconds
 
 
 class DisaggregatedRollout:
@@ -119,12 +130,6 @@ class DisaggregatedRollout:
         """Responses of this rollout rank's rows (``RolloutEngine.generate``)."""
         return generate(self.model, prompt_ids, prompt_mask, sampling)
 
-    def idle_calls(self, calls: int) -> int:
-        return 0
-
-    def idle_call(self) -> None:
-        pass
-
     def send(self, experience, seconds: float) -> None:
         """Rollout side: hand a generated batch (every rollout rank holds it) to the training
         ranks; the rollout group's first rank posts the messages and goes on."""
@@ -146,16 +151,17 @@ class DisaggregatedRollout:
         training rank 0 takes it from the rollout side and broadcasts it over the training
         ranks (collective over them)."""
         device = compute_device()
-        header = torch.zeros(_HEADER, dtype=torch.long, device=device)
-        tensors = [header]
-        for index in range(4):
-            if index == 1:  # the header is in: the shapes and dtypes of the rest
-                tensors += [torch.empty(s, dtype=d, device=device) for s, d in _shapes(header)]
+
+        def take(tensor: torch.Tensor) -> torch.Tensor:
             if dist.get_rank() == 0:
                 source = self.first_rollout_rank
-                dist.recv(tensors[index], source, group=self.samples_group, tag=SAMPLES_TAG)
-            dist.broadcast(tensors[index], 0, group=self.training_group)
-        return tensors
+                dist.recv(tensor, source, group=self.samples_group, tag=SAMPLES_TAG)
+            dist.broadcast(tensor, 0, group=self.training_group)
+            return tensor
+
+        header = take(torch.zeros(_HEADER, dtype=torch.long, device=device))
+        rest = [take(torch.empty(s, dtype=d, device=device)) for s, d in _shapes(header)]
+        return [header, *rest]
 
     def close(self) -> None:
         """Wait until the training ranks have taken every batch sent (the end of the run)."""
@@ -180,19 +186,12 @@ class PendingRollout:
         return experience
 
 
-_HEADER = 8  # rows, width, a dtype code per tensor (ids, mask, log-probs), microseconds
-_SECONDS = 5  # the header's slot of the generation's microseconds
-
-
 def _sample_tensors(experience) -> list[torch.Tensor]:
     responses = experience.sequences[:, experience.prompt_length :]
     return [
         t.detach().to(compute_device()).contiguous()
         for t in (responses, experience.response_mask, experience.rollout_logprobs)
     ]
-
-
-_DTYPES = (torch.long, torch.int32, torch.bool, *_FLOAT_DTYPES)
 
 
 def _header(tensors: list[torch.Tensor], seconds: float) -> torch.Tensor:

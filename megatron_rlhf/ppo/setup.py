@@ -10,11 +10,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlhf.checkpoint import (
-    CheckpointInfo,
-    describe_checkpoint,
-    load_bloom,
-)
+from megatron_rlhf.checkpoint import CheckpointInfo, describe_checkpoint, load_bloom
 from megatron_rlhf.checkpoint.hf_io import hf_reward_outputs
 from megatron_rlhf.data.tokenizer import check_same_tokenizer
 from megatron_rlhf.distributed.layouts import Layout, check_global_batch, resolve_layouts
@@ -221,11 +217,10 @@ def async_problems(config: TrainPPOConfig) -> list[str]:
 
 
 def placement_problems(config: TrainPPOConfig, world_size: int) -> list[str]:
-    """What is wrong with the ``placement`` section for this world."""
+    """What is wrong with the ``placement`` section for this world (the config loader has
+    checked ``placement.mode``'s value)."""
     placement, problems = config.placement, []
     ranks = placement.rollout_ranks
-    if placement.mode not in ("colocated", "disaggregated"):
-        return [f"placement.mode={placement.mode!r} must be colocated or disaggregated"]
     if placement.mode == "colocated":
         if ranks:
             problems.append(
@@ -260,21 +255,26 @@ def placed_layouts(config: TrainPPOConfig, world_size: int, archs: dict) -> dict
         return resolve_layouts(config.parallel, world_size, archs, roles=roles)
     rollout_ranks = config.placement.rollout_ranks
     training = world_size - rollout_ranks
-    trained = tuple(role for role in roles if role != "rollout")
-    sets = {
-        trained: f"the training ranks: world {world_size} - placement.rollout_ranks "
-        f"{rollout_ranks} = {training}",
-        ("rollout",): f"the rollout ranks: placement.rollout_ranks={rollout_ranks}",
-    }
+    sets = [  # (roles, ranks, which ranks an error's "world size" means)
+        (
+            tuple(role for role in roles if role != "rollout"),
+            training,
+            f"the training ranks: world {world_size} - placement.rollout_ranks "
+            f"{rollout_ranks} = {training}",
+        ),
+        (
+            ("rollout",),
+            rollout_ranks,
+            f"the rollout ranks: placement.rollout_ranks={rollout_ranks}",
+        ),
+    ]
     layouts = {}
-    for set_roles, described in sets.items():
-        size = training if set_roles == trained else rollout_ranks
+    for set_roles, size, described in sets:
         try:
             layouts |= resolve_layouts(config.parallel, size, archs, roles=set_roles)
         except InputError as err:
             raise InputError(f"{err}\n  (world size here: {described})") from None
-    rollout = layouts.pop("rollout")
-    return layouts | {"rollout": replace(rollout, first_rank=training)}
+    return layouts | {"rollout": replace(layouts["rollout"], first_rank=training)}
 
 
 def layout_roles(config: TrainPPOConfig) -> tuple[str, ...]:
