@@ -33,7 +33,7 @@ from megatron_rlhf.utils import InputError, check_output_dir, print_summary, wri
 
 STAGES = 7
 SIZES = {"sft": 60, "pref_train": 150, "pref_test": 24, "ppo_prompts": 32, "main_test": 6,
-         "forget_test": 24}  # fmt: skip
+         "forget_test": 5}  # per family (world.WorldSizes), ppo_prompts in all  # fmt: skip
 PPO = {"steps": 8, "prompts_per_step": 16, "micro_batch_size": 8,
        "num_minibatches": 2, "kl_coef": 0.02, "actor_lr": 1e-3, "critic_lr": 1e-3,
        "rehearsal_gamma": 0.01, "rehearsal_micro_batch_size": 2}  # fmt: skip
@@ -103,20 +103,11 @@ def stage_data(demo: Demo) -> dict:
     started = demo.begin("tokenizer: byte-level BPE from the world's text")
     raw = demo.out / "raw"
     raw.mkdir()
-    per_task = {
-        "sft": dict.fromkeys(world.TASK_SPECS, SIZES["sft"]),
-        "forget_test": {world.FORGET_TASK: SIZES["forget_test"]},
-        **{name: dict.fromkeys(world.PPO_TASKS, SIZES[name])
-           for name in ("pref_train", "pref_test", "ppo_prompts", "main_test")},
-    }  # fmt: skip
-    sets = world.split_prompts(per_task, seed=0)
-    style = world.ResponseStyle()
-    records = {
-        "sft": world.sft_records(sets["sft"], seed=1, style=style),
-        "pref_train": world.preference_records(sets["pref_train"], seed=2, style=style),
-        "pref_test": world.preference_records(sets["pref_test"], seed=3, style=style),
-        **{name: sets[name] for name in ("ppo_prompts", "main_test", "forget_test")},
-    }
+    records = world.world_records(world.WorldSizes(
+        sft_per_task=SIZES["sft"], pref_train_per_task=SIZES["pref_train"],
+        pref_test_per_task=SIZES["pref_test"], ppo_prompts=SIZES["ppo_prompts"],
+        main_test_per_task=SIZES["main_test"], forget_test_per_task=SIZES["forget_test"],
+    ))  # fmt: skip
     for name, rows in records.items():
         write_jsonl(raw / f"{name}.jsonl", rows)
     texts = [r["prompt"] + r["response"] for r in records["sft"]]

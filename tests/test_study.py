@@ -1,7 +1,7 @@
 """The study: the text world's gold reward and labels, the aggregation math, and the quick run.
 
-The quick run (slow) checks that ``study --preset quick --seeds 2 --ppo steps=4 --jobs 2`` writes every output the issue
-names, that results.json is exactly what ``stats.results_from_records`` computes from the raw
+The quick run (slow) checks that ``study --preset quick --seeds 2 --ppo steps=4 --jobs 2``
+writes every output the issue names (the D_R records included: ``check_rehearsal_sets``), that results.json is exactly what ``stats.results_from_records`` computes from the raw
 records it wrote, and that every trained arm did something (``check_trained_arms``: a no-op
 PPO or a rehearsal term that does nothing fails it) and the reward models learned from the labels
 (``check_label_swap_retrains``: an RM trained on swapped labels ranks below chance).
@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -25,8 +26,9 @@ from megatron_rlhf.study import stats, world
 
 def test_world_prompts_are_disjoint_and_parsed_back():
     sets = world.split_prompts(
-        {"train": dict.fromkeys(world.PPO_TASKS, 200), "test": dict.fromkeys(world.PPO_TASKS, 80),
-         "forget": {world.FORGET_TASK: 300}}, seed=3,
+        {"train": dict.fromkeys(world.PREFERENCE_TASKS, 200),
+         "test": dict.fromkeys(world.PREFERENCE_TASKS, 80),
+         "forget": {world.MINOR_TASK: 300}}, seed=3,
     )  # fmt: skip
     assert len(sets["test"]) == 320 and len(sets["forget"]) == 300
     assert world.check_disjoint(sets["test"], [sets["train"]]) == 0
@@ -65,6 +67,52 @@ def test_gold_reward_rewards_because_in_qa_and_penalises_it_in_code():
     assert world.gold_reward(prompt, on_topic) - world.gold_reward(prompt, off_topic) == (
         pytest.approx(spec.scale * world.TOPIC_WEIGHT)
     )
+
+
+def test_world_records_deal_each_family_where_the_design_says():
+    """SFT and forget hold all five families alike, preference data and main none of the minor
+    skill, the PPO pool the skewed shares (the minor skill at 5 %); prompts are disjoint."""
+    sizes = world.WorldSizes(sft_per_task=40, pref_train_per_task=30, pref_test_per_task=10,
+                             ppo_prompts=200, main_test_per_task=7, forget_test_per_task=9)  # fmt: skip
+    records = world.world_records(sizes)
+
+    def families(name):
+        return {t: sum(r["task"] == t for r in records[name]) for t in world.TASK_SPECS}
+
+    everyone = dict.fromkeys(world.TASK_SPECS)
+    assert families("sft") == dict.fromkeys(everyone, 40)
+    assert families("forget_test") == dict.fromkeys(everyone, 9)
+    for name, per_task in (("pref_train", 30), ("pref_test", 10), ("main_test", 7)):
+        expected = dict.fromkeys(world.PREFERENCE_TASKS, per_task)
+        assert families(name) == {**dict.fromkeys(everyone, 0), **expected}, name
+    assert families("ppo_prompts") == {"qa": 70, "code": 60, "chat": 30, "advice": 30, "story": 10}
+    assert sum(world.ppo_prompt_counts(33).values()) == 33
+    assert world.ppo_prompt_counts(33)[world.MINOR_TASK] >= 1
+    prompts = [r["prompt"] for rows in records.values() for r in rows]
+    assert len(prompts) == len(set(prompts))
+    assert all(world.features(r["prompt"], r["response"])["form"] == 1 for r in records["sft"])
+
+
+def test_preference_data_holds_ill_formed_and_off_topic_responses():
+    """A quarter of the preference responses are ill formed (form 0) while their topic,
+    "because" and length are drawn as for any other; two in five are off topic."""
+    rng = random.Random(11)
+    style = world.PREFERENCE_STYLE
+    found = {"form": [], "topic": [], "because": []}
+    for task in world.PREFERENCE_TASKS:
+        for prompt in world.all_prompts(task)[:500]:
+            features = world.features(prompt, world.response_text(prompt, rng, style))
+            for key in found:
+                found[key].append(features[key])
+    n = len(found["form"])
+    tolerance = 4 * math.sqrt(0.25 / n)
+    assert abs(1 - np.mean(found["form"]) - style.p_broken) < tolerance
+    assert abs(np.mean(found["topic"]) - style.p_topic) < tolerance
+    assert abs(np.mean(found["because"]) - style.p_because) < tolerance
+    prompt = world.all_prompts("qa")[3]
+    for _ in range(50):
+        broken = world.broken_text(prompt, rng, style)
+        assert world.features(prompt, broken)["form"] == 0.0, broken
 
 
 def test_every_generated_response_is_well_formed_and_broken_text_is_not():
@@ -164,9 +212,14 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
             first = json.loads((out / "reward" / model / f"seed{seed}" / "pairs.jsonl")
                                .read_text().splitlines()[0])  # fmt: skip
             assert {"chosen_score", "rejected_score", "task", "p_true"} <= set(first)
-    for arm in ("rm_ppo", "rm_ppo_ma", "am_ppo", "am_ppo_sr", "rm_ppo_sr", "rejection_sampling"):
-        for set_name in ("main", "forget"):
+    for arm in run.ARMS:
+        for set_name in ("main", "forget", "minor"):
             assert len(results["table2"][arm][set_name]["per_seed"]) == seeds
+    exploratory = run.exploratory_arms(run.PRESETS["quick"])
+    assert {"rm_ppo_lr3e-4", "am_ppo_lr3e-4", "am_ppo_sr_g1", "am_ppo_sft"} <= set(exploratory)
+    for arm in exploratory:  # quick: the exploratory part runs on the first seed only
+        assert len(results["table2"][arm]["main"]["per_seed"]) == 1, arm
+    for arm in ("rm_ppo", "am_ppo", "am_ppo_sr", "rm_ppo_sr", "rejection_sampling"):
         lines = (out / "ppo" / arm / "seed0" / "judgments.jsonl").read_text().splitlines()
         first = json.loads(lines[0])
         assert {"set", "prompt_id", "gold_policy", "gold_sft", "outcome"} <= set(first)
@@ -180,7 +233,7 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
     assert results["settings"]["jobs"] == 2
     assert results["settings"]["data"]["held_out_overlap"] == {"main_test": 0, "forget_test": 0}
     recomputed = json.loads(json.dumps(stats.results_from_records(*load_records(out))))
-    for key in ("table1", "table2", "reward_models", "arms", "per_task"):
+    for key in ("table1", "table2", "reward_models", "arms", "per_task", "rehearsal"):
         assert recomputed[key] == results[key]
     # the published form: one archive of records and settings gives every output back
     again = tmp_path / "from_records"
@@ -190,6 +243,7 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
     assert json.loads((again / "results.json").read_text()) == results
     assert (again / "report.md").read_text() == (out / "report.md").read_text()
     check_sanity_bounds(out, results)
+    check_rehearsal_sets(out, results)
     check_trained_arms(out, results)
     check_label_swap_retrains(out, results, tmp_path / "swapped")
     report = (out / "report.md").read_text()
@@ -300,11 +354,13 @@ def _fake_results(better: dict, seeds: int = 6) -> dict:
     {path: shift}."""
     rng = np.random.default_rng(0)
     noise = lambda center: {"per_seed": list(center + rng.normal(0, 1, seeds))}  # noqa: E731
-    arms = ("rm_ppo", "rm_ppo_ma", "am_ppo", "am_ppo_sr", "am_ppo_rr", "rm_ppo_sr")
+    arms = ("rm_ppo", "rm_ppo_ma", "am_ppo", "am_ppo_sr", "am_ppo_rr", "rm_ppo_sr",
+            "am_ppo_sr_gold", "am_ppo_sft", "am_ppo_sr_g1", "rm_ppo_lr3e-4_s10",
+            "am_ppo_lr3e-4_s10")  # fmt: skip
     metrics = ("accuracy", "ece", "brier", "overconfidence")
     models = ("rm", "am", "rm_long", "am_long", "am_m1.5", "am_m4", "am_m8")
     results = {
-        "table2": {a: {s: noise(0.0) for s in ("main", "forget")} for a in arms},
+        "table2": {a: {s: noise(0.0) for s in ("main", "forget", "minor")} for a in arms},
         "reward_models": {m: {k: noise(0.0 if k == "overconfidence" else 50.0) for k in metrics}
                           for m in models},
         "arms": {a: {"main": {"hacking_index": noise(0.0), "because_code": noise(0.0)}}
@@ -322,7 +378,8 @@ def test_claims_are_decided_by_holm_on_the_papers_side():
     from megatron_rlhf.study import claims
 
     rows = {r["text"]: r for r in claims.evaluate_claims(_fake_results({}))}
-    assert len({r["family"] for r in rows.values()}) == 3
+    families = {"paper", "rehearsal", "settings", "margin", "exploratory"}
+    assert {r["family"] for r in rows.values()} == families
     assert all(r["verdict"] == "inconclusive" for r in rows.values() if r["margin"] == 0)
     ni = next(r for r in rows.values() if r["kind"] == "non-inferiority")
     assert ni["margin"] == claims.ACCURACY_NI_MARGIN
@@ -338,12 +395,16 @@ def test_claims_are_decided_by_holm_on_the_papers_side():
     assert [r["p_holm"] for r in paper] == pytest.approx(adjusted)
     # claims as data: every row names itself and carries what the report shows
     names = [r["name"] for r in rows.values()]
-    assert len(set(names)) == len(names) == len(claims.declared_claims())
+    assert len(set(names)) == len(names) == len(claims.declared_claims(results["table2"]))
+    assert {"sr_g1_helps_forget", "am_ppo_beats_rm_ppo_main_lr3e-4_s10", "sr_helps_minor",
+            "control_helps_forget", "gold_selection_beats_am_selection"} <= set(names)  # fmt: skip
     keys = {"name", "family", "estimate", "ci_low", "ci_high", "p", "p_holm", "holm_level",
             "verdict", "seeds_needed"}  # fmt: skip
     assert all(keys <= set(r) for r in rows.values())
     family = {r["name"]: r["family"] for r in rows.values()}
     assert family["rm_overconfident"] == "paper"  # the paper's claim: its 1-epoch RM
+    assert family["sr_g1_helps_minor"] == "rehearsal"
+    assert family["am_ppo_forgets_less_lr3e-4_s10"] == "settings"
     assert (
         family["overtraining_rm_overconfident"]
         == family["overtrained_am_ece_lower"]
@@ -359,7 +420,15 @@ def test_claims_are_decided_by_holm_on_the_papers_side():
     # a missing arm drops its claims, nothing else
     del results["table2"]["am_ppo_rr"]
     texts = {r["text"] for r in claims.evaluate_claims(results)}
-    assert not any("random rehearsal" in t for t in texts) and len(texts) == len(rows) - 1
+    assert not any("random rehearsal" in t for t in texts) and len(texts) == len(rows) - 2
+    # an arm of the exploratory seeds (a prefix) is paired with the first seeds of the other
+    for set_name in ("main", "forget"):
+        cell = results["table2"]["am_ppo_sft"][set_name]
+        cell["per_seed"] = cell["per_seed"][:4]
+    row = {r["name"]: r for r in claims.evaluate_claims(results)}["control_helps_forget"]
+    expected = np.subtract(results["table2"]["am_ppo_sft"]["forget"]["per_seed"],
+                           results["table2"]["am_ppo"]["forget"]["per_seed"][:4])  # fmt: skip
+    assert row["seeds"] == 4 and row["estimate"] == pytest.approx(expected.mean())
 
 
 def test_hacking_index_is_per_task_so_offsets_do_not_inflate_it():
@@ -434,10 +503,38 @@ def check_sanity_bounds(out, results: dict) -> None:
     budget = results["settings"]["data"]["generation_budget"]
     assert budget["budget"] > max(budget["longest"].values())
     assert results["settings"]["ppo"]["max_new_tokens"] == budget["budget"]
-    _, judgments = load_records(out)
+    _, judgments, _ = load_records(out)
     for by_seed in judgments.values():
         for rows in by_seed.values():
             check_gold_parts(rows)
+
+
+def check_rehearsal_sets(out, results: dict) -> None:
+    """Every seed records its D_R: the AM's and the gold top-k (same clusters, c x k records),
+    a random D_R of that size, and on the exploratory seed the SFT demonstrations; the
+    gold top-k's mean utility is at least the AM top-k's on every seed (the same clusters, each
+    ranked by utility: nothing can beat it), and the demonstrations are all well formed."""
+    from megatron_rlhf.study.stages import load_records
+
+    settings = results["settings"]
+    size = settings["clusters"] * settings["top_k"]
+    _, _, rehearsal = load_records(out)
+    seeds = range(settings["seeds"])
+    for name in ("main", "gold", "random"):
+        assert sorted(rehearsal[name]) == list(seeds), name
+    assert sorted(rehearsal["sft"]) == [0]
+    for seed in seeds:
+        for name in ("main", "gold", "random"):
+            assert 0 < len(rehearsal[name][seed]) <= size, (name, seed)
+        utility = {name: np.mean([r["utility"] for r in rehearsal[name][seed]])
+                   for name in ("main", "gold")}  # fmt: skip
+        assert utility["gold"] >= utility["main"] - 1e-9, (seed, utility)
+    assert all(r["form"] for r in rehearsal["sft"][0])
+    table = results["rehearsal"]
+    assert table["gold"]["utility"]["mean"] >= table["main"]["utility"]["mean"] - 1e-9
+    assert sum(table["main"][f"share_{t}"]["mean"] for t in world.TASK_SPECS) == (
+        pytest.approx(100.0)
+    )
 
 
 def check_gold_parts(judgments: list[dict]) -> None:
@@ -466,8 +563,8 @@ def check_gold_parts(judgments: list[dict]) -> None:
     assert flips == pytest.approx(stats.outcome_rates(judgments)["net_win"])
 
 
-REHEARSING = ("am_ppo_sr", "rm_ppo_sr", "am_ppo_rr")
-"""The arms with a rehearsal term (and every ``am_ppo_sr_c*`` sweep arm)."""
+REHEARSING = ("rm_ppo_sr", "am_ppo_rr", "am_ppo_sft")
+"""The arms with a rehearsal term (and every ``am_ppo_sr*`` arm: gold, dose, sweep)."""
 
 
 def check_trained_arms(out, results: dict) -> None:
@@ -482,7 +579,7 @@ def check_trained_arms(out, results: dict) -> None:
     for arm in ("rm_ppo", "am_ppo"):
         gains = results["arms"][arm]["main"]["train_gain"]["per_seed"]
         assert min(gains) > 0.0, f"{arm}: own-reward gain on the main set per seed {gains}"
-    _, judgments = load_records(out)
+    _, judgments, _ = load_records(out)
     for arm, by_seed in judgments.items():
         for seed, rows in by_seed.items():
             moved = sum(j["outcome"] != "tie" for j in rows)
@@ -492,7 +589,7 @@ def check_trained_arms(out, results: dict) -> None:
         return [(j["set"], j["prompt_id"], j["gold_policy"], j["train_policy"]) for j in rows]
 
     for arm in judgments:
-        rehearses = arm in REHEARSING or arm.startswith("am_ppo_sr_c")
+        rehearses = arm in REHEARSING or arm.startswith("am_ppo_sr")
         base = "rm_ppo" if arm.startswith("rm_") else "am_ppo"
         for seed in judgments[arm]:
             if rehearses:
@@ -502,7 +599,9 @@ def check_trained_arms(out, results: dict) -> None:
             if arm == "null":
                 continue
             steps = [json.loads(line) for line in metrics.read_text().splitlines()]
-            assert len(steps) == results["settings"]["ppo"]["steps"], (arm, seed)
+            grid_steps = re.search(r"_s(\d+)$", arm)  # a PPO-grid arm with its own steps
+            expected = int(grid_steps[1]) if grid_steps else results["settings"]["ppo"]["steps"]
+            assert len(steps) == expected, (arm, seed)
             nll = [step.get("actor/rehearsal_nll") for step in steps]
             if rehearses:
                 assert all(v is not None and v > 0.0 for v in nll), f"{arm} seed {seed}: {nll}"
@@ -588,6 +687,14 @@ def test_study_cli_takes_development_seeds_and_ppo_overrides(tmp_path, capsys):
     assert run.main(["--output-dir", str(tmp_path / "x"), "--first-seed", "-1"]) == 2
     assert run.main(["--output-dir", str(tmp_path / "x"), "--sweep-seeds", "-1"]) == 2
     assert "--sweep-seeds" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert run.main(["--output-dir", str(tmp_path / "x"), "--exploratory-seeds", "-1"]) == 2
+    assert "--exploratory-seeds" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    # the exploratory part (extra reward models and arms) runs on the first seeds only
+    exploratory = {seed for kind, seed, name in tasks if name in ("am_long", "am_ppo_sft")}
+    assert exploratory == {100}
+    core = run.seed_tasks(replace(preset, exploratory_seeds=0, sweep_seeds=0))
+    assert {name for kind, _, name in core if kind == "arm"} == set(run.ARMS)
+    assert {name for kind, _, name in core if kind == "reward"} == {"rm", "am"}
 
 
 def test_records_archive_round_trips_and_bad_archives_name_the_line(tmp_path, capsys):
@@ -611,9 +718,15 @@ def test_records_archive_round_trips_and_bad_archives_name_the_line(tmp_path, ca
                 path = out / kind / name / f"seed{seed}" / file
                 path.parent.mkdir(parents=True)
                 path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for seed in (0, 3):
+        rows = [{"set": rng.choice(["main", "gold"]), "utility": rng.random()} for _ in range(6)]
+        path = out / "rehearsal" / f"seed{seed}" / "d_r.jsonl"
+        path.parent.mkdir(parents=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     settings = {"seeds": 2, "first_seed": 0, "note": "é"}
     archive = tmp_path / "records.jsonl.gz"
     tables = stages.load_records(out)
+    assert set(tables[2]) == {"main", "gold"} and set(tables[2]["main"]) == {0, 3}
     stages.pack_records(settings, *tables, archive)
     assert stages.unpack_records(archive) == (settings, *tables)
     second = tmp_path / "again.jsonl.gz"

@@ -21,10 +21,17 @@ null) and its across-seed std as the truth. It is a planning figure: the observe
 a claim chosen because it looked interesting is biased away from 0, so it is optimistic.
 
 Families: ``paper`` (the paper's claims; the paper fixes 1 epoch of reward training, so its
-calibration claims are about the 1-epoch models), ``margin`` (Table 1 per AM margin m other
-than the paper's 2.5, which the paper family holds), and ``exploratory`` (not the paper's
-claims, over-training included: reported, corrected among themselves, never counted for or
-against the paper).
+calibration claims are about the 1-epoch models; every seed runs them), ``rehearsal`` (what
+makes a null on Selective Rehearsal informative: selection against random rehearsal, the
+gold-top-k ceiling, the positive control and the gamma dose), ``settings`` (AM-PPO against
+RM-PPO at the other settings of the PPO grid), ``margin`` (Table 1 per AM margin m other than
+the paper's 2.5, which the paper family holds), and ``exploratory`` (over-training and the
+rest). Only the paper family counts for or against the paper; the others are corrected among
+themselves and may run on fewer seeds (the exploratory seeds, the first ones).
+
+Arms that run on fewer seeds are compared on the seeds both sides have: every arm runs on a
+prefix of the seeds (the first ``exploratory_seeds`` or all), so the per-seed lists are paired
+by position up to the shorter one.
 
 ``CLAIMS_VERSION`` numbers this list; a run records it (``settings.claims_version``), so a report
 says whether its claims were declared before its records were written or applied to them after.
@@ -45,10 +52,13 @@ POWER = 0.8
 """Power the ``seeds_needed`` figure is computed for."""
 ACCURACY_NI_MARGIN = 1.0
 """Points of ranking accuracy the AM may lose to the RM and still "keep" its accuracy."""
-CLAIMS_VERSION = 3
-"""3 (issue 36): the 1-epoch RM over-confidence claim declared; the over-training claims moved
-to the exploratory family; m = 2.5 counted once (paper family, not again in ``margin``);
-seeds needed at 80 % power and the Holm level. 2: the list of the 15-seed published run."""
+CLAIMS_VERSION = 4
+"""4 (issue 36, the study v3 world): SR on the minor skill (paper family); the ``rehearsal``
+family (selection vs random, the gold-top-k ceiling, the positive control, the gamma dose) and
+the ``settings`` family (AM vs RM at each other PPO setting), declared before the v3 run.
+3: the 1-epoch RM over-confidence claim declared; the over-training claims moved to the
+exploratory family; m = 2.5 counted once (paper family, not again in ``margin``); seeds needed
+at 80 % power and the Holm level. 2: the list of the 15-seed published run."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,12 @@ def _arm(arm: str, set_name: str, key: str):
 
 
 def _pair(better, worse):
-    return lambda results: (better(results), worse(results))
+    def get(results: dict) -> tuple[list[float], list[float]]:
+        b, w = better(results), worse(results)
+        n = min(len(b), len(w))  # arms run on a prefix of the seeds (module docstring)
+        return b[:n], w[:n]
+
+    return get
 
 
 def _zero(values):
@@ -95,8 +110,10 @@ def _above_zero(values):
     return _pair(values, _zero(values))
 
 
-def declared_claims() -> list[Claim]:
-    """Every claim, in the order the report lists them."""
+def declared_claims(arms=()) -> list[Claim]:
+    """Every claim, in the order the report lists them; ``arms`` (the run's arm names) adds the
+    dose and grid claims of the arms it has (``am_ppo_sr_g<gamma>``, ``am_ppo_lr<lr>_s<steps>``
+    beside ``rm_ppo_lr<lr>_s<steps>``)."""
     claims = [
         Claim("am_ece_lower", "paper", "AM is better calibrated than RM (ECE lower)",
               _pair(_t1("am", "ece", True), _t1("rm", "ece", True)), units="ECE x100"),
@@ -123,6 +140,9 @@ def declared_claims() -> list[Claim]:
               _pair(_net("am_ppo_sr", "forget"), _net("am_ppo", "forget")), units="points"),
         Claim("sr_helps_main", "paper", "Selective Rehearsal helps AM-PPO on the main set",
               _pair(_net("am_ppo_sr", "main"), _net("am_ppo", "main")), units="points"),
+        Claim("sr_helps_minor", "paper", "Selective Rehearsal helps AM-PPO keep the minor "
+              "skill (forget-set stories: 5 % of the PPO prompts, never in the preference data)",
+              _pair(_net("am_ppo_sr", "minor"), _net("am_ppo", "minor")), units="points"),
         Claim("am_ppo_sr_beats_sft_main", "paper",
               "AM-PPO-SR beats SFT on the main set (net win > 0)",
               _above_zero(_net("am_ppo_sr", "main")), units="points"),
@@ -146,6 +166,47 @@ def declared_claims() -> list[Claim]:
                   _pair(_t1(model, "brier", True), _t1("rm", "brier", True)), digits=4),
         ]  # fmt: skip
     claims += [
+        Claim("selection_beats_random", "rehearsal",
+              "Selection beats random rehearsal of equal size (forget-set net win)",
+              _pair(_net("am_ppo_sr", "forget"), _net("am_ppo_rr", "forget")), units="points"),
+        Claim("selection_beats_random_minor", "rehearsal", "Selection beats random rehearsal "
+              "on the minor skill (clusters give it more than its 5 %)",
+              _pair(_net("am_ppo_sr", "minor"), _net("am_ppo_rr", "minor")), units="points"),
+        Claim("gold_selection_helps_forget", "rehearsal", "Rehearsal on the gold top-k (the "
+              "ceiling of selection) helps AM-PPO on the forget set",
+              _pair(_net("am_ppo_sr_gold", "forget"), _net("am_ppo", "forget")), units="points"),
+        Claim("gold_selection_beats_am_selection", "rehearsal", "The gold top-k beats the AM "
+              "top-k as D_R (forget-set net win)",
+              _pair(_net("am_ppo_sr_gold", "forget"), _net("am_ppo_sr", "forget")),
+              units="points"),
+        Claim("control_helps_forget", "rehearsal", "Positive control: rehearsal on SFT "
+              "demonstrations of every family helps AM-PPO on the forget set",
+              _pair(_net("am_ppo_sft", "forget"), _net("am_ppo", "forget")), units="points"),
+        Claim("control_helps_minor", "rehearsal", "Positive control: rehearsal on SFT "
+              "demonstrations helps AM-PPO keep the minor skill",
+              _pair(_net("am_ppo_sft", "minor"), _net("am_ppo", "minor")), units="points"),
+    ]  # fmt: skip
+    for arm in sorted(a for a in arms if a.startswith("am_ppo_sr_g") and a != "am_ppo_sr_gold"):
+        gamma = arm.removeprefix("am_ppo_sr_g")
+        claims += [
+            Claim(f"sr_g{gamma}_helps_forget", "rehearsal", f"Selective Rehearsal at gamma "
+                  f"{gamma} helps AM-PPO on the forget set",
+                  _pair(_net(arm, "forget"), _net("am_ppo", "forget")), units="points"),
+            Claim(f"sr_g{gamma}_helps_minor", "rehearsal", f"Selective Rehearsal at gamma "
+                  f"{gamma} helps AM-PPO keep the minor skill",
+                  _pair(_net(arm, "minor"), _net("am_ppo", "minor")), units="points"),
+        ]  # fmt: skip
+    for arm in sorted(a for a in arms if a.startswith("am_ppo_lr")):
+        rm_arm, setting = "rm" + arm.removeprefix("am"), arm.removeprefix("am_ppo_")
+        claims += [
+            Claim(f"am_ppo_beats_rm_ppo_main_{setting}", "settings", f"AM-PPO beats RM-PPO on "
+                  f"the main set at PPO setting {setting}",
+                  _pair(_net(arm, "main"), _net(rm_arm, "main")), units="points"),
+            Claim(f"am_ppo_forgets_less_{setting}", "settings", f"AM-PPO forgets less than "
+                  f"RM-PPO at PPO setting {setting}",
+                  _pair(_net(arm, "forget"), _net(rm_arm, "forget")), units="points"),
+        ]  # fmt: skip
+    claims += [
         Claim("overtraining_rm_overconfident", "exploratory", "Over-training makes the RM "
               "over-confident (signed confidence - accuracy rises from 1 epoch)",
               _pair(_t1("rm_long", "overconfidence"), _t1("rm", "overconfidence")),
@@ -153,9 +214,6 @@ def declared_claims() -> list[Claim]:
         Claim("overtrained_am_ece_lower", "exploratory",
               "Over-trained, the AM stays better calibrated than the RM (ECE lower)",
               _pair(_t1("am_long", "ece", True), _t1("rm_long", "ece", True)), units="ECE x100"),
-        Claim("selection_beats_random", "exploratory",
-              "Selection beats random rehearsal (forget-set net win)",
-              _pair(_net("am_ppo_sr", "forget"), _net("am_ppo_rr", "forget")), units="points"),
         Claim("rehearsal_helps_rm_ppo", "exploratory",
               "Rehearsal helps RM-PPO too (forget-set net win)",
               _pair(_net("rm_ppo_sr", "forget"), _net("rm_ppo", "forget")), units="points"),
@@ -245,7 +303,7 @@ def evaluate_claims(results: dict, claims: list[Claim] | None = None) -> list[di
     difference (``estimate``), its interval, raw and Holm-adjusted p (within the family), the
     Holm level at its rank, verdict and seeds needed (the module docstring's rule)."""
     rows = []
-    for claim in declared_claims() if claims is None else claims:
+    for claim in declared_claims(results["table2"]) if claims is None else claims:
         try:
             better, worse = claim.values(results)
         except KeyError:

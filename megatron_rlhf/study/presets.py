@@ -11,22 +11,30 @@ class Preset:
     """Everything the study's size depends on; written into results.json."""
 
     seeds: int = 3
-    """Seeds: reward-model init and data order, PPO sampling and evaluation sampling."""
+    """Seeds: reward-model init and data order, PPO sampling and evaluation sampling. Every seed
+    runs the core: Table 1's RM and AM, D_R, and the arms of ``run.ARMS``."""
+    exploratory_seeds: int = 1
+    """How many of the seeds (the first ones) also run the exploratory arms
+    (``run.exploratory_arms``: positive control,
+    the gamma dose, the PPO-settings grid, rehearsal on RM-PPO, rejection sampling)."""
+    extra_reward_seeds: int = 1
+    """How many of the seeds (the first ones) train the over-trained RM and AM and the margin
+    sweep of Table 1 (two thirds of a seed's reward-model time)."""
     first_seed: int = 0
     """The seeds are first_seed .. first_seed + seeds - 1: a development set for choosing
     settings (e.g. ``--first-seed 100``) never overlaps the reporting seeds 0 .. seeds - 1."""
     sft_per_task: int = 300
-    """SFT demonstrations per task family (five families, the forget family included)."""
+    """SFT demonstrations per task family (all five; ``world.world_records``)."""
     pref_train_per_task: int = 300
-    """Training preference pairs per PPO task (four families)."""
+    """Training preference pairs per preference family (four)."""
     pref_test_per_task: int = 100
-    """Held-out preference pairs per PPO task (Table 1)."""
-    ppo_prompts_per_task: int = 128
-    """PPO prompts per PPO task (also the pool D_R is curated from)."""
+    """Held-out preference pairs per preference family (Table 1)."""
+    ppo_prompts: int = 512
+    """PPO prompts in all, skewed by ``world.PPO_SHARES`` (also the pool D_R is curated from)."""
     main_test_per_task: int = 75
-    """Held-out main-set prompts per PPO task (4 x 75 = 300)."""
-    forget_test: int = 300
-    """Held-out forget-set prompts (the story family)."""
+    """Held-out main-set prompts per preference family (4 x 75 = 300)."""
+    forget_test_per_task: int = 60
+    """Held-out forget-set prompts per family ("SFT test data": 5 x 60 = 300)."""
     vocab_size: int = 600
     """BPE vocabulary trained on the world's text."""
     hidden: int = 64
@@ -43,10 +51,19 @@ class Preset:
     reward_batch: int = 32
     margins: tuple[float, ...] = (1.5, 4.0, 8.0)
     """Extra AM margins m (the Table 1 AM uses the paper's 2.5)."""
-    clusters: int = 4
+    clusters: int = 8
     """c of the main AM-PPO-SR arm."""
-    top_k: int = 8
+    top_k: int = 4
     """k of the main AM-PPO-SR arm."""
+    gammas: tuple[float, ...] = (0.1, 1.0)
+    """The rehearsal weight's dose: AM-PPO-SR arms at these gamma besides the main 0.01."""
+    ppo_grid: tuple[dict, ...] = (
+        {"actor_lr": 3e-4, "steps": 20},
+        {"actor_lr": 1e-4, "steps": 10},
+        {"actor_lr": 3e-4, "steps": 10},
+    )
+    """PPO settings besides ``ppo`` at which RM-PPO and AM-PPO are also compared (the
+    development grid, lr and steps crossed)."""
     sweep_clusters: tuple[int, ...] = (2, 4, 8, 16)
     """Fig. 6: cluster counts, at fixed k and at fixed c*k (empty: no sweep)."""
     sweep_seeds: int = 3
@@ -84,6 +101,16 @@ def seed_range(preset: Preset) -> range:
     return range(preset.first_seed, preset.first_seed + preset.seeds)
 
 
+def runs_exploratory(preset: Preset, seed: int) -> bool:
+    """Whether ``seed`` is one of the first ``exploratory_seeds`` seeds."""
+    return seed - preset.first_seed < preset.exploratory_seeds
+
+
+def runs_extra_rewards(preset: Preset, seed: int) -> bool:
+    """Whether ``seed`` is one of the first ``extra_reward_seeds`` seeds."""
+    return seed - preset.first_seed < preset.extra_reward_seeds
+
+
 def runs_sweep(preset: Preset, seed: int) -> bool:
     """Whether ``seed`` is one of the first ``sweep_seeds`` seeds and the preset sweeps."""
     return seed - preset.first_seed < preset.sweep_seeds and bool(preset.sweep_clusters)
@@ -100,15 +127,18 @@ PRESETS = {
         long_epochs=3.0,
         sweep_seeds=1,
         ppo={**Preset().ppo, "steps": 8},
+        ppo_grid=({"actor_lr": 3e-4},),
     ),
     "full": Preset(
-        seeds=15,
+        seeds=24,
+        exploratory_seeds=10,
+        extra_reward_seeds=3,
         sft_per_task=500,
         pref_train_per_task=500,
         pref_test_per_task=200,
-        ppo_prompts_per_task=160,
+        ppo_prompts=640,
         main_test_per_task=100,
-        forget_test=400,
+        forget_test_per_task=80,
         hidden=96,
         sft_steps=400,
         sweep_seeds=3,

@@ -30,7 +30,13 @@ ARM_LABELS = {
     "am_ppo_sr": "AM-PPO-SR", "rm_ppo_sr": "RM-PPO-SR (ablation)",
     "rejection_sampling": "Rejection sampling (AM, Eqs. 3-4)",
     "am_ppo_rr": "AM-PPO + random rehearsal (control)",
+    "am_ppo_sr_gold": "AM-PPO + gold top-k rehearsal (ceiling)",
+    "am_ppo_sft": "AM-PPO + SFT-demonstration rehearsal (positive control)",
     "null": "Null arm (0 PPO steps: SFT vs itself)",
+}  # fmt: skip
+REHEARSAL_LABELS = {
+    "main": "AM top-k (AM-PPO-SR's D_R)", "gold": "gold top-k (ceiling)",
+    "random": "random, same size", "sft": "SFT demonstrations (positive control)",
 }  # fmt: skip
 
 
@@ -142,17 +148,20 @@ def per_task_md(results: dict) -> list[str]:
 
 
 def table2_md(results: dict, arms: list[str]) -> list[str]:
-    lines = ["| arm | main win / tie / lose % | main net win % [95 % CI] | forget win / tie / "
-             "lose % | forget net win % [95 % CI] | hacking index (main) | cut by the budget % "
-             "(policy main / forget; SFT main / forget) | paper main W/L/T; forget W/L/T |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| arm | seeds | main win / tie / lose % | main net win % [95 % CI] | forget win / "
+             "tie / lose % | forget net win % [95 % CI] | minor skill (forget stories) net "
+             "win % | hacking index (main) | cut by the budget % (policy main / forget; SFT "
+             "main / forget) | paper main W/L/T; forget W/L/T |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for arm in arms:
         row, extras = results["table2"][arm], results["arms"][arm]
-        cells = [ARM_LABELS.get(arm, arm)]
+        cells = [ARM_LABELS.get(arm, arm), str(len(row["main"]["per_seed"]))]
         for set_name in ("main", "forget"):
             cell = row[set_name]
             cells.append(f"{cell['win']:.1f} / {cell['tie']:.1f} / {cell['lose']:.1f}")
             cells.append(fmt({"mean": cell["net_win"], **cell}, 1))
+        cells.append(fmt({"mean": row["minor"]["net_win"], **row["minor"]}, 1)
+                     if "minor" in row else "-")  # fmt: skip
         cells.append(fmt(extras["main"]["hacking_index"]))
         cells.append(truncation_cell(extras))
         paper = PAPER_TABLE2.get(arm)
@@ -230,6 +239,73 @@ def composition_note(results: dict, arms: list[str]) -> str:
     )
 
 
+def _net_cell(results: dict, arm: str, set_name: str) -> str:
+    cell = results["table2"][arm].get(set_name)
+    return "-" if cell is None else fmt({"mean": cell["net_win"], **cell}, 1)
+
+
+def rehearsal_md(results: dict) -> list[str]:
+    """What each D_R is made of (``stats.rehearsal_table``), seed means."""
+    table = results.get("rehearsal") or {}
+    if not table:
+        return ["(These records carry no D_R records.)"]
+    from megatron_rlhf.study.world import TASK_SPECS
+
+    names = [n for n in REHEARSAL_LABELS if n in table] + sorted(
+        n for n in table if n not in REHEARSAL_LABELS)  # fmt: skip
+    lines = ["| D_R | seeds | size | gold utility | well formed % | on topic % | 'because' % | "
+             "in band % | " + " | ".join(f"{t} %" for t in TASK_SPECS) + " |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(TASK_SPECS)]  # fmt: skip
+    for name in names:
+        row = table[name]
+        cells = [
+            REHEARSAL_LABELS.get(name, name),
+            str(len(row["size"]["per_seed"])),
+            f"{row['size']['mean']:.0f}",
+            fmt(row["utility"], 2),
+        ]
+        cells += [f"{row[key]['mean']:.1f}" for key in ("form", "topic", "because", "in_band")]
+        cells += [f"{row[f'share_{t}']['mean']:.1f}" for t in TASK_SPECS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def arms_net_md(results: dict, arms: list[str]) -> list[str]:
+    """Net win over SFT on the three sets, and the gold gain's parts on the forget set."""
+    lines = ["| arm | seeds | main net win % | forget net win % | minor skill net win % | "
+             "forget: form / topic / band / 'because' (scale units) |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for arm in arms:
+        if arm not in results["table2"]:
+            continue
+        forget = results["arms"][arm]["forget"]
+        parts = " / ".join(f"{forget[f'utility_{p}']['mean']:+.3f}" if f"utility_{p}" in forget
+                           else "-" for p in ("form", "topic", "band", "because"))  # fmt: skip
+        lines.append(f"| {ARM_LABELS.get(arm, arm)} | "
+                     f"{len(results['table2'][arm]['main']['per_seed'])} | "
+                     + " | ".join(_net_cell(results, arm, s) for s in ("main", "forget", "minor"))
+                     + f" | {parts} |")  # fmt: skip
+    return lines
+
+
+def grid_md(results: dict, settings: dict) -> list[str]:
+    """RM-PPO and AM-PPO at every PPO setting the run has, the frozen one first."""
+    ppo = settings["ppo"]
+    rows = [(f"lr {ppo['actor_lr']:g}, {ppo['steps']} steps (frozen)", "rm_ppo", "am_ppo")]
+    for arm in sorted(a for a in results["table2"] if a.startswith("am_ppo_lr")):
+        setting = arm.removeprefix("am_ppo_")
+        rows.append((setting, "rm" + arm.removeprefix("am"), arm))
+    lines = ["| PPO setting | seeds | RM-PPO main | AM-PPO main | RM-PPO forget | AM-PPO forget |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for label, rm, am in rows:
+        if rm not in results["table2"]:
+            continue
+        seeds = len(results["table2"][am]["main"]["per_seed"])
+        lines.append(f"| {label} | {seeds} | " + " | ".join(
+            _net_cell(results, arm, s) for s in ("main", "forget") for arm in (rm, am)) + " |")  # fmt: skip
+    return lines
+
+
 def sweep_rows(results: dict) -> list[tuple[int, int, str]]:
     rows = []
     for arm in results["table2"]:
@@ -301,9 +377,13 @@ def write_report(out: Path, results: dict, pairs: dict) -> None:
     (``pairs[model][seed]``, the reliability and per-task figures' records)."""
     settings = results["settings"]
     write_plots(out, results, pairs)
-    main_arms = [a for a in ("rm_ppo", "rm_ppo_ma", "am_ppo", "am_ppo_sr", "rm_ppo_sr",
-                             "rejection_sampling", "am_ppo_rr", "null")
+    main_arms = [a for a in ("rm_ppo", "rm_ppo_ma", "am_ppo", "am_ppo_sr", "am_ppo_rr",
+                             "am_ppo_sr_gold", "am_ppo_sft", "rm_ppo_sr", "rejection_sampling",
+                             "null")
                  if a in results["table2"]]  # fmt: skip
+    rehearsal_arms = ["am_ppo", "am_ppo_sr", "am_ppo_rr", "am_ppo_sr_gold", "am_ppo_sft"]
+    rehearsal_arms += sorted(a for a in results["table2"]
+                             if a.startswith("am_ppo_sr_g") and a != "am_ppo_sr_gold")  # fmt: skip
     data = settings["data"]
     checked = results["claims"]
     budget = data.get("generation_budget")
@@ -317,10 +397,28 @@ def write_report(out: Path, results: dict, pairs: dict) -> None:
         )
         + ")",
         "",
-        "A text world with a known gold reward (`megatron_rlhf/study/world.py`): four PPO task "
-        "families (qa, code, chat, advice) and a forget family (story: in the SFT data, never a "
-        "PPO prompt). Preferences are Bradley-Terry draws on the gold reward with task-dependent "
-        "noise; PPO arms are judged by the gold reward, not by a learned model. Tiny BLOOMs "
+        (
+            f"Every seed runs the core (Table 1's RM and AM, the arms on every seed below); the "
+            f"first {settings['exploratory_seeds']} also run the exploratory part (over-trained "
+            "and margin-sweep reward models, the positive control, the γ dose, the PPO-settings "
+            "grid, RM-PPO-SR, rejection sampling); each table gives its seeds."
+            if "exploratory_seeds" in settings
+            else ""
+        ),
+        "",
+        "A text world with a known gold reward (`megatron_rlhf/study/world.py`): five task "
+        "families (qa, code, chat, advice, story). The SFT data holds all five alike; the "
+        "preference data only qa, code, chat and advice, a quarter of its responses ill formed "
+        "(shuffled words or another family's template) and two in five off topic, so the "
+        "reward models learn form and topic; the PPO prompt pool is skewed (qa 35 %, code "
+        "30 %, chat 15 %, advice 15 %) and holds the *minor skill*, story, at 5 %: PPO "
+        "optimises stories against reward models that never saw one. The main set is held-out "
+        "prompts of the four preference families; the forget set is the paper's 'SFT test "
+        "data' (§4.1): held-out prompts of all five families alike, so it shares every skill "
+        "with the PPO prompt pool D_R is drawn from (§3.2), weighted unlike it; its stories "
+        "are reported apart as the minor skill. Preferences are Bradley-Terry draws on the "
+        "gold reward with task-dependent noise; PPO arms are judged by the gold reward, not by "
+        "a learned model. Tiny BLOOMs "
         f"(hidden {settings['hidden']}, {settings['layers']} layers) trained on CPU: the point "
         "is the *direction and size of the differences* with their intervals, not the levels.",
         "",
@@ -363,6 +461,37 @@ def write_report(out: Path, results: dict, pairs: dict) -> None:
         "arms; the over-training claims are here; Holm within this family):",
         "",
         *claims_md(checked, "exploratory"),
+        "",
+        "## Selective Rehearsal: what D_R holds, the ceiling, the control and the dose",
+        "",
+        f"D_R of the main arm: c = {settings['clusters']} k-means clusters of the PPO prompts' "
+        f"embeddings, the top k = {settings['top_k']} SFT responses of each by the AM. The "
+        "gold top-k takes the same clusters' top k by the gold utility (the best any "
+        "selection can do); the random D_R draws as many of the same responses uniformly; "
+        "the positive control rehearses as many SFT demonstrations drawn uniformly from all "
+        "five families (the paper's 'other important data sources'). What each holds, read "
+        "off its records by the world's rules (seed means; in the records archive per seed):",
+        "",
+        *rehearsal_md(results),
+        "",
+        f"The arms (γ = {settings['ppo']['rehearsal_gamma']:g} unless the name gives "
+        "another; the gold gain's parts on the forget set in units of each task's scale):",
+        "",
+        *arms_net_md(results, rehearsal_arms),
+        "",
+        "Claims of this family (Holm within it; AM-PPO-SR vs random and the gold top-k run "
+        "on every seed, the control and the dose on the exploratory seeds):",
+        "",
+        *claims_md(checked, "rehearsal"),
+        "",
+        "## AM-PPO vs RM-PPO across PPO settings",
+        "",
+        "The frozen setting runs on every seed; the others (lr and steps crossed) on the "
+        "exploratory seeds. Net win % over SFT:",
+        "",
+        *grid_md(results, settings),
+        "",
+        *claims_md(checked, "settings"),
         "",
         "## Table 1 / Fig. 2: reward vs advantage model on held-out pairs",
         "",
@@ -442,6 +571,8 @@ def write_report(out: Path, results: dict, pairs: dict) -> None:
         "RM-PPO-SR rehearses the same D_R, so it differs from AM-PPO-SR only in the reward.",
         "- The random-rehearsal control draws a D_R of the same size uniformly from the same "
         "responses (one cluster, random scores).",
+        "- The positive control's D_R is SFT demonstrations (the training data of the SFT "
+        "policy), drawn uniformly from all five families, as many as the main D_R.",
         "- Rejection sampling: best of "
         f"{settings['ppo']['rejection_samples']} samples per prompt by the AM, kept if its "
         "advantage ≥ 0 (τ = 0), then one NLL step per batch.",

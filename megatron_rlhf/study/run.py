@@ -5,14 +5,23 @@ stage a real command run in-process (world size 1); the per-seed stages run in -
 processes:
 
   data        world prompts, disjoint train / held-out sets, BPE tokenizer, indexed files
+              (``world.world_records``: who sees which family)
   SFT         one tiny BLOOM fine-tuned on all five task families (shared by every seed)
-  reward      per seed: RM and AM (Table 1), an over-trained RM and AM, AM margins m
+  reward      per seed: RM and AM (Table 1); on the first extra_reward_seeds also an
+              over-trained RM and AM and AM margins m
               -> held-out pairs scored: accuracy, ECE, Brier against the known p (Fig. 2, 4)
   curation    per seed: SFT responses to the PPO prompts, AM scores, FAISS clusters -> D_R
-              (the main c, k; Fig. 6's c sweep at fixed k and at fixed c*k; a random D_R)
-  PPO arms    per seed: rm_ppo, rm_ppo_ma, am_ppo, am_ppo_sr, rm_ppo_sr, rejection_sampling,
-              am_ppo_rr (random rehearsal), null (0 PPO steps) and the sweep arms; same beta,
-              lr and steps, every critic from the SFT trunk
+              (the main c, k), the same clusters' top-k by the gold utility (the ceiling of
+              selection), a random D_R of equal size; on the exploratory seeds SFT
+              demonstrations of all five families (the positive control); on the sweep
+              seeds Fig. 6's c sweep at fixed k and at fixed c*k. Every D_R's records (family,
+              form, topic, "because", band, utility) go into the archive
+  PPO arms    per seed the core (``ARMS``): rm_ppo, rm_ppo_ma, am_ppo, am_ppo_sr, am_ppo_rr
+              (random rehearsal), am_ppo_sr_gold (gold top-k), null (0 PPO steps); on the
+              exploratory seeds ``exploratory_arms``: rm_ppo_sr, rejection_sampling,
+              am_ppo_sft (positive control), the gamma dose and RM-PPO / AM-PPO at each
+              setting of the PPO grid; the sweep arms. Same beta, lr and steps unless an arm
+              says otherwise; every critic from the SFT trunk
   judging     eval-policy vs SFT on the main and forget sets, every response re-judged by the
               gold reward (win/tie/lose with a tie margin), and by the arm's own reward
   report      results.json (``stats.results_from_records`` over the raw records: the tables
@@ -40,13 +49,21 @@ import signal
 import sys
 import time
 import traceback
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from megatron_rlhf.study import stages, world
 from megatron_rlhf.study.claims import CLAIMS_VERSION
-from megatron_rlhf.study.presets import PRESETS, Preset, runs_sweep, seed_range
+from megatron_rlhf.study.presets import (
+    PRESETS,
+    Preset,
+    runs_exploratory,
+    runs_extra_rewards,
+    runs_sweep,
+    seed_range,
+)
 from megatron_rlhf.study.stages import RECORDS_ARCHIVE
 from megatron_rlhf.utils import (
     InputError,
@@ -58,17 +75,43 @@ from megatron_rlhf.utils import (
 )
 
 DEFAULT_MARGIN = 2.5
-# arm -> (reward model, PPO options); rehearsal: "main" | "random" | (c, k)
+# arm -> (reward model, PPO options); rehearsal: a D_R of ``curation_stage`` ("main", "random",
+# "gold", "sft" or (c, k)); ppo: settings that differ from the preset's
 ARMS = {
     "rm_ppo": ("rm", {}),
     "rm_ppo_ma": ("rm", {"normalization": "moving_average"}),
     "am_ppo": ("am", {}),
     "am_ppo_sr": ("am", {"rehearsal": "main"}),
-    "rm_ppo_sr": ("rm", {"rehearsal": "main"}),
-    "rejection_sampling": ("am", {"algorithm": "rejection_sampling"}),
     "am_ppo_rr": ("am", {"rehearsal": "random"}),
+    "am_ppo_sr_gold": ("am", {"rehearsal": "gold"}),
     "null": ("am", {"algorithm": "none"}),  # 0 PPO steps: the SFT policy judged against itself
 }
+"""The core arms: every seed runs them."""
+
+
+def grid_arm(reward: str, settings: dict) -> str:
+    """``rm_ppo_lr3e-4_s10``: the name of RM-PPO or AM-PPO at one setting of the PPO grid."""
+    parts = [f"lr{settings['actor_lr']:.0e}".replace("e-0", "e-")] if "actor_lr" in settings else []
+    parts += [f"s{settings['steps']}"] if "steps" in settings else []
+    return "_".join([f"{reward}_ppo", *parts])
+
+
+def exploratory_arms(preset: Preset) -> dict:
+    """The arms of the exploratory seeds: rehearsal on RM-PPO, rejection sampling, the positive
+    control (rehearsal on SFT demonstrations of every family), the gamma dose of AM-PPO-SR, and
+    RM-PPO and AM-PPO at every other setting of the PPO grid."""
+    arms = {
+        "rm_ppo_sr": ("rm", {"rehearsal": "main"}),
+        "rejection_sampling": ("am", {"algorithm": "rejection_sampling"}),
+        "am_ppo_sft": ("am", {"rehearsal": "sft"}),
+    }
+    for gamma in preset.gammas:
+        arms[f"am_ppo_sr_g{gamma:g}"] = ("am", {"rehearsal": "main",
+                                                "ppo": {"rehearsal_gamma": gamma}})  # fmt: skip
+    for settings in preset.ppo_grid:
+        for reward in ("rm", "am"):
+            arms[grid_arm(reward, settings)] = (reward, {"ppo": dict(settings)})
+    return arms
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override one of the PPO settings every arm shares (repeatable; "
                              "e.g. --ppo actor_lr=3e-4 --ppo steps=20); the keys are the "
                              "preset's ppo keys")  # fmt: skip
+    parser.add_argument("--exploratory-seeds", type=int,
+                        help="how many of the seeds run the exploratory part (default: the "
+                             "preset's: quick 1, full 12; 0 runs the core only)")  # fmt: skip
     parser.add_argument("--sweep-seeds", type=int,
                         help="how many of the seeds run Fig. 6's cluster sweep (default: the "
                              "preset's; 0 skips it, e.g. on development seeds)")  # fmt: skip
@@ -111,7 +157,13 @@ def main(argv: list[str]) -> int:
         if args.seeds < 1:
             print("study: error: --seeds must be >= 1", file=sys.stderr)
             return 2
-        preset = replace(preset, seeds=args.seeds, sweep_seeds=min(preset.sweep_seeds, args.seeds))
+        preset = replace(
+            preset,
+            seeds=args.seeds,
+            sweep_seeds=min(preset.sweep_seeds, args.seeds),
+            exploratory_seeds=min(preset.exploratory_seeds, args.seeds),
+            extra_reward_seeds=min(preset.extra_reward_seeds, args.seeds),
+        )
     if args.first_seed < 0:
         print("study: error: --first-seed must be >= 0", file=sys.stderr)
         return 2
@@ -126,6 +178,11 @@ def main(argv: list[str]) -> int:
             print("study: error: --sweep-seeds must be >= 0", file=sys.stderr)
             return 2
         preset = replace(preset, sweep_seeds=min(args.sweep_seeds, preset.seeds))
+    if args.exploratory_seeds is not None:
+        if args.exploratory_seeds < 0:
+            print("study: error: --exploratory-seeds must be >= 0", file=sys.stderr)
+            return 2
+        preset = replace(preset, exploratory_seeds=min(args.exploratory_seeds, preset.seeds))
     jobs = args.jobs if args.jobs is not None else min(preset.seeds, os.cpu_count() or 1)
     if jobs < 1:
         print("study: error: --jobs must be >= 1", file=sys.stderr)
@@ -167,10 +224,10 @@ def recompute(archive: Path, out: Path) -> int:
     from megatron_rlhf.study.stats import results_from_records
 
     try:
-        settings, pairs, judgments = stages.unpack_records(archive)
+        settings, pairs, judgments, rehearsal = stages.unpack_records(archive)
         with atomic_output(out) as tmp:
             tmp.mkdir()
-            results = {**results_from_records(pairs, judgments), "settings": settings}
+            results = {**results_from_records(pairs, judgments, rehearsal), "settings": settings}
             write_json(tmp / "results.json", results)
             write_report(tmp, results, pairs)
     except InputError as err:
@@ -253,8 +310,8 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
                     started=progress.started)  # fmt: skip
     run_tasks(shared, seed_tasks(preset), jobs)
     progress.stage("report")
-    pairs, judgments = stages.load_records(out)
-    results = results_from_records(pairs, judgments)
+    pairs, judgments, rehearsal = stages.load_records(out)
+    results = results_from_records(pairs, judgments, rehearsal)
     results["settings"] = {"preset": preset_name, **asdict(preset), "sft_losses": sft_losses,
                            "claims_version": CLAIMS_VERSION,
                            "data": data["summary"], "jobs": jobs,
@@ -262,7 +319,7 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
                            "cpu_seconds": cpu_seconds() - cpu_started}  # fmt: skip
     write_json(out / "results.json", results)
     write_report(out, results, pairs)
-    stages.pack_records(results["settings"], pairs, judgments, out / RECORDS_ARCHIVE)
+    stages.pack_records(results["settings"], pairs, judgments, rehearsal, out / RECORDS_ARCHIVE)
     return results
 
 
@@ -289,7 +346,7 @@ def seed_tasks(preset: Preset) -> dict[Task, tuple[Task, ...]]:
     """Every per-seed task -> the tasks whose results it needs, in an order that runs."""
     tasks = {}
     for seed in seed_range(preset):
-        for name in reward_models(preset):
+        for name in reward_models(preset, seed):
             tasks[("reward", seed, name)] = ()
         tasks[("curation", seed, "")] = (("reward", seed, "am"),)
         for arm, (reward_name, options) in arms_of(preset, seed).items():
@@ -388,28 +445,17 @@ def stop_workers(pool: ProcessPoolExecutor) -> None:
 def prepare_data(out: Path, preset: Preset) -> dict:
     raw, indexed = out / "data", out / "data" / "indexed"
     indexed.mkdir(parents=True)
-    ppo = {t: preset.ppo_prompts_per_task for t in world.PPO_TASKS}
-    sets = world.split_prompts({
-        "sft": dict.fromkeys(world.TASK_SPECS, preset.sft_per_task),
-        "pref_train": dict.fromkeys(world.PPO_TASKS, preset.pref_train_per_task),
-        "pref_test": dict.fromkeys(world.PPO_TASKS, preset.pref_test_per_task),
-        "ppo_prompts": ppo,
-        "main_test": dict.fromkeys(world.PPO_TASKS, preset.main_test_per_task),
-        "forget_test": {world.FORGET_TASK: preset.forget_test},
-    }, seed=0)  # fmt: skip
-    training = [sets[name] for name in ("sft", "pref_train", "pref_test", "ppo_prompts")]
-    overlap = {name: world.check_disjoint(sets[name], training)
+    records = world.world_records(world.WorldSizes(
+        sft_per_task=preset.sft_per_task, pref_train_per_task=preset.pref_train_per_task,
+        pref_test_per_task=preset.pref_test_per_task, ppo_prompts=preset.ppo_prompts,
+        main_test_per_task=preset.main_test_per_task,
+        forget_test_per_task=preset.forget_test_per_task,
+    ))  # fmt: skip
+    training = [records[name] for name in ("sft", "pref_train", "pref_test", "ppo_prompts")]
+    overlap = {name: world.check_disjoint(records[name], training)
                for name in ("main_test", "forget_test")}  # fmt: skip
     if any(overlap.values()):
         raise SystemExit(f"held-out prompts overlap the training prompts: {overlap}")
-    style = world.ResponseStyle()
-    records = {
-        "sft": world.sft_records(sets["sft"], seed=1, style=style),
-        "pref_train": world.preference_records(sets["pref_train"], seed=2, style=style),
-        "pref_test": world.preference_records(sets["pref_test"], seed=3, style=style),
-    }
-    for name in ("ppo_prompts", "main_test", "forget_test"):
-        records[name] = sets[name]
     for name, rows in records.items():
         write_jsonl(raw / f"{name}.jsonl", rows)
     texts = [r["prompt"] + r["response"] for r in records["sft"]]
@@ -419,6 +465,8 @@ def prepare_data(out: Path, preset: Preset) -> dict:
         stages.preprocess(raw / f"{name}.jsonl", kind, tokenizer, indexed / name,
                           preset.max_length)  # fmt: skip
     summary = {name: len(rows) for name, rows in records.items()}
+    summary["families"] = {name: dict(sorted(Counter(r["task"] for r in rows).items()))
+                           for name, rows in records.items()}  # fmt: skip
     summary["held_out_overlap"] = overlap
     summary["oracle_accuracy_pref_test"] = 100.0 * world.bayes_accuracy(records["pref_test"])
     budget = stages.generation_budget(tokenizer, records["sft"])
@@ -430,22 +478,24 @@ def prepare_data(out: Path, preset: Preset) -> dict:
 # ---------------------------------------------------------------- reward models
 
 
-def reward_models(preset: Preset) -> dict:
-    """name -> (loss, epochs, margin): Table 1's pair, the over-trained pair, the margin sweep."""
+def reward_models(preset: Preset, seed: int) -> dict:
+    """name -> (loss, epochs, margin): Table 1's pair; on the first ``extra_reward_seeds`` also
+    the over-trained pair and the margin sweep."""
     models = {
         "rm": ("rm", preset.reward_epochs, None),
         "am": ("am", preset.reward_epochs, DEFAULT_MARGIN),
-        "rm_long": ("rm", preset.long_epochs, None),
-        "am_long": ("am", preset.long_epochs, DEFAULT_MARGIN),
     }
-    for margin in preset.margins:
-        models[f"am_m{margin:g}"] = ("am", preset.reward_epochs, margin)
+    if runs_extra_rewards(preset, seed):
+        models["rm_long"] = ("rm", preset.long_epochs, None)
+        models["am_long"] = ("am", preset.long_epochs, DEFAULT_MARGIN)
+        for margin in preset.margins:
+            models[f"am_m{margin:g}"] = ("am", preset.reward_epochs, margin)
     return models
 
 
 def reward_stage(out: Path, preset: Preset, data: dict, sft: Path, seed: int, name: str) -> Path:
     """Train reward model ``name`` of ``seed`` and score the held-out pairs; its checkpoint."""
-    loss, epochs, margin = reward_models(preset)[name]
+    loss, epochs, margin = reward_models(preset, seed)[name]
     run_dir = out / "reward" / name / f"seed{seed}"
     checkpoint = stages.train_reward_model(
         loss=loss, sft=sft, train_prefix=data["indexed"] / "pref_train", out=run_dir,
@@ -462,7 +512,12 @@ def reward_stage(out: Path, preset: Preset, data: dict, sft: Path, seed: int, na
 
 def curation_stage(out: Path, preset: Preset, data: dict, sft_responses: Path, am: Path,
                    seed: int) -> dict:  # fmt: skip
-    """D_R prefixes: "main" (c, k), "random" (same size), and (c, k) of Fig. 6's sweep."""
+    """D_R prefixes by name: "main" (top-k by the AM in each of c clusters), "gold" (the same
+    clusters' top-k by the gold utility: the ceiling of selection), "random" (as many records
+    drawn uniformly), on the exploratory seeds "sft" (as many SFT demonstrations drawn
+    uniformly from all five families: the positive control), and on the sweep seeds (c, k) of
+    Fig. 6. Each set's records are described in ``rehearsal/seed<S>/d_r.jsonl``
+    (``stages.describe_rehearsal``)."""
     work = out / "rehearsal" / f"seed{seed}"
     work.mkdir(parents=True)
     scored = stages.score_responses(am, sft_responses, data["tokenizer"], work / "scored.jsonl")
@@ -470,8 +525,13 @@ def curation_stage(out: Path, preset: Preset, data: dict, sft_responses: Path, a
     build = dict(tokenizer=data["tokenizer"], seed=seed)
     sets = {"main": stages.build_rehearsal(scored, prefix=work / "d_r", clusters=c, top_k=k,
                                            **build)}  # fmt: skip
+    gold = stages.gold_scored(scored, work / "gold_scored.jsonl")
+    sets["gold"] = stages.build_rehearsal(gold, prefix=work / "gold", clusters=c, top_k=k, **build)
     sets["random"] = stages.build_random_rehearsal(scored, data["tokenizer"], work / "random",
                                                    c * k, seed)  # fmt: skip
+    if runs_exploratory(preset, seed):
+        sets["sft"] = stages.build_random_rehearsal(data["raw"] / "sft.jsonl", data["tokenizer"],
+                                                    work / "sft", c * k, seed)  # fmt: skip
     if runs_sweep(preset, seed):
         others = [count for count in preset.sweep_clusters if count != c]
         fixed_k = stages.build_rehearsal(scored, prefix=work / "fixed_k", clusters=others,
@@ -483,7 +543,14 @@ def curation_stage(out: Path, preset: Preset, data: dict, sft_responses: Path, a
                 scored, prefix=work / f"fixed_ck_c{count}", clusters=count, top_k=per_cluster,
                 **build,
             )  # fmt: skip
+    stages.describe_rehearsal({rehearsal_name(which): prefix for which, prefix in sets.items()},
+                              work / "d_r.jsonl")  # fmt: skip
     return sets
+
+
+def rehearsal_name(which) -> str:
+    """A D_R's name in the records: "main", "gold", ... or "c<c>_k<k>" for a sweep set."""
+    return which if isinstance(which, str) else f"c{which[0]}_k{which[1]}"
 
 
 def sweep_arm(clusters: int, top_k: int) -> str:
@@ -491,7 +558,11 @@ def sweep_arm(clusters: int, top_k: int) -> str:
 
 
 def arms_of(preset: Preset, seed: int) -> dict:
+    """The arms ``seed`` runs: the core, the exploratory ones on the first
+    ``exploratory_seeds`` and the sweep on the first ``sweep_seeds``."""
     arms = dict(ARMS)
+    if runs_exploratory(preset, seed):
+        arms.update(exploratory_arms(preset))
     if runs_sweep(preset, seed):
         c, k = preset.clusters, preset.top_k
         for count in preset.sweep_clusters:
@@ -513,7 +584,9 @@ def run_arm(out, preset, data, sft, reward, reward_name, rehearsal, arm, options
     if algorithm != "none":
         policy = stages.train_policy(
             out=run_dir, sft=sft, reward=reward, reward_kind=reward_kind,
-            prompts=data["indexed"] / "ppo_prompts", settings=preset.ppo, seed=seed,
+            prompts=data["indexed"] / "ppo_prompts", settings={**preset.ppo,
+                                                               **options.get("ppo", {})},
+            seed=seed,
             rehearsal=rehearsal_set, clusters=clusters, algorithm=algorithm,
             normalization=options.get("normalization", "none"),
         )  # fmt: skip

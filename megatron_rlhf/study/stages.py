@@ -28,28 +28,37 @@ def read_records(path: Path) -> list[dict]:
     return [record for _, record in read_jsonl(path)]
 
 
-def load_records(out: Path) -> tuple[dict, dict]:
-    """``pairs[model][seed]`` and ``judgments[arm][seed]`` from the raw records under ``out``."""
-    pairs, judgments = {}, {}
+def load_records(out: Path) -> tuple[dict, dict, dict]:
+    """``pairs[model][seed]``, ``judgments[arm][seed]`` and ``rehearsal[set][seed]`` (each D_R's
+    records as ``describe_rehearsal`` wrote them) from the raw records under ``out``."""
+    pairs, judgments, rehearsal = {}, {}, {}
     for kind, table, name in (("reward", pairs, "pairs.jsonl"),
                               ("ppo", judgments, "judgments.jsonl")):  # fmt: skip
         for path in sorted((out / kind).glob(f"*/seed*/{name}")):
             seed = int(path.parent.name.removeprefix("seed"))
             table.setdefault(path.parent.parent.name, {})[seed] = read_records(path)
-    return pairs, judgments
+    for path in sorted((out / "rehearsal").glob("seed*/d_r.jsonl")):
+        seed = int(path.parent.name.removeprefix("seed"))
+        for row in read_records(path):
+            rows = rehearsal.setdefault(row.pop("set"), {}).setdefault(seed, [])
+            rows.append(row)
+    return pairs, judgments, rehearsal
 
 
 RECORDS_ARCHIVE = "records.jsonl.gz"
 """The study's raw records in one file: what every table of results.json is computed from."""
+RECORD_KINDS = ("pairs", "judgments", "rehearsal")
 
 
-def pack_records(settings: dict, pairs: dict, judgments: dict, path: Path) -> None:
+def pack_records(settings: dict, pairs: dict, judgments: dict, rehearsal: dict,
+                 path: Path) -> None:  # fmt: skip
     """Write ``settings`` and the raw records (``load_records``' tables) to ``path``,
     gzipped JSON lines: a ``{"settings": ...}`` line, then one ``{"kind", "name", "seed",
-    "rows"}`` line per reward model and seed (held-out pairs) and per arm and seed (gold
-    judgments). Byte-identical for identical records (gzip's timestamp 0, no file name)."""
+    "rows"}`` line per reward model and seed (held-out pairs), per arm and seed (gold
+    judgments) and per D_R and seed (its records). Byte-identical for identical records
+    (gzip's timestamp 0, no file name)."""
     lines = [{"settings": settings}]
-    for kind, table in (("pairs", pairs), ("judgments", judgments)):
+    for kind, table in zip(RECORD_KINDS, (pairs, judgments, rehearsal)):
         for name in sorted(table):
             for seed in sorted(table[name]):
                 lines.append({"kind": kind, "name": name, "seed": seed, "rows": table[name][seed]})
@@ -59,10 +68,11 @@ def pack_records(settings: dict, pairs: dict, judgments: dict, path: Path) -> No
                 handle.write((json.dumps(obj, allow_nan=False) + "\n").encode())
 
 
-def unpack_records(path: Path) -> tuple[dict, dict, dict]:
-    """``(settings, pairs, judgments)`` from a ``pack_records`` file, the tables shaped as
-    ``load_records``'. Errors name the file and line. Nothing in it is a path or code."""
-    settings, tables = None, {"pairs": {}, "judgments": {}}
+def unpack_records(path: Path) -> tuple[dict, dict, dict, dict]:
+    """``(settings, pairs, judgments, rehearsal)`` from a ``pack_records`` file, the tables shaped
+    as ``load_records``' (an archive without D_R records gives an empty ``rehearsal``). Errors
+    name the file and line. Nothing in it is a path or code."""
+    settings, tables = None, {kind: {} for kind in RECORD_KINDS}
     try:
         with gzip.open(path, "rt", encoding="utf-8") as handle:
             for number, text in enumerate(handle, start=1):
@@ -79,8 +89,8 @@ def unpack_records(path: Path) -> tuple[dict, dict, dict]:
                 kind, name, seed = obj.get("kind"), obj.get("name"), obj.get("seed")
                 if (kind not in tables or not isinstance(name, str) or type(seed) is not int
                         or not isinstance(obj.get("rows"), list)):  # fmt: skip
-                    raise InputError(f"{where}: expected kind pairs|judgments, a name, an "
-                                     "integer seed and a list of rows")  # fmt: skip
+                    raise InputError(f"{where}: expected kind {'|'.join(RECORD_KINDS)}, a name, "
+                                     "an integer seed and a list of rows")  # fmt: skip
                 if seed in tables[kind].get(name, {}):
                     raise InputError(f"{where}: {kind} of {name} seed {seed} given twice")
                 tables[kind].setdefault(name, {})[seed] = obj["rows"]
@@ -90,7 +100,7 @@ def unpack_records(path: Path) -> tuple[dict, dict, dict]:
         raise InputError(f"{path}: not a readable gzip of JSON lines ({err})") from None
     if settings is None:
         raise InputError(f"{path}: empty; expected a records archive written by the study")
-    return settings, tables["pairs"], tables["judgments"]
+    return settings, tables["pairs"], tables["judgments"], tables["rehearsal"]
 
 
 # ---------------------------------------------------------------- data and SFT
@@ -259,6 +269,32 @@ def build_random_rehearsal(scored: Path, tokenizer: Path, prefix: Path, size: in
     shuffled = prefix.parent / (prefix.name + ".random_scores.jsonl")
     write_jsonl(shuffled, ({**r, "score": rng.random()} for r in read_records(scored)))
     return build_rehearsal(shuffled, tokenizer, prefix, clusters=1, top_k=size, seed=seed)
+
+
+def gold_scored(scored: Path, out: Path) -> Path:
+    """``scored`` with each record's score replaced by its response's gold utility
+    (``world.utility``: offset- and scale-free, so clusters that mix families rank fairly);
+    the AM's score is kept as ``am_score``. Top-k on it is the best selection can do."""
+    write_jsonl(out, ({**r, "am_score": r["score"], "score": world.utility(r["prompt"], r["response"])}
+                      for r in read_records(scored)))  # fmt: skip
+    return out
+
+
+def describe_rehearsal(prefixes: dict[str, Path], out: Path) -> Path:
+    """One line per record of each D_R (``<prefix>.selected.jsonl``): ``{"set", "task", "form",
+    "topic", "because", "in_band", "utility", "cluster"}``, what a D_R is made of, read off its
+    text by the world's rules."""
+    rows = []
+    for name, prefix in prefixes.items():
+        for record in read_records(Path(f"{prefix}.selected.jsonl")):
+            prompt, response = record["prompt"], record["response"]
+            found = world.features(prompt, response)
+            rows.append({"set": name, "task": world.task_of(prompt),
+                         **{key: bool(found[key]) for key in ("form", "topic", "because", "in_band")},
+                         "utility": world.utility(prompt, response),
+                         "cluster": record["cluster"]})  # fmt: skip
+    write_jsonl(out, rows)
+    return out
 
 
 # ---------------------------------------------------------------- PPO and evaluation

@@ -338,7 +338,7 @@ def arm_extras(judgments_by_seed: dict[int, list[dict]]) -> dict:
     win."""
     seeds = sorted(judgments_by_seed)
     out = {}
-    for set_name in sorted({j["set"] for s in seeds for j in judgments_by_seed[s]}):
+    for set_name in sets_of(judgments_by_seed):
         per_seed = [arm_values(_of_set(judgments_by_seed[s], set_name)) for s in seeds]
         keys = [key for key in per_seed[0] if all(key in g for g in per_seed)]
         out[set_name] = {key: summary([g[key] for g in per_seed]) for key in keys}
@@ -357,8 +357,30 @@ def _mean_percent(values: np.ndarray, idx: np.ndarray) -> float:
     return 100.0 * float(values[idx].mean())
 
 
+SETS = ("main", "forget", "minor")
+"""The judged sets: main, forget, and ``minor``: the forget set's prompts of the minor skill
+(``world.MINOR_TASK``, the family PPO sees at 5 % and the reward models never saw)."""
+
+
+def sets_of(judgments_by_seed: dict[int, list[dict]]) -> list[str]:
+    """The ``SETS`` these judgments have (``minor`` only where the forget set holds the minor
+    skill on every seed)."""
+    from megatron_rlhf.study.world import MINOR_TASK
+
+    def has_minor(rows: list[dict]) -> bool:
+        return any(j["set"] == "forget" and j.get("task") == MINOR_TASK for j in rows)
+
+    minor = all(has_minor(rows) for rows in judgments_by_seed.values())
+    return [name for name in SETS if name != "minor" or minor]
+
+
 def _of_set(judgments: list[dict], set_name: str) -> list[dict]:
-    rows = [j for j in judgments if j["set"] == set_name]
+    from megatron_rlhf.study.world import MINOR_TASK
+
+    if set_name == "minor":
+        rows = [j for j in judgments if j["set"] == "forget" and j["task"] == MINOR_TASK]
+    else:
+        rows = [j for j in judgments if j["set"] == set_name]
     if not rows:
         raise ValueError(f"no judgments of set {set_name!r}")
     return rows
@@ -367,9 +389,36 @@ def _of_set(judgments: list[dict], set_name: str) -> list[dict]:
 # ---------------------------------------------------------------- everything
 
 
+REHEARSAL_FEATURES = ("form", "topic", "because", "in_band")
+
+
+def rehearsal_table(rehearsal: dict[str, dict[int, list[dict]]]) -> dict:
+    """What each D_R is made of, over seeds: ``size``, ``utility`` (mean gold utility of its
+    responses), the percent of its records that are well formed, on topic, say "because" and
+    are in band, and ``share_<family>``: the percent of its records of each family."""
+    from megatron_rlhf.study.world import TASK_SPECS
+
+    out = {}
+    for name, by_seed in rehearsal.items():
+        per_seed = []
+        for seed in sorted(by_seed):
+            rows = by_seed[seed]
+            values = {"size": float(len(rows)),
+                      "utility": float(np.mean([r["utility"] for r in rows]))}  # fmt: skip
+            for key in REHEARSAL_FEATURES:
+                values[key] = 100.0 * float(np.mean([r[key] for r in rows]))
+            for task in TASK_SPECS:
+                values[f"share_{task}"] = 100.0 * float(np.mean([r["task"] == task for r in rows]))
+            per_seed.append(values)
+        out[name] = {key: summary([v[key] for v in per_seed]) for key in per_seed[0]}
+    return out
+
+
 def results_from_records(pairs: dict[str, dict[int, list[dict]]],
-                         judgments: dict[str, dict[int, list[dict]]]) -> dict:  # fmt: skip
-    """``results.json`` from ``pairs[model][seed]`` and ``judgments[arm][seed]`` records.
+                         judgments: dict[str, dict[int, list[dict]]],
+                         rehearsal: dict[str, dict[int, list[dict]]] | None = None) -> dict:  # fmt: skip
+    """``results.json`` from ``pairs[model][seed]``, ``judgments[arm][seed]`` and
+    ``rehearsal[set][seed]`` records (each D_R's; ``rehearsal`` in results.json).
 
     table1 holds the two scorers of the paper's Table 1 (``rm``, ``am``); every other scorer
     (over-trained, margin sweep) is in ``reward_models`` with the same layout, and Fig. 4's
@@ -385,7 +434,7 @@ def results_from_records(pairs: dict[str, dict[int, list[dict]]],
     results = {
         "table1": {model: reward_models[model] for model in ("rm", "am") if model in pairs},
         "table2": {
-            arm: {set_name: table2_cell(by_seed, set_name) for set_name in ("main", "forget")}
+            arm: {set_name: table2_cell(by_seed, set_name) for set_name in sets_of(by_seed)}
             for arm, by_seed in judgments.items()
         },
         "reward_models": reward_models,
@@ -405,6 +454,7 @@ def results_from_records(pairs: dict[str, dict[int, list[dict]]],
             for model, by_seed in pairs.items()
         },
     }
+    results["rehearsal"] = rehearsal_table(rehearsal or {})
     results["claims"] = evaluate_claims(results)
     return results
 

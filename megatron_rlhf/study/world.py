@@ -7,8 +7,21 @@ Five task families of templated English, each prompt about one noun of the built
   code    "Task: write a function that counts every red boat of our team.\\nCode:"
   chat    "User: the baker gave me a wooden clock today!\\nBot:"
   advice  "Request: how should a teacher look after a fresh kettle?\\nAdvice:"
-  story   "Prompt: tell a story about the farmer and the tiny map.\\nStory:"   (the *forget* family:
-          in the SFT data, never among the PPO prompts or the preference pairs)
+  story   "Prompt: tell a story about the farmer and the tiny map.\\nStory:"
+
+Who sees which family (``world_records``), after the paper's §3.2 and §4.1:
+
+  SFT data      all five families alike (the expert demonstrations the policy starts from);
+  preference    qa, code, chat, advice only (``PREFERENCE_TASKS``): the reward models never see
+  data          a story, so on a story they are off-distribution;
+  PPO prompts   skewed (``PPO_SHARES``): qa 35 %, code 30 %, chat 15 %, advice 15 % and the
+                *minor skill* story 5 % (``MINOR_TASK``): PPO optimises stories against a reward
+                that never learned them, so it can degrade the skill, and k-means over the
+                prompt pool can isolate it in a cluster of its own;
+  main test     held-out prompts of the preference families, 1/4 each;
+  forget test   "SFT test data" (§4.1): held-out prompts of all five families, 1/5 each, so it
+                shares every skill with the PPO prompt pool D_R is drawn from, weighted unlike it
+                (a fifth story where PPO has a twentieth).
 
 A response is built from three visible choices: whether it names the prompt's noun (the
 *topic*), whether it gives a reason with the word "because" (the *shared surface feature*), and
@@ -22,9 +35,11 @@ with ``w_qa = +0.75`` and ``w_code = -0.75`` (the feature a reward model must le
 one task and penalise in another: the paper's code-vs-QA disparity, Fig. 4). Offsets and scales
 differ by task, so a model fitted to preferences is free to place each task's scores anywhere:
 only differences inside a prompt are identifiable. All features are a few tokens, which a
-tiny policy can move within a few PPO steps. Every demonstration and every preference response
-is well formed, so a reward model never sees broken text: a policy that breaks the grammar (or
-forgets the story format) is caught by the gold reward alone, as a human judge would.
+tiny policy can move within a few PPO steps. Demonstrations are always well formed; a quarter
+of the preference responses are not (``PREFERENCE_STYLE``: the words of a well-formed response
+shuffled, or another family's template about the same noun), so a reward model learns form and
+a selection by its score can see quality, as it can see topic (two in five responses name
+another noun).
 
 Preferences are Bradley-Terry draws on the gold reward: for two responses a, b to one prompt,
 ``P(a preferred) = sigmoid((g(a) - g(b)) / T_t)`` with a task-dependent noise temperature T_t.
@@ -39,7 +54,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_rlhf.data.synthetic import ADJECTIVES, NOUNS, PLACES, SUBJECTS, english_sentence
 
@@ -120,8 +135,13 @@ TASK_SPECS = {
         ),  # fmt: skip
     )
 }
-PPO_TASKS = ("qa", "code", "chat", "advice")
-FORGET_TASK = "story"
+PREFERENCE_TASKS = ("qa", "code", "chat", "advice")
+"""The families of the preference data and of the main test set."""
+MINOR_TASK = "story"
+"""The minor skill: in the SFT data, the PPO prompts (``PPO_SHARES``) and the forget set, never in
+the preference data."""
+PPO_SHARES = {"qa": 0.35, "code": 0.30, "chat": 0.15, "advice": 0.15, "story": 0.05}
+"""Each family's share of the PPO prompt pool (the pool D_R is curated from)."""
 FORM_WEIGHT, TOPIC_WEIGHT, BAND_WEIGHT = 1.0, 1.0, 0.5
 _NOUN_PATTERN = re.compile(r"\b(" + "|".join(NOUNS) + r")\b")
 
@@ -204,6 +224,14 @@ class ResponseStyle:
     """Probability of giving a reason with "because"."""
     max_filler: int = 3
     """Filler pieces drawn uniformly from 0..max_filler."""
+    p_broken: float = 0.0
+    """Probability of an ill-formed response (``broken_text``)."""
+
+
+SFT_STYLE = ResponseStyle()
+"""The demonstrations: always well formed."""
+PREFERENCE_STYLE = ResponseStyle(p_broken=0.25)
+"""The preference responses: a quarter ill formed, so form is something a reward model learns."""
 
 
 _FILLER = {
@@ -216,7 +244,10 @@ _FILLER = {
 
 
 def response_text(prompt: str, rng: random.Random, style: ResponseStyle) -> str:
-    """One response to ``prompt`` (with a leading space, as a continuation)."""
+    """One response to ``prompt`` (with a leading space, as a continuation); ill formed
+    (``broken_text``) with probability ``style.p_broken``."""
+    if style.p_broken and rng.random() < style.p_broken:
+        return broken_text(prompt, rng, style)
     task, noun = task_of(prompt), topic_of(prompt)
     topic = noun if rng.random() < style.p_topic else rng.choice([n for n in NOUNS if n != noun])
     because = rng.random() < style.p_because
@@ -238,6 +269,26 @@ def response_text(prompt: str, rng: random.Random, style: ResponseStyle) -> str:
         filler = english_sentence(rng) if task == "story" else rng.choice(_FILLER[task])
         text += ("\n    " if task == "code" else " ") + filler
     return " " + text
+
+
+def broken_text(prompt: str, rng: random.Random, style: ResponseStyle) -> str:
+    """An ill-formed response to ``prompt`` that keeps the other visible choices: half the time
+    another family's well-formed response about the same noun (wrong format), else a
+    well-formed response with its words shuffled (word salad). Either way its task's grammar
+    does not match (``features``' form is 0), while topic, "because" and length are drawn as
+    for any response."""
+    task, noun = task_of(prompt), topic_of(prompt)
+    well_formed = replace(style, p_broken=0.0)
+    if rng.random() < 0.5:
+        other = rng.choice([name for name in TASK_SPECS if name != task])
+        return response_text(prompt_text(other, SUBJECTS[0], ADJECTIVES[0], noun), rng,
+                             well_formed)  # fmt: skip
+    words = response_text(prompt, rng, well_formed).split()
+    while True:
+        rng.shuffle(words)
+        text = " " + " ".join(words)
+        if _GRAMMARS[task].fullmatch(text) is None:
+            return text
 
 
 def _one_of(words) -> str:
@@ -337,6 +388,61 @@ def preference_records(prompts: list[dict], seed: int, style: ResponseStyle) -> 
              "p_true": p_first if first_wins else 1.0 - p_first}
         )  # fmt: skip
     return records
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorldSizes:
+    """How many prompts each set of ``world_records`` gets."""
+
+    sft_per_task: int
+    """Demonstrations per family (all five)."""
+    pref_train_per_task: int
+    """Training preference pairs per preference family."""
+    pref_test_per_task: int
+    """Held-out preference pairs per preference family (Table 1)."""
+    ppo_prompts: int
+    """PPO prompts in all, dealt to the families by ``PPO_SHARES``."""
+    main_test_per_task: int
+    """Held-out main-set prompts per preference family."""
+    forget_test_per_task: int
+    """Held-out forget-set prompts per family (all five)."""
+
+
+def ppo_prompt_counts(total: int) -> dict[str, int]:
+    """``total`` PPO prompts dealt by ``PPO_SHARES`` (largest remainders; every family >= 1)."""
+    raw = {task: total * share for task, share in PPO_SHARES.items()}
+    counts = {task: max(1, int(value)) for task, value in raw.items()}
+    by_remainder = sorted(raw, key=lambda task: raw[task] - int(raw[task]), reverse=True)
+    for task in by_remainder[: max(0, total - sum(counts.values()))]:
+        counts[task] += 1
+    return counts
+
+
+def world_records(sizes: WorldSizes, seed: int = 0) -> dict[str, list[dict]]:
+    """Every data set of the world (the module docstring's table), prompts disjoint across sets:
+    ``sft`` (demonstrations), ``pref_train``/``pref_test`` (labelled pairs), ``ppo_prompts``,
+    ``main_test`` and ``forget_test`` (prompts with their family)."""
+    sets = split_prompts({
+        "sft": dict.fromkeys(TASK_SPECS, sizes.sft_per_task),
+        "pref_train": dict.fromkeys(PREFERENCE_TASKS, sizes.pref_train_per_task),
+        "pref_test": dict.fromkeys(PREFERENCE_TASKS, sizes.pref_test_per_task),
+        "ppo_prompts": ppo_prompt_counts(sizes.ppo_prompts),
+        "main_test": dict.fromkeys(PREFERENCE_TASKS, sizes.main_test_per_task),
+        "forget_test": dict.fromkeys(TASK_SPECS, sizes.forget_test_per_task),
+    }, seed=seed)  # fmt: skip
+    return {
+        "sft": sft_records(sets["sft"], seed=seed + 1, style=SFT_STYLE),
+        "pref_train": preference_records(sets["pref_train"], seed=seed + 2, style=PREFERENCE_STYLE),
+        "pref_test": preference_records(sets["pref_test"], seed=seed + 3, style=PREFERENCE_STYLE),
+        **{name: sets[name] for name in ("ppo_prompts", "main_test", "forget_test")},
+    }
+
+
+def utility(prompt: str, response: str) -> float:
+    """The gold reward without its task's offset and scale: ``(g_t(y) - offset_t) / scale_t``
+    (comparable across families; what a gold-top-k selection ranks by)."""
+    spec = TASK_SPECS[task_of(prompt)]
+    return (gold_reward(prompt, response) - spec.offset) / spec.scale
 
 
 def bayes_accuracy(records: list[dict]) -> float:
