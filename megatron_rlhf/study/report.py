@@ -214,7 +214,7 @@ def composition_md(results: dict, arms: list[str]) -> list[str]:
         "|---|---|---|" + "---|" * (len(parts) + 7),
     ]
     for arm in arms:
-        for set_name in ("main", "forget"):
+        for set_name in [s for s in ("main", "forget", "minor") if s in results["arms"][arm]]:
             cell = results["arms"][arm][set_name]
             terms = [f"{cell[f'utility_{p}']['mean']:+.3f}" for p in (*parts, "band", "because")]
             flips = [f"{cell[f'net_win_{k}']['mean']:+.1f}"
@@ -624,10 +624,12 @@ def _error(cell: dict, key: str = "net_win") -> list[float]:
 
 
 def plot_net_win(path: Path, results: dict) -> None:
-    """Net win vs SFT per arm with the 95 % t-interval across seeds, main and forget."""
+    """Net win vs SFT per arm with the 95 % t-interval across seeds, one panel per judged set
+    (main, forget, and the forget set's minor skill where the records have it)."""
     arms = [a for a in results["table2"] if not a.startswith("am_ppo_sr_c")]
-    fig, axes = _figure(2, (11.0, 4.0))
-    for ax, set_name in zip(axes, ("main", "forget")):
+    sets = [s for s in ("main", "forget", "minor") if s in results["table2"][arms[0]]]
+    fig, axes = _figure(len(sets), (max(11.0, 0.45 * len(arms) * len(sets)), 4.5))
+    for ax, set_name in zip(axes, sets):
         cells = [results["table2"][a][set_name] for a in arms]
         errors = np.array([_error(c) for c in cells]).T
         ax.bar(range(len(arms)), [c["net_win"] for c in cells], yerr=errors, capsize=4)
