@@ -50,9 +50,10 @@ def test_demo_runs_the_whole_pipeline(demo):
     assert proc.stdout.strip().splitlines()[-1].startswith("[demo] done: seconds=")
     report = json.loads((out / "eval" / "eval_policy.json").read_text())
     assert set(report["sets"]) == {"main", "forget"}
-    for name in ("main", "forget"):
+    # main: 6 prompts of each preference family; forget: 5 of each of the five families
+    for name, prompts in (("main", 4 * 6), ("forget", 5 * 5)):
         counts = report["sets"][name]
-        assert counts["win"] + counts["tie"] + counts["lose"] == counts["num_prompts"] == 24
+        assert counts["win"] + counts["tie"] + counts["lose"] == counts["num_prompts"] == prompts
     for loss in ("rm", "am"):
         assert json.loads((out / loss / "eval" / "summary.json").read_text())["num_pairs"] == 96
         assert json.loads((out / loss / "config.json").read_text())["loss"] == loss

@@ -758,17 +758,25 @@ def test_records_archive_round_trips_and_bad_archives_name_the_line(tmp_path, ca
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
-def test_published_study_recomputes_from_its_records(tmp_path):
-    """docs/paper_study's results.json and report.md are exactly what its published records
-    (records.jsonl.gz) give with today's code: a change to the statistics or the report that
-    moves a published number fails here until the study is republished."""
+@pytest.mark.parametrize("folder", ["", "dev"])
+def test_published_study_recomputes_from_its_records(tmp_path, folder):
+    """docs/paper_study's results.json and report.md (and those of its development run,
+    docs/paper_study/dev) are exactly what their published records (records.jsonl.gz) give
+    with today's code: a change to the statistics or the report that moves a published number
+    fails here until the study is republished."""
     from megatron_rlhf.study import run
 
-    published = REPO / "docs" / "paper_study"
+    published = REPO / "docs" / "paper_study" / folder
     again = tmp_path / "again"
     archive = published / "records.jsonl.gz"
     assert run.main(["--from-records", str(archive), "--output-dir", str(again)]) == 0
     results = json.loads((published / "results.json").read_text())
     assert json.loads((again / "results.json").read_text()) == results
     assert (again / "report.md").read_text() == (published / "report.md").read_text()
-    assert results["settings"]["preset"] == "full" and results["settings"]["seeds"] >= 15
+    settings = results["settings"]
+    assert settings["preset"] == "full" and {"main", "gold", "random"} <= set(results["rehearsal"])
+    if folder == "dev":  # development seeds, apart from the reporting ones
+        assert settings["first_seed"] >= 100
+    else:
+        assert settings["first_seed"] == 0 and settings["seeds"] >= 40
+        assert "sft" in results["rehearsal"] and "am_ppo_sr_g1" in results["table2"]

@@ -369,7 +369,21 @@ def run_time(settings: dict) -> list[str]:
     processes = "one process" if jobs == 1 else f"{jobs} worker processes for the per-seed stages"
     return [f"Run: {settings['seconds'] / 60:.1f} min wall, {settings['cpu_seconds'] / 60:.1f} "
             f"min CPU ({processes}, one torch thread each: the CPU time is about what an idle "
-            "machine takes).", ""]  # fmt: skip
+            "machine takes)." + _parts(settings), ""]  # fmt: skip
+
+
+def _parts(settings: dict) -> str:
+    """The run's task time by part (``run.part_seconds``), where the run recorded it."""
+    parts = settings.get("part_seconds")
+    if not parts:
+        return ""
+    names = {"core": "core (every seed)", "extra_rewards": "over-trained and margin reward "
+             "models", "exploratory": "exploratory arms", "sweep": "Fig. 6 sweep"}  # fmt: skip
+    cells = [f"{names.get(k, k)} {v / 60:.1f}" for k, v in parts.items()]
+    return (
+        " Task minutes by part (summed over the worker processes, which run "
+        f"{settings.get('jobs', 1)} at a time): " + ", ".join(cells) + "."
+    )
 
 
 def write_report(out: Path, results: dict, pairs: dict) -> None:

@@ -308,7 +308,7 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
                                               preset.ppo["max_new_tokens"], seed=0)  # fmt: skip
     shared = Shared(out=out, preset=preset, data=data, sft=sft, sft_responses=sft_responses,
                     started=progress.started)  # fmt: skip
-    run_tasks(shared, seed_tasks(preset), jobs)
+    _, task_seconds = run_tasks(shared, seed_tasks(preset), jobs)
     progress.stage("report")
     pairs, judgments, rehearsal = stages.load_records(out)
     results = results_from_records(pairs, judgments, rehearsal)
@@ -316,7 +316,8 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
                            "claims_version": CLAIMS_VERSION,
                            "data": data["summary"], "jobs": jobs,
                            "seconds": time.time() - progress.started,
-                           "cpu_seconds": cpu_seconds() - cpu_started}  # fmt: skip
+                           "cpu_seconds": cpu_seconds() - cpu_started,
+                           "part_seconds": part_seconds(preset, task_seconds)}  # fmt: skip
     write_json(out / "results.json", results)
     write_report(out, results, pairs)
     stages.pack_records(results["settings"], pairs, judgments, rehearsal, out / RECORDS_ARCHIVE)
@@ -367,32 +368,60 @@ def task_title(task: Task) -> str:
     return f"seed {seed}: {what[kind]}"
 
 
-def run_task(shared: Shared, task: Task, inputs: dict):
-    """One task (in this process or a worker); ``inputs`` are the results of its needs."""
+def run_task(shared: Shared, task: Task, inputs: dict) -> tuple[object, float]:
+    """One task (in this process or a worker); ``inputs`` are the results of its needs.
+    Returns its result and its wall seconds."""
     kind, seed, name = task
+    started = time.time()
     Progress(shared.started).stage(task_title(task))
     out, preset, data, sft = shared.out, shared.preset, shared.data, shared.sft
     if kind == "reward":
-        return reward_stage(out, preset, data, sft, seed, name)
-    if kind == "curation":
+        result = reward_stage(out, preset, data, sft, seed, name)
+    elif kind == "curation":
         am = inputs[("reward", seed, "am")]
-        return curation_stage(out, preset, data, shared.sft_responses, am, seed)
-    reward_name, options = arms_of(preset, seed)[name]
-    rehearsal = inputs.get(("curation", seed, ""))
-    run_arm(out, preset, data, sft, inputs[("reward", seed, reward_name)], reward_name,
-            rehearsal, name, options, seed)  # fmt: skip
-    return None
+        result = curation_stage(out, preset, data, shared.sft_responses, am, seed)
+    else:
+        reward_name, options = arms_of(preset, seed)[name]
+        rehearsal = inputs.get(("curation", seed, ""))
+        run_arm(out, preset, data, sft, inputs[("reward", seed, reward_name)], reward_name,
+                rehearsal, name, options, seed)  # fmt: skip
+        result = None
+    return result, time.time() - started
 
 
-def run_tasks(shared: Shared, tasks: dict[Task, tuple[Task, ...]], jobs: int) -> dict:
+def part_of(preset: Preset, task: Task) -> str:
+    """Which part of the study a task belongs to: "core" (every seed), "extra_rewards",
+    "exploratory" or "sweep" (the first seeds)."""
+    kind, _, name = task
+    if kind == "reward":
+        return "core" if name in ("rm", "am") else "extra_rewards"
+    if kind == "curation" or name in ARMS:
+        return "core"
+    return "sweep" if name.startswith("am_ppo_sr_c") else "exploratory"
+
+
+def part_seconds(preset: Preset, seconds: dict[Task, float]) -> dict[str, float]:
+    """Task wall seconds summed by ``part_of`` (with --jobs N, N tasks run at a time)."""
+    parts = {}
+    for task, value in seconds.items():
+        part = part_of(preset, task)
+        parts[part] = parts.get(part, 0.0) + value
+    return parts
+
+
+def run_tasks(shared: Shared, tasks: dict[Task, tuple[Task, ...]],
+              jobs: int) -> tuple[dict, dict]:  # fmt: skip
     """Run ``tasks`` in order here (jobs=1) or, each as soon as its needs are done, in ``jobs``
     spawned workers. Seeds are independent and every command seeds itself, so the records do
-    not depend on ``jobs``. A failing task stops the study with its error."""
-    results = {}
+    not depend on ``jobs``. A failing task stops the study with its error. Returns each
+    task's result and its wall seconds."""
+    results, seconds = {}, {}
     if jobs == 1:
         for task, needs in tasks.items():
-            results[task] = run_task(shared, task, {need: results[need] for need in needs})
-        return results
+            results[task], seconds[task] = run_task(
+                shared, task, {need: results[need] for need in needs}
+            )
+        return results, seconds
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
                                initializer=start_worker, initargs=(shared.preset.threads,))  # fmt: skip
     waiting, running = dict(tasks), {}
@@ -409,12 +438,12 @@ def run_tasks(shared: Shared, tasks: dict[Task, tuple[Task, ...]], jobs: int) ->
                     error = future.exception()
                     traceback.print_exception(error)
                     raise SystemExit(f"study: {task_title(task)} failed: {error}")
-                results[task] = future.result()
+                results[task], seconds[task] = future.result()
     except BaseException:
         stop_workers(pool)
         raise
     pool.shutdown()
-    return results
+    return results, seconds
 
 
 def start_worker(threads: int) -> None:
