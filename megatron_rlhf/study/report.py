@@ -541,8 +541,11 @@ def write_report(out: Path, results: dict, pairs: dict) -> None:
         "with a fresh value head. The null arm (0 PPO steps) must tie everywhere. "
         f"Same β = {settings['ppo']['kl_coef']}, actor lr {settings['ppo']['actor_lr']}, "
         f"{settings['ppo']['steps']} steps × {settings['ppo']['prompts_per_step']} prompts for "
-        "every arm (the full preset's lr and steps were chosen on development seeds 100-101 and "
-        "frozen before the reporting run: `Preset.ppo` in `megatron_rlhf/study/presets.py`). "
+        "every arm but the PPO-grid arms, whose names give their lr and steps (the full "
+        "preset's lr and steps were chosen on development seeds 100-101 in the previous world "
+        "and frozen: `Preset.ppo` in `megatron_rlhf/study/presets.py`; its seed count was fixed "
+        "before this run from a development run, seeds 100-105, by the power rule beside the "
+        "full preset there). "
         "The paper's judge is GPT-4 and its ties are ~75 %: its numbers are beside "
         "ours for direction only.",
         "",
@@ -649,7 +652,8 @@ def plot_net_win(path: Path, results: dict) -> None:
         ax.bar(range(len(arms)), [c["net_win"] for c in cells], yerr=errors, capsize=4)
         ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right")
         ax.axhline(0.0, color="black", linewidth=0.8)
-        ax.set_title(f"{set_name} set: net win over SFT (gold judge), %")
+        title = "minor skill (forget-set stories)" if set_name == "minor" else f"{set_name} set"
+        ax.set_title(f"{title}: net win over SFT (gold judge), %")
         ax.grid(axis="y", alpha=0.3)
     _save(fig, path)
 

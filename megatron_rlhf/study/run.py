@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--output-dir", required=True, help="where everything goes")
     parser.add_argument(
-        "--seeds", type=int, help="number of seeds (default: the preset's: quick 3, full 15)"
+        "--seeds", type=int, help="number of seeds (default: the preset's: quick 3, full 40)"
     )
     parser.add_argument(
         "--first-seed",
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "preset's ppo keys")  # fmt: skip
     parser.add_argument("--exploratory-seeds", type=int,
                         help="how many of the seeds run the exploratory part (default: the "
-                             "preset's: quick 1, full 12; 0 runs the core only)")  # fmt: skip
+                             "preset's: quick 1, full 10; 0 runs the core only)")  # fmt: skip
     parser.add_argument("--sweep-seeds", type=int,
                         help="how many of the seeds run Fig. 6's cluster sweep (default: the "
                              "preset's; 0 skips it, e.g. on development seeds)")  # fmt: skip
