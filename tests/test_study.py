@@ -780,3 +780,35 @@ def test_published_study_recomputes_from_its_records(tmp_path, folder):
     else:
         assert settings["first_seed"] == 0 and settings["seeds"] >= 40
         assert "sft" in results["rehearsal"] and "am_ppo_sr_g1" in results["table2"]
+
+
+def _task_that_fails_or_holds_on(shared, task, inputs):
+    """``run_tasks``' runner in the test below: "fail" raises at once; "train" catches SIGTERM
+    the way a training command does (save and stop cleanly) and runs on for a minute."""
+    import signal
+    import time
+
+    if task[2] == "fail":
+        time.sleep(1.0)
+        raise ValueError("a stage failed")
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    time.sleep(60.0)
+    return None, 60.0
+
+
+@pytest.mark.launch
+def test_a_failing_task_stops_the_study_while_another_worker_trains():
+    """A task that fails ends ``run_tasks`` with its error within seconds, though the other
+    worker is mid-run and catches SIGTERM (the study hung forever here, one core spinning)."""
+    import time
+
+    from megatron_rlhf.study import run
+    from megatron_rlhf.study.presets import PRESETS
+
+    shared = run.Shared(out=None, preset=PRESETS["quick"], data={}, sft=None,
+                        sft_responses=None, started=time.time())  # fmt: skip
+    tasks = {("arm", 0, "train"): (), ("reward", 0, "fail"): ()}
+    started = time.time()
+    with pytest.raises(SystemExit, match="a stage failed"):
+        run.run_tasks(shared, tasks, jobs=2, runner=_task_that_fails_or_holds_on)
+    assert time.time() - started < 30.0

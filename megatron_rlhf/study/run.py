@@ -409,16 +409,17 @@ def part_seconds(preset: Preset, seconds: dict[Task, float]) -> dict[str, float]
     return parts
 
 
-def run_tasks(shared: Shared, tasks: dict[Task, tuple[Task, ...]],
-              jobs: int) -> tuple[dict, dict]:  # fmt: skip
+def run_tasks(shared: Shared, tasks: dict[Task, tuple[Task, ...]], jobs: int,
+              runner=run_task) -> tuple[dict, dict]:  # fmt: skip
     """Run ``tasks`` in order here (jobs=1) or, each as soon as its needs are done, in ``jobs``
     spawned workers. Seeds are independent and every command seeds itself, so the records do
-    not depend on ``jobs``. A failing task stops the study with its error. Returns each
-    task's result and its wall seconds."""
+    not depend on ``jobs``. A failing task stops the study with its error, the other workers
+    killed mid-task. Returns each task's result and its wall seconds (``runner``: what runs a
+    task, ``run_task``'s signature)."""
     results, seconds = {}, {}
     if jobs == 1:
         for task, needs in tasks.items():
-            results[task], seconds[task] = run_task(
+            results[task], seconds[task] = runner(
                 shared, task, {need: results[need] for need in needs}
             )
         return results, seconds
@@ -430,7 +431,7 @@ def run_tasks(shared: Shared, tasks: dict[Task, tuple[Task, ...]],
             ready = [task for task, needs in waiting.items() if all(n in results for n in needs)]
             for task in ready:
                 inputs = {need: results[need] for need in waiting.pop(task)}
-                running[pool.submit(run_task, shared, task, inputs)] = task
+                running[pool.submit(runner, shared, task, inputs)] = task
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in done:
                 task = running.pop(future)
@@ -459,10 +460,14 @@ def start_worker(threads: int) -> None:
 
 
 def stop_workers(pool: ProcessPoolExecutor) -> None:
-    """End the workers now: ``shutdown`` alone would wait for the running tasks to finish."""
+    """End the workers now: ``shutdown`` alone would wait for the running tasks to finish.
+    SIGKILL, to each worker's process group: a SIGTERM is what a training command catches to
+    save a checkpoint and stop cleanly, after which the worker sat blocked sending back its
+    result while this process waited for it in ``shutdown``, spinning (the study has no
+    resume, so there is nothing to save)."""
     for process in list((pool._processes or {}).values()):  # no public way before Python 3.14
         try:
-            os.killpg(process.pid, signal.SIGTERM)
+            os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     pool.shutdown(wait=True, cancel_futures=True)
