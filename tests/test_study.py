@@ -692,7 +692,7 @@ def test_study_cli_takes_development_seeds_and_ppo_overrides(tmp_path, capsys):
     # the exploratory part (extra reward models and arms) runs on the first seeds only
     exploratory = {seed for kind, seed, name in tasks if name in ("am_long", "am_ppo_sft")}
     assert exploratory == {100}
-    core = run.seed_tasks(replace(preset, exploratory_seeds=0, sweep_seeds=0))
+    core = run.seed_tasks(replace(preset, exploratory_seeds=0, sweep_seeds=0, extra_reward_seeds=0))
     assert {name for kind, _, name in core if kind == "arm"} == set(run.ARMS)
     assert {name for kind, _, name in core if kind == "reward"} == {"rm", "am"}
 
