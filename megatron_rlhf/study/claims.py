@@ -92,6 +92,11 @@ def _arm(arm: str, set_name: str, key: str):
     return lambda results: list(results["arms"][arm][set_name][key]["per_seed"])
 
 
+def _nets(better: str, worse: str, set_name: str):
+    """The net win of arm ``better`` against arm ``worse`` on one judged set."""
+    return _pair(_net(better, set_name), _net(worse, set_name))
+
+
 def _pair(better, worse):
     def get(results: dict) -> tuple[list[float], list[float]]:
         b, w = better(results), worse(results)
@@ -129,20 +134,20 @@ def declared_claims(arms=()) -> list[Claim]:
               units="points"),
         Claim("am_ppo_beats_rm_ppo_main", "paper",
               "AM-PPO beats RM-PPO on the main set (net win vs SFT)",
-              _pair(_net("am_ppo", "main"), _net("rm_ppo", "main")), units="points"),
+              _nets("am_ppo", "rm_ppo", "main"), units="points"),
         Claim("am_ppo_beats_rm_ppo_ma_main", "paper", "AM-PPO beats RM-PPO with moving-average "
               "normalisation on the main set (MA does not rescue RM-PPO)",
-              _pair(_net("am_ppo", "main"), _net("rm_ppo_ma", "main")), units="points"),
+              _nets("am_ppo", "rm_ppo_ma", "main"), units="points"),
         Claim("am_ppo_forgets_less", "paper",
               "AM-PPO forgets less than RM-PPO (forget-set net win)",
-              _pair(_net("am_ppo", "forget"), _net("rm_ppo", "forget")), units="points"),
+              _nets("am_ppo", "rm_ppo", "forget"), units="points"),
         Claim("sr_helps_forget", "paper", "Selective Rehearsal helps AM-PPO on the forget set",
-              _pair(_net("am_ppo_sr", "forget"), _net("am_ppo", "forget")), units="points"),
+              _nets("am_ppo_sr", "am_ppo", "forget"), units="points"),
         Claim("sr_helps_main", "paper", "Selective Rehearsal helps AM-PPO on the main set",
-              _pair(_net("am_ppo_sr", "main"), _net("am_ppo", "main")), units="points"),
+              _nets("am_ppo_sr", "am_ppo", "main"), units="points"),
         Claim("sr_helps_minor", "paper", "Selective Rehearsal helps AM-PPO keep the minor "
               "skill (forget-set stories: 5 % of the PPO prompts, never in the preference data)",
-              _pair(_net("am_ppo_sr", "minor"), _net("am_ppo", "minor")), units="points"),
+              _nets("am_ppo_sr", "am_ppo", "minor"), units="points"),
         Claim("am_ppo_sr_beats_sft_main", "paper",
               "AM-PPO-SR beats SFT on the main set (net win > 0)",
               _above_zero(_net("am_ppo_sr", "main")), units="points"),
@@ -168,43 +173,43 @@ def declared_claims(arms=()) -> list[Claim]:
     claims += [
         Claim("selection_beats_random", "rehearsal",
               "Selection beats random rehearsal of equal size (forget-set net win)",
-              _pair(_net("am_ppo_sr", "forget"), _net("am_ppo_rr", "forget")), units="points"),
+              _nets("am_ppo_sr", "am_ppo_rr", "forget"), units="points"),
         Claim("selection_beats_random_minor", "rehearsal", "Selection beats random rehearsal "
               "on the minor skill (clusters give it more than its 5 %)",
-              _pair(_net("am_ppo_sr", "minor"), _net("am_ppo_rr", "minor")), units="points"),
+              _nets("am_ppo_sr", "am_ppo_rr", "minor"), units="points"),
         Claim("gold_selection_helps_forget", "rehearsal", "Rehearsal on the gold top-k (the "
               "ceiling of selection) helps AM-PPO on the forget set",
-              _pair(_net("am_ppo_sr_gold", "forget"), _net("am_ppo", "forget")), units="points"),
+              _nets("am_ppo_sr_gold", "am_ppo", "forget"), units="points"),
         Claim("gold_selection_beats_am_selection", "rehearsal", "The gold top-k beats the AM "
               "top-k as D_R (forget-set net win)",
-              _pair(_net("am_ppo_sr_gold", "forget"), _net("am_ppo_sr", "forget")),
+              _nets("am_ppo_sr_gold", "am_ppo_sr", "forget"),
               units="points"),
         Claim("control_helps_forget", "rehearsal", "Positive control: rehearsal on SFT "
               "demonstrations of every family helps AM-PPO on the forget set",
-              _pair(_net("am_ppo_sft", "forget"), _net("am_ppo", "forget")), units="points"),
+              _nets("am_ppo_sft", "am_ppo", "forget"), units="points"),
         Claim("control_helps_minor", "rehearsal", "Positive control: rehearsal on SFT "
               "demonstrations helps AM-PPO keep the minor skill",
-              _pair(_net("am_ppo_sft", "minor"), _net("am_ppo", "minor")), units="points"),
+              _nets("am_ppo_sft", "am_ppo", "minor"), units="points"),
     ]  # fmt: skip
     for arm in sorted(a for a in arms if a.startswith("am_ppo_sr_g") and a != "am_ppo_sr_gold"):
         gamma = arm.removeprefix("am_ppo_sr_g")
         claims += [
             Claim(f"sr_g{gamma}_helps_forget", "rehearsal", f"Selective Rehearsal at gamma "
                   f"{gamma} helps AM-PPO on the forget set",
-                  _pair(_net(arm, "forget"), _net("am_ppo", "forget")), units="points"),
+                  _nets(arm, "am_ppo", "forget"), units="points"),
             Claim(f"sr_g{gamma}_helps_minor", "rehearsal", f"Selective Rehearsal at gamma "
                   f"{gamma} helps AM-PPO keep the minor skill",
-                  _pair(_net(arm, "minor"), _net("am_ppo", "minor")), units="points"),
+                  _nets(arm, "am_ppo", "minor"), units="points"),
         ]  # fmt: skip
     for arm in sorted(a for a in arms if a.startswith("am_ppo_lr")):
         rm_arm, setting = "rm" + arm.removeprefix("am"), arm.removeprefix("am_ppo_")
         claims += [
             Claim(f"am_ppo_beats_rm_ppo_main_{setting}", "settings", f"AM-PPO beats RM-PPO on "
                   f"the main set at PPO setting {setting}",
-                  _pair(_net(arm, "main"), _net(rm_arm, "main")), units="points"),
+                  _nets(arm, rm_arm, "main"), units="points"),
             Claim(f"am_ppo_forgets_less_{setting}", "settings", f"AM-PPO forgets less than "
                   f"RM-PPO at PPO setting {setting}",
-                  _pair(_net(arm, "forget"), _net(rm_arm, "forget")), units="points"),
+                  _nets(arm, rm_arm, "forget"), units="points"),
         ]  # fmt: skip
     claims += [
         Claim("overtraining_rm_overconfident", "exploratory", "Over-training makes the RM "
@@ -216,7 +221,7 @@ def declared_claims(arms=()) -> list[Claim]:
               _pair(_t1("am_long", "ece", True), _t1("rm_long", "ece", True)), units="ECE x100"),
         Claim("rehearsal_helps_rm_ppo", "exploratory",
               "Rehearsal helps RM-PPO too (forget-set net win)",
-              _pair(_net("rm_ppo_sr", "forget"), _net("rm_ppo", "forget")), units="points"),
+              _nets("rm_ppo_sr", "rm_ppo", "forget"), units="points"),
         Claim("rm_ppo_because_code", "exploratory", "RM-PPO writes the planted feature into "
               "code more than AM-PPO ('because' rate in code, policy - SFT; the gold reward "
               "penalises it there)",

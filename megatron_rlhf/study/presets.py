@@ -98,19 +98,22 @@ def seed_range(preset: Preset) -> range:
     return range(preset.first_seed, preset.first_seed + preset.seeds)
 
 
+def _among_first(preset: Preset, seed: int, count: int) -> bool:
+    """Whether ``seed`` is one of the first ``count`` seeds of the preset."""
+    return seed - preset.first_seed < count
+
+
 def runs_exploratory(preset: Preset, seed: int) -> bool:
-    """Whether ``seed`` is one of the first ``exploratory_seeds`` seeds."""
-    return seed - preset.first_seed < preset.exploratory_seeds
+    return _among_first(preset, seed, preset.exploratory_seeds)
 
 
 def runs_extra_rewards(preset: Preset, seed: int) -> bool:
-    """Whether ``seed`` is one of the first ``extra_reward_seeds`` seeds."""
-    return seed - preset.first_seed < preset.extra_reward_seeds
+    return _among_first(preset, seed, preset.extra_reward_seeds)
 
 
 def runs_sweep(preset: Preset, seed: int) -> bool:
-    """Whether ``seed`` is one of the first ``sweep_seeds`` seeds and the preset sweeps."""
-    return seed - preset.first_seed < preset.sweep_seeds and bool(preset.sweep_clusters)
+    """Whether ``seed`` runs Fig. 6's sweep (one of the first ``sweep_seeds``, if it sweeps)."""
+    return _among_first(preset, seed, preset.sweep_seeds) and bool(preset.sweep_clusters)
 
 
 PRESETS = {

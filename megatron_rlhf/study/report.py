@@ -159,9 +159,8 @@ def table2_md(results: dict, arms: list[str]) -> list[str]:
         for set_name in ("main", "forget"):
             cell = row[set_name]
             cells.append(f"{cell['win']:.1f} / {cell['tie']:.1f} / {cell['lose']:.1f}")
-            cells.append(fmt({"mean": cell["net_win"], **cell}, 1))
-        cells.append(fmt({"mean": row["minor"]["net_win"], **row["minor"]}, 1)
-                     if "minor" in row else "-")  # fmt: skip
+            cells.append(_net_cell(results, arm, set_name))
+        cells.append(_net_cell(results, arm, "minor"))
         cells.append(fmt(extras["main"]["hacking_index"]))
         cells.append(truncation_cell(extras))
         paper = PAPER_TABLE2.get(arm)
@@ -323,9 +322,9 @@ def sweep_md(results: dict, settings: dict) -> list[str]:
         "|---:|---:|---:|---|---|---|",
     ]
     for c, k, arm in rows:
-        row, gold = results["table2"][arm], results["arms"][arm]["main"]["gold_gain"]
-        lines.append(f"| {c} | {k} | {c * k} | {fmt({'mean': row['main']['net_win'], **row['main']}, 1)} | "
-                     f"{fmt(gold, 3)} | {fmt({'mean': row['forget']['net_win'], **row['forget']}, 1)} |")  # fmt: skip
+        gold = results["arms"][arm]["main"]["gold_gain"]
+        lines.append(f"| {c} | {k} | {c * k} | {_net_cell(results, arm, 'main')} | "
+                     f"{fmt(gold, 3)} | {_net_cell(results, arm, 'forget')} |")  # fmt: skip
     spread = results["table2"]["am_ppo_sr"]["main"]["per_seed"]
     gold_spread = results["arms"]["am_ppo_sr"]["main"]["gold_gain"]["per_seed"]
     counts = sorted({len(results["table2"][arm]["main"]["per_seed"]) for _, _, arm in rows})

@@ -317,7 +317,7 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
                            "data": data["summary"], "jobs": jobs,
                            "seconds": time.time() - progress.started,
                            "cpu_seconds": cpu_seconds() - cpu_started,
-                           "part_seconds": part_seconds(preset, task_seconds)}  # fmt: skip
+                           "part_seconds": part_seconds(task_seconds)}  # fmt: skip
     write_json(out / "results.json", results)
     write_report(out, results, pairs)
     stages.pack_records(results["settings"], pairs, judgments, rehearsal, out / RECORDS_ARCHIVE)
@@ -389,7 +389,7 @@ def run_task(shared: Shared, task: Task, inputs: dict) -> tuple[object, float]:
     return result, time.time() - started
 
 
-def part_of(preset: Preset, task: Task) -> str:
+def part_of(task: Task) -> str:
     """Which part of the study a task belongs to: "core" (every seed), "extra_rewards",
     "exploratory" or "sweep" (the first seeds)."""
     kind, _, name = task
@@ -400,11 +400,11 @@ def part_of(preset: Preset, task: Task) -> str:
     return "sweep" if name.startswith("am_ppo_sr_c") else "exploratory"
 
 
-def part_seconds(preset: Preset, seconds: dict[Task, float]) -> dict[str, float]:
+def part_seconds(seconds: dict[Task, float]) -> dict[str, float]:
     """Task wall seconds summed by ``part_of`` (with --jobs N, N tasks run at a time)."""
     parts = {}
     for task, value in seconds.items():
-        part = part_of(preset, task)
+        part = part_of(task)
         parts[part] = parts.get(part, 0.0) + value
     return parts
 
