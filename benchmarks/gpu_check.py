@@ -207,7 +207,7 @@ def steps(output: Path) -> list[Step]:
             ],  # fmt: skip
             timeout_s=40,
             planned_s=35,
-            files=["benchmarks/gpu_attention.py", "kernels/triton_alibi_attention.py"],
+            files=["benchmarks/gpu_attention.py", "kernels/fused/triton_alibi_attention.py"],
             dry_run=[[PYTHON, "benchmarks/gpu_attention.py", "--help"]],
         ),
         Step(

@@ -11,7 +11,7 @@ Folders follow the pipeline (see README.md):
   reward/        Reward Model and Advantage Model: losses, training, scoring, calibration
   rehearsal/     Selective Rehearsal curation: embeddings, FAISS k-means, top-k selection
   ppo/           rollout -> score -> advantages -> update, with the rehearsal NLL term
-  kernels        (top-level kernels/) fused log-probs over vocab shards, KL and GAE
+  kernels        (top-level kernels/fused/) fused log-probs over vocab shards, KL, GAE, attention
 """
 
 import warnings
@@ -25,8 +25,11 @@ warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not in
 
 
 def _kernels_from_the_source_tree() -> None:
-    """``megatron_rlhf.kernels`` is the top-level ``kernels/`` folder (setup.py maps it). A source
-    tree that was never installed (a copy of the tree on a GPU machine with PYTHONPATH pointing at
+    """``megatron_rlhf.kernels`` is the folder ``kernels/fused/`` (setup.py maps it). ``kernels/``
+    itself holds no ``__init__.py`` on purpose: a regular package named ``kernels`` at the repo root
+    would hide Hugging Face's ``kernels`` (which transformers imports) from every process started
+    there, while a plain folder never wins over an installed package. A source tree that was never
+    installed (a copy of the tree on a GPU machine with PYTHONPATH pointing at
     it) has no such mapping: there the folder beside this package is found by this finder, placed
     right after Python's path finder, so an installed copy is found first and an editable install
     resolves to the tree this package was imported from."""
@@ -36,7 +39,7 @@ def _kernels_from_the_source_tree() -> None:
     import sys
     from pathlib import Path
 
-    kernels = Path(__file__).resolve().parents[1] / "kernels"
+    kernels = Path(__file__).resolve().parents[1] / "kernels" / "fused"
     if (Path(__file__).parent / "kernels").is_dir() or not (kernels / "__init__.py").is_file():
         return  # an installed copy, or no tree around it
 

@@ -165,7 +165,7 @@ def test_wheelhouse_lock_pins_what_the_bare_image_lacks():
 @pytest.mark.launch  # launches Python
 def test_a_bare_copy_of_the_tree_imports_its_own_kernels(tmp_path):
     """The GPU machine gets a copy of the working tree, not an install: with PYTHONPATH at the
-    copy, ``megatron_rlhf.kernels`` must be the copy's top-level ``kernels/`` (it raised
+    copy, ``megatron_rlhf.kernels`` must be the copy's ``kernels/fused/`` (it raised
     ModuleNotFoundError there, and here an editable install answered with another tree's)."""
     import shutil
 
@@ -182,5 +182,6 @@ def test_a_bare_copy_of_the_tree_imports_its_own_kernels(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [
-        str(tmp_path / "kernels" / "__init__.py"), str(tmp_path / "kernels" / "logprobs.py"),
+        str(tmp_path / "kernels" / "fused" / "__init__.py"),
+        str(tmp_path / "kernels" / "fused" / "logprobs.py"),
     ]  # fmt: skip

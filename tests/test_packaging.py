@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
 
+import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,3 +57,63 @@ def test_torch_range_admits_the_gpu_image_and_ci():
     for version in ("2.11.0", "2.13.0"):
         assert torch.specifier.contains(version), (torch, version)
     assert not torch.specifier.contains("2.10.0")
+
+
+# Run in a fresh interpreter whose working directory is the repo root, as the README's commands
+# are: the current directory is then first on sys.path, so a regular package named `kernels` at
+# the root would be found before Hugging Face's (transformers >= 5.20 imports it).
+_WHICH_KERNELS = """
+import importlib.metadata, pathlib, sys
+import kernels
+import megatron_rlhf.kernels as ours
+print(sys.path[0] in ("", str(pathlib.Path.cwd())))
+print(importlib.metadata.version("kernels"))
+print(pathlib.Path(kernels.__file__ or "<namespace>").resolve())
+print(pathlib.Path(ours.__file__).resolve())
+"""
+
+
+def _hugging_face_kernels_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip('Hugging Face\'s `kernels` is not installed: pip install -e ".[test]"')
+
+
+@pytest.mark.launch  # starts Python in the repo root
+def test_a_process_started_in_the_repo_root_imports_hugging_faces_kernels_and_ours(tmp_path):
+    """`python -m megatron_rlhf demo` from the repo root failed with transformers 5.25 ("cannot
+    import name 'CUDAProperties' from 'kernels' (<repo>/kernels/__init__.py)"): our top-level
+    folder hid the installed package. Both `python -c` and `python -m` put the root first."""
+    version = _hugging_face_kernels_version()
+    (tmp_path / "which_kernels.py").write_text(_WHICH_KERNELS)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))  # after the root: -m finds the probe there
+    for argv in (["-c", _WHICH_KERNELS], ["-m", "which_kernels"]):
+        proc = subprocess.run(
+            [sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr
+        root_first, seen_version, theirs, ours = proc.stdout.split()
+        assert root_first == "True", "the probe did not run with the repo root first on sys.path"
+        assert seen_version == version
+        assert REPO not in Path(theirs).parents, f"`import kernels` found {theirs}, not HF's"
+        assert Path(ours) == REPO / "kernels" / "fused" / "__init__.py" or "site-packages" in ours
+
+
+def test_this_pytest_process_sees_hugging_faces_kernels():
+    """The README's test command runs pytest from the repo root (root on sys.path)."""
+    import importlib.util
+
+    _hugging_face_kernels_version()
+    spec = importlib.util.find_spec("kernels")
+    assert spec is not None and spec.origin not in (None, "namespace"), spec
+    assert REPO not in Path(spec.origin).resolve().parents, spec.origin
+
+
+def test_no_regular_package_at_the_root_shares_a_name_with_an_installed_distribution():
+    """Any root folder with an `__init__.py` is importable under its own name from the root: only
+    our own package may be one (`kernels/`, `tools/`, `tests/`... must not)."""
+    packages = sorted(p.name for p in REPO.iterdir() if (p / "__init__.py").is_file())
+    assert packages == ["megatron_rlhf"], packages

@@ -39,7 +39,7 @@ from dataclasses import dataclass, fields
 from megatron_rlhf.distributed.layouts import Layout
 from megatron_rlhf.planning.shapes import ModelShape, padded_vocab, rank_params
 
-CHUNK_ELEMENTS = 1 << 22  # kernels/logprobs.py: values one step of the PyTorch path holds
+CHUNK_ELEMENTS = 1 << 22  # kernels/fused/logprobs.py: values one step of the PyTorch path holds
 GB = 1e9
 
 
