@@ -34,6 +34,11 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_rlhf.models.bloom import vocab as vocab_layers
 from megatron_rlhf.training.config import OptimConfig
 from megatron_rlhf.training.guards import UPDATE_SKIPPED, step_is_finite
+from megatron_rlhf.training.optimizer_state import (
+    load_optimizer_state,
+    start_adam_state,
+    zero_checkpoint_padding,
+)
 
 
 class TrainEngine:
@@ -45,17 +50,25 @@ class TrainEngine:
         optim: OptimConfig,
         total_steps: int,
         checkpoint_prefix: str = "",
+        *,
+        distributed_optimizer: bool | None = None,
     ):
         """Every collective runs on ``model.pg_collection``, the groups the model was built on
-        (one layout among several, or the launch's only one)."""
+        (one layout among several, or the launch's only one). ``distributed_optimizer``: None
+        picks Megatron-Core's distributed optimizer on GPUs and its plain FP32 one on the CPU;
+        True on the CPU is for tests of the GPU's optimizer code (it needs CUDA-typed
+        parameters, see tests/test_distributed_optimizer.py)."""
         self.module = model
         self.checkpoint_prefix = checkpoint_prefix  # e.g. "critic." when roles share a checkpoint
         self.groups = model.pg_collection
-        self._build(model, optim, total_steps)
+        if distributed_optimizer is None:
+            distributed_optimizer = torch.cuda.is_available()
+        self._build(model, optim, total_steps, distributed_optimizer)
 
-    def _build(self, model, optim: OptimConfig, total_steps: int) -> None:
+    def _build(
+        self, model, optim: OptimConfig, total_steps: int, use_distributed_optimizer: bool
+    ) -> None:
         config = model.config
-        use_distributed_optimizer = torch.cuda.is_available()
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -159,19 +172,19 @@ class TrainEngine:
         a load passes the one the checkpoint was saved in). It is always passed: without it
         Megatron-Core 0.16.1's distributed optimizer picks ``fully_sharded_model_space``,
         whose tensors its own validation refuses, so every GPU save raised."""
+        start_adam_state(self.optimizer)  # MCore's torch-Adam path asserts one step count
         model_state = self.module.sharded_state_dict(prefix=self.checkpoint_prefix)
         metadata = {"distrib_optim_sharding_type": sharding or self.checkpoint_sharding}
-        return {
-            "model": model_state,
-            "optimizer": self.optimizer.sharded_state_dict(
-                model_state, is_loading=is_loading, metadata=metadata
-            ),
-        }
+        optimizer_state = self.optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=metadata
+        )
+        zero_checkpoint_padding(optimizer_state)
+        return {"model": model_state, "optimizer": optimizer_state}
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         prefix = self.checkpoint_prefix
         self.module.load_state_dict({k.removeprefix(prefix): v for k, v in loaded["model"].items()})
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        load_optimizer_state(self.optimizer, loaded["optimizer"])
         fuse_cpu_adam(self.optimizer)  # a loaded state brings its param groups' flags
 
     def scheduler_state(self) -> dict:
