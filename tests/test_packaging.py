@@ -117,3 +117,42 @@ def test_no_regular_package_at_the_root_shares_a_name_with_an_installed_distribu
     our own package may be one (`kernels/`, `tools/`, `tests/`... must not)."""
     packages = sorted(p.name for p in REPO.iterdir() if (p / "__init__.py").is_file())
     assert packages == ["megatron_rlhf"], packages
+
+
+def _locked() -> dict[str, str]:
+    pins = {}
+    for number, line in enumerate((REPO / "constraints.txt").read_text().splitlines(), 1):
+        line = line.split("#")[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and version, f"constraints.txt:{number}: {line!r} is not NAME==VERSION"
+            pins[pep685(name)] = version
+    return pins
+
+
+def test_the_lock_pins_every_requirement_of_both_readme_installs_within_setup_py():
+    """Both README commands install through constraints.txt: every package the `cpu`, `test` and
+    `vllm` installs ask for is pinned there, at a version setup.py admits (refresh with
+    `bash .ci/refresh-lock` after changing a requirement)."""
+    kwargs, locked = setup_arguments(), _locked()
+    wanted = list(kwargs["install_requires"])
+    for extra in ("cpu", "test", "vllm"):
+        wanted += kwargs["extras_require"][extra]
+    for requirement in map(Requirement, wanted):
+        name = pep685(requirement.name)
+        assert name in locked, f"{name} is not in constraints.txt: bash .ci/refresh-lock"
+        assert requirement.specifier.contains(locked[name], prereleases=True), (
+            f"constraints.txt pins {name}=={locked[name]}, outside setup.py's {requirement}"
+        )
+
+
+def test_both_readme_commands_install_through_the_lock():
+    readme = (REPO / "README.md").read_text()
+    commands = [
+        line.strip() for line in readme.splitlines()
+        if line.startswith("    pip install torch==")
+        and ("megatron_rlhf demo" in line or "python -m pytest" in line)
+    ]  # fmt: skip
+    assert len(commands) == 2, commands
+    for command in commands:
+        assert '" -c constraints.txt &&' in command, command
