@@ -353,3 +353,97 @@ def test_microbatch_index_maps_read_what_padded_slicing_read():
         assert torch.equal(grid[mb.prompt_end], sequences[:, p - 1])
         if mb.rehearsal_positions is not None:
             assert mb.targets(mb.rehearsal_positions)[0].tolist() == [7, 6]
+
+
+def _sampler_logprobs_float64(logits, tokens, temperature: float, top_p: float):
+    """log mu (K,) of ``tokens`` (K,) under softmax(logits / T) cut to the top-p nucleus and
+    renormalised, and log softmax(logits / T) of them untruncated (K,), from logits (K, V):
+    float64, the nucleus found by walking each position's tokens from the most likely while
+    the mass before the token is below top_p."""
+    truncated, untruncated = [], []
+    for row, token in zip(logits.double(), tokens.tolist()):
+        probs = torch.softmax(row / temperature, dim=-1)
+        kept, mass = [], 0.0
+        for index in torch.argsort(probs, descending=True).tolist():
+            if mass >= top_p:
+                break
+            kept.append(index)
+            mass += float(probs[index])
+        assert token in kept, "the sampler drew a token outside the nucleus"
+        untruncated.append(math.log(float(probs[token])))
+        truncated.append(untruncated[-1] - math.log(sum(float(probs[i]) for i in kept)))
+    return torch.tensor(truncated), torch.tensor(untruncated)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_behaviour_logprobs_are_the_distribution_sampled_and_pi_old_matches(tmp_path, packed):
+    """mu is what was sampled (issue 48, item 1). At temperature 0.7 and top-p 0.9 our engine
+    records each token's log-prob under softmax(z / T) cut to the nucleus and renormalised;
+    the score stage computes pi_old (the same actor: staleness 0) under the same transform, so
+    pi_old/mu is 1 to 1e-5 on every response token; and pi_old of the PPO ratio and KL reward
+    stays the untruncated softmax at T. References: a float64 softmax of a full forward's
+    logits with the nucleus found by hand. Ragged prompts, rows ending at different steps,
+    padded and packed scoring micro-batches. (Before: mu was log softmax(z) at T = 1 over the
+    whole vocabulary, 0.48 from the reference here, and pi_old/mu ran from 0.93 to 1.46.)"""
+    from dist_bloom_common import ARCH_A
+
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.distributed import destroy, initialize
+    from megatron_rlhf.generation import SamplingConfig, generate
+    from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
+    from megatron_rlhf.ppo.losses import behaviour_correction
+    from megatron_rlhf.ppo.rollout import experience_of
+    from megatron_rlhf.ppo.scoring import score
+
+    temperature, top_p, new = 0.7, 0.9, 8
+    save_random_hf_bloom(tmp_path / "lm", ARCH_A, seed=6)
+    g = torch.Generator().manual_seed(8)
+    lengths, p = [3, 7, 1, 5, 6, 2], 7
+    ids = torch.full((len(lengths), p), 3, dtype=torch.long)
+    prompt_mask = torch.zeros((len(lengths), p), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, p - length :] = torch.randint(4, ARCH_A.vocab_size, (length,), generator=g)
+        prompt_mask[row, p - length :] = 1
+    prompts = {"input_ids": ids, "attention_mask": prompt_mask, "index": torch.arange(6)}
+    sampling = SamplingConfig(
+        max_new_tokens=new, temperature=temperature, top_p=top_p, row_seeds=tuple(range(6)),
+        eos_id=-1,
+    )  # fmt: skip
+    initialize()
+    try:
+        model = load_bloom(tmp_path / "lm").eval()
+        endless = generate(model, ids, prompt_mask, sampling).response_ids
+        sampling.eos_id = int(endless[0, 2])  # row 0 ends at its third token, others later
+        out = generate(model, ids, prompt_mask, sampling)
+        experience = experience_of(
+            prompts, out.response_ids, out.response_mask, out.response_logprobs
+        )
+        scored = score(
+            experience, {"logprobs": model}, "am", temperature, micro_batch_size=4,
+            max_tokens=23 if packed else None, top_p=top_p,
+        )  # fmt: skip
+        with torch.no_grad():
+            logits = model(scored.sequences, scored.attention_mask)  # (B, P + N, V)
+    finally:
+        destroy()
+    real = scored.response_mask.bool()
+    n = real.shape[1]
+    assert len(set(real.sum(dim=1).tolist())) >= 2 and int(real.sum(dim=1).min()) == 3
+    predicting = logits[:, p - 1 : p - 1 + n][real]  # (M, V) the logits of each real token
+    mu_ref, untruncated_ref = _sampler_logprobs_float64(
+        predicting, scored.responses[real], temperature, top_p
+    )
+    assert (untruncated_ref - mu_ref).max() < -1e-3  # the nucleus cut something everywhere
+    assert (scored.rollout_logprobs[real].double() - mu_ref).abs().max() <= 1e-5
+    assert (scored.old_sampler_logprobs[real].double() - mu_ref).abs().max() <= 1e-5
+    assert (scored.logprobs[real].double() - untruncated_ref).abs().max() <= 1e-5
+    ratio = scored.behaviour_log_ratio().exp()
+    assert (ratio[real] - 1).abs().max() <= 1e-5
+    # what ppo.rollout_correction=token_tis and the async weight then apply: 1 at staleness 0
+    weights, metrics = behaviour_correction(
+        scored.sampled_old_logprobs(), scored.rollout_logprobs, scored.response_mask,
+        "token_tis", 2.0,
+    )  # fmt: skip
+    assert (weights[real] - 1).abs().max() <= 1e-5 and abs(metrics["kl_behaviour_old"]) < 1e-9
+    assert (scored.rollout_logprobs[~real] == 0).all()
+    assert (scored.old_sampler_logprobs[~real] == 0).all()

@@ -55,26 +55,37 @@ def test_unknown_config_key(setup, capsys):
     assert "unknown config key ppo.clip" in err
 
 
-def test_rollout_logprobs_at_another_temperature(setup, capsys):
-    err = _fails(setup, capsys, "ppo.old_logprobs=rollout", "rollout.temperature=0.7")
-    assert "ppo.old_logprobs=rollout needs rollout.temperature=1" in err
+def test_rollout_logprobs_as_pi_old_need_the_whole_vocabulary(setup, capsys):
+    """The rollout's log-probs are of the distribution sampled: at top_p < 1 the nucleus
+    renormalised, which the PPO ratio's pi_old is not (refused); at another temperature with
+    top_p = 1 they are pi_old's own (accepted)."""
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.ppo.config import TrainPPOConfig
+    from megatron_rlhf.ppo.setup import validate_config
+
+    err = _fails(setup, capsys, "ppo.old_logprobs=rollout", "rollout.top_p=0.9")
+    assert "ppo.old_logprobs=rollout needs rollout.top_p=1 (it is 0.9)" in err
+    assert "use ppo.old_logprobs=recompute or auto" in err
+    overrides = ["ppo.old_logprobs=rollout", "rollout.temperature=0.7"]
+    validate_config(load_config(TrainPPOConfig, setup["config"], overrides), 1)
 
 
 def test_old_logprobs_auto_reuses_the_rollouts_only_where_they_agree():
     from megatron_rlhf.ppo import config as ppo
     from megatron_rlhf.ppo.train import reuses_rollout_logprobs
 
-    def config(choice, temperature=1.0, bf16=False):
+    def config(choice, temperature=1.0, bf16=False, top_p=1.0):
         return ppo.TrainPPOConfig(
             models=ppo.ModelsConfig(actor="a", critic="c"),
             data=ppo.DataConfig(prompts="p"),
-            rollout=ppo.RolloutConfig(temperature=temperature),
+            rollout=ppo.RolloutConfig(temperature=temperature, top_p=top_p),
             ppo=ppo.PPOConfig(old_logprobs=choice),
             train=ppo.TrainSection(bf16=bf16),
         )
 
-    assert reuses_rollout_logprobs(config("auto"))  # fp32, temperature 1
-    assert not reuses_rollout_logprobs(config("auto", temperature=0.7))
+    assert reuses_rollout_logprobs(config("auto"))  # fp32, the whole vocabulary
+    assert reuses_rollout_logprobs(config("auto", temperature=0.7))  # mu is at T too
+    assert not reuses_rollout_logprobs(config("auto", top_p=0.9))  # mu is the nucleus's
     assert not reuses_rollout_logprobs(config("recompute"))
     assert reuses_rollout_logprobs(config("rollout"))
 
@@ -132,15 +143,17 @@ def test_decode_batch_is_refused_with_rollout_pipeline_stages():
 
 def test_old_logprobs_auto_with_a_rollout_correction_takes_any_engines_logprobs():
     """With a stated correction the update is consistent for mu != pi_old, so auto no longer
-    forces vLLM (or bf16) to recompute pi_old; temperature 1 is still required."""
+    forces vLLM (or bf16) to recompute pi_old; at any temperature (the engines' log-probs are
+    at it: the weights at T = 0.7 are 1 at staleness 0, tests/test_ppo_units.py), but top_p 1
+    is still required (at top_p < 1 mu is the nucleus renormalised, not the ratio's pi_old)."""
     from megatron_rlhf.ppo import config as ppo
     from megatron_rlhf.ppo.train import reuses_rollout_logprobs
 
-    def config(correction, engine="vllm", temperature=1.0, choice="auto"):
+    def config(correction, engine="vllm", temperature=1.0, choice="auto", top_p=1.0):
         return ppo.TrainPPOConfig(
             models=ppo.ModelsConfig(actor="a", critic="c"),
             data=ppo.DataConfig(prompts="p"),
-            rollout=ppo.RolloutConfig(temperature=temperature, engine=engine),
+            rollout=ppo.RolloutConfig(temperature=temperature, engine=engine, top_p=top_p),
             ppo=ppo.PPOConfig(old_logprobs=choice, rollout_correction=correction),
             train=ppo.TrainSection(bf16=False),
         )
@@ -148,7 +161,8 @@ def test_old_logprobs_auto_with_a_rollout_correction_takes_any_engines_logprobs(
     assert not reuses_rollout_logprobs(config("none"))
     assert reuses_rollout_logprobs(config("token_tis"))
     assert reuses_rollout_logprobs(config("seq_tis", engine="megatron"))
-    assert not reuses_rollout_logprobs(config("token_tis", temperature=0.7))
+    assert reuses_rollout_logprobs(config("token_tis", temperature=0.7))
+    assert not reuses_rollout_logprobs(config("token_tis", temperature=0.7, top_p=0.9))
     assert not reuses_rollout_logprobs(config("token_tis", choice="recompute"))
 
 

@@ -7,7 +7,9 @@
 Input lines hold ``{"prompt": str}`` or ``{"prompt_token_ids": [int]}`` (other fields are
 carried through). Output lines add ``response``, ``response_token_ids``, ``finished`` (the
 response ended with EOS rather than at ``--max-new-tokens``) and, with
-``--output-logprobs``, ``response_logprobs``. Prompts are split over data-parallel replicas
+``--output-logprobs``, ``response_logprobs`` (each token's log-prob under the distribution it
+was sampled from: the temperature applied and the top-p nucleus renormalised; with
+``--greedy``, at temperature 1). Prompts are split over data-parallel replicas
 (world size / (tp*pp)); rank 0 writes the output in input order, to a temporary name renamed
 at the end; an existing output is replaced only with ``--overwrite``.
 

@@ -66,7 +66,7 @@ class SamplingConfig:
 class GenerationOutput:
     response_ids: torch.Tensor  # (B, N) generated tokens, pad_id after EOS
     response_mask: torch.Tensor  # (B, N) 1 on generated tokens (EOS included), 0 after
-    response_logprobs: torch.Tensor  # (B, N) log pi(token) at temperature 1, 0 on padding
+    response_logprobs: torch.Tensor  # (B, N) log mu(token): see sampled_logprobs; 0 on padding
 
 
 def _choose(logits: torch.Tensor, sampling: SamplingConfig, uniforms) -> torch.Tensor:
@@ -78,12 +78,48 @@ def _choose(logits: torch.Tensor, sampling: SamplingConfig, uniforms) -> torch.T
     order = None
     if sampling.top_p < 1.0:
         probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= sampling.top_p, 0.0)  # keeps the first
+        probs = _nucleus(probs, sampling.top_p)
     cdf = probs.cumsum(dim=-1)  # (B, V)
     targets = uniforms.to(cdf)[:, None] * cdf[:, -1:]
     picked = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[-1] - 1)
     return picked.squeeze(-1) if order is None else order.gather(-1, picked).squeeze(-1)
+
+
+def _nucleus(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Probabilities sorted in descending order (..., V) with those outside the nucleus set to
+    0: a token stays while the mass of the tokens before it is below ``top_p`` (so the first
+    always stays, and the last kept one is where the mass reaches ``top_p``). vLLM's
+    ``apply_top_k_top_p`` keeps the same set (it drops the tail whose mass is <= 1 - top_p)."""
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    return sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+
+
+def nucleus_log_mass(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """log Z (...,) of full-vocab logits (..., V): the log of the probability mass, at
+    ``temperature``, of the top-p nucleus the sampler draws from (0 when top_p = 1). The
+    sampler's distribution is softmax(logits / T) on the nucleus divided by Z, so
+    ``log mu(a) = log softmax(logits / T)(a) - log Z`` for a token a in it. Computed in fp32 as
+    the sampler computes it, so that a recomputing forward of the same logits finds the same
+    nucleus."""
+    if top_p >= 1.0:
+        return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
+    probs = (logits.float() / temperature).softmax(dim=-1)
+    kept = _nucleus(probs.sort(dim=-1, descending=True).values, top_p)
+    return kept.sum(dim=-1).log()
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingConfig):
+    """log mu (B,) of each row's token under the distribution the sampler drew it from, from
+    full-vocab logits (B, V): softmax(logits / temperature), cut to the top-p nucleus and
+    renormalised (the behaviour policy of PPO's importance weights; the score stage computes
+    pi_old under the same transform, ``ppo/scoring.py``). Greedy: the temperature-1 log-prob
+    (a greedy choice has no sampling distribution; nothing trains on it)."""
+    logits = logits.float()
+    if sampling.greedy:
+        return logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    scaled = (logits / sampling.temperature).log_softmax(dim=-1)
+    logprobs = scaled.gather(-1, tokens[:, None]).squeeze(-1)
+    return logprobs - nucleus_log_mass(logits, sampling.temperature, sampling.top_p)
 
 
 class MicroBatch:
@@ -262,8 +298,8 @@ def split_rows(batch: int, parts: int) -> list[slice]:
 
 
 def choose_for(micro_batch: MicroBatch, logits, uniforms) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token and its temperature-1 log-prob per live row from the last stage's (k, S, V)
-    logits."""
+    """Token and its log-prob under the sampled distribution (:func:`sampled_logprobs`) per
+    live row from the last stage's (k, S, V) logits."""
     rows = None
     if uniforms is not None:
         rows = uniforms[micro_batch.step, micro_batch.rows][micro_batch.live]
@@ -271,11 +307,12 @@ def choose_for(micro_batch: MicroBatch, logits, uniforms) -> tuple[torch.Tensor,
 
 
 def choose_tokens(last, sampling: SamplingConfig, uniforms) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token and its temperature-1 log-prob per row from (k, V) logits and the rows' uniforms
+    """Token and its log-prob under the distribution it was drawn from (temperature, top-p
+    renormalised: :func:`sampled_logprobs`) per row from (k, V) logits and the rows' uniforms
     (k,) (None: greedy)."""
     last = last.float()
     chosen = _choose(last, sampling, uniforms)
-    return chosen, last.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
+    return chosen, sampled_logprobs(last, chosen, sampling)
 
 
 def stage_forward(model, micro_batch: MicroBatch, context, hidden=None):

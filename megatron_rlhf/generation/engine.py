@@ -11,8 +11,9 @@ when every row has ended. Nor is the prompts' left padding computed (``unpadded_
 rows are sorted by prompt length and prefilled in groups, each as wide as its longest prompt
 (``decode.prefill_groups``), writing the same KV-cache columns the padded prefill would; the
 outputs come back in the caller's row order.
-``response_logprobs`` are the log-probabilities of the chosen tokens under the model at
-temperature 1.
+``response_logprobs`` are the log-probabilities of the chosen tokens under the distribution they
+were drawn from (``decode.sampled_logprobs``: the logits at the sampling temperature, cut to the
+top-p nucleus and renormalised): the behaviour policy mu that PPO's importance weights divide by.
 
 Sampling draws one uniform number per (step, row) up front, from a generator seeded with
 ``seed + data-parallel rank`` (or one generator per row, ``row_seeds``), and inverts the row's (top-p filtered) CDF at it: a row's token

@@ -20,8 +20,10 @@ GPUs. Megatron-Core's own inference engines cannot run BLOOM (it has no ALiBi); 
   groups are consecutive ranks, its data-parallel replicas the rest, which is our rollout
   layout's order (TP fastest) at PP = 1.
 - **Same contract as** :func:`megatron_rlhf.generation.generate`: left-padded prompts in,
-  ``GenerationOutput`` out (pad after EOS, EOS in the mask, log-probs at temperature 1: vLLM's
-  ``raw_logprobs``, before temperature and top-p). Each row is its own request with its own
+  ``GenerationOutput`` out (pad after EOS, EOS in the mask, each log-prob that of the sampled
+  token under the distribution it was drawn from: vLLM's ``processed_logprobs`` mode, after
+  temperature and top-p, the nucleus renormalised, as ``decode.sampled_logprobs``; vLLM keeps
+  the same nucleus as ours). Each row is its own request with its own
   seed (``row_seeds``, or seeds drawn from ``seed + dp_rank``), so a row's tokens do not depend
   on the batch. vLLM's sampler draws differently from ours, so sampled tokens differ between
   the engines; greedy tokens agree (tested), and the log-probs of the same tokens agree to
@@ -211,6 +213,9 @@ class VLLMGenerator:
             enforce_eager=not torch.cuda.is_available(),  # CPU: no compile, fast start
             enable_sleep_mode=self.sleeps,
             disable_log_stats=True,
+            # the sampled token's log-prob under the distribution sampled from (temperature,
+            # top-p renormalised), not the raw temperature-1 one: mu of PPO's importance weights
+            logprobs_mode="processed_logprobs",
         )
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
@@ -333,7 +338,7 @@ class VLLMGenerator:
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p,
             seed=None if sampling.greedy else seed,
-            logprobs=0,  # the sampled token's log-prob (raw: temperature 1)
+            logprobs=0,  # the sampled token's log-prob (processed: see the engine's mode)
             stop_token_ids=[sampling.eos_id] if sampling.eos_id >= 0 else None,
             ignore_eos=True,  # EOS is sampling.eos_id only, not the config's
             detokenize=False,

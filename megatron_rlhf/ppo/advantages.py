@@ -65,7 +65,7 @@ def compute_advantages(
     if vtrace_cap is None:
         advantages, returns = gae(rewards, experience.values, mask, gamma, lam)
     else:
-        log_ratio = experience.logprobs - experience.rollout_logprobs  # log pi_old / mu
+        log_ratio = experience.behaviour_log_ratio()  # log pi_old / mu
         advantages, returns = vtrace(
             rewards, experience.values, mask, log_ratio, gamma, lam, rho_bar=vtrace_cap, c_bar=1.0
         )

@@ -63,7 +63,12 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (> 0); log-probs of the update use the same one."""
     top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; 1 samples from the whole vocabulary."""
+    """Nucleus sampling mass in (0, 1]; 1 samples from the whole vocabulary. Both engines
+    record each sampled token's log-prob mu under the distribution it was drawn from (the
+    temperature applied, the nucleus renormalised), and the score stage computes pi_old's for
+    the importance weight pi_old/mu under the same transform, so the weight is 1 at staleness
+    0; the PPO ratio and the KL reward use the untruncated distribution at the temperature
+    (``ppo/scoring.py``: reading)."""
     engine: Literal["megatron", "vllm"] = "megatron"
     """Who generates. megatron: our KV-cached decode over Megatron-Core layers, in the rollout
     layout (``parallel.rollout``). vllm: vLLM (``pip install -e ".[vllm]"``; GPUs:
@@ -131,12 +136,13 @@ class PPOConfig:
     packs beyond it, spread by tokens, as they ride on padded micro-batches."""
     old_logprobs: Literal["auto", "rollout", "recompute"] = "auto"
     """Where log pi_old (the PPO ratio's denominator and the KL term's policy side) comes from.
-    rollout: the log-probs the rollout computed for the tokens it sampled (same weights,
-    temperature 1), as TRL does: no actor forward in scoring (at BLOOM-560m's vocabulary, a
+    rollout: the log-probs the rollout computed for the tokens it sampled (same weights, at
+    rollout.temperature; needs rollout.top_p=1, since at top_p < 1 they are of the nucleus
+    renormalised), as TRL does: no actor forward in scoring (at BLOOM-560m's vocabulary, a
     fifth of a CPU PPO step). recompute: an actor forward over the finished sequences, as
     verl and OpenRLHF do; with bf16 weights a KV-cached decode and a full forward round
     differently (~1e-2 in a log-prob), so only recomputing makes the first ratio exactly 1.
-    auto: rollout when the weights are fp32, rollout.temperature is 1 and rollout.engine is
+    auto: rollout when the weights are fp32, rollout.top_p is 1 and rollout.engine is
     megatron (the two then agree to ~1e-6), else recompute (vLLM's log-probs differ from a
     Megatron forward by up to ~1e-3 on a trained model)."""
     rollout_correction: Literal["none", "token_tis", "seq_tis"] = "none"
@@ -147,9 +153,10 @@ class PPOConfig:
     (ppo.old_logprobs=recompute); with old_logprobs=rollout, pi_old is mu and every weight is
     1: the PPO ratio pi_theta/mu is then itself the importance weight toward the behaviour
     policy (clipped, not truncated). With a correction on, old_logprobs=auto takes the
-    rollout's log-probs for any engine at rollout.temperature 1 (it no longer forces a
-    recompute for vLLM). Logged: rollout/is_weight_mean, is_weight_max, is_capped_fraction,
-    kl_behaviour_old."""
+    rollout's log-probs for any engine at rollout.top_p 1 (it no longer forces a recompute
+    for vLLM). Both sides of pi_old/mu are of the distribution sampled from (temperature,
+    top-p renormalised), so the weights are right at any rollout.temperature and top_p.
+    Logged: rollout/is_weight_mean, is_weight_max, is_capped_fraction, kl_behaviour_old."""
     rollout_correction_cap: float = 2.0
     """Truncation of the importance weights (>= 1)."""
     clip_ratio: float = 0.2

@@ -21,8 +21,13 @@ class Experience:
     response_mask: torch.Tensor  # (B, N) 1 on generated tokens (EOS included)
     prompt_index: torch.Tensor  # (B,) index of each prompt in the prompt dataset
     prompt_length: int  # P, the padded prompt width
-    rollout_logprobs: torch.Tensor | None = None  # (B, N) log pi(a_t|s_t) as sampled, T = 1
-    logprobs: torch.Tensor | None = None  # (B, N) log pi_old(a_t|s_t) of the actor
+    # (B, N) log mu(a_t|s_t): under the distribution the rollout sampled from (temperature,
+    # top-p renormalised; generation/decode.py sampled_logprobs)
+    rollout_logprobs: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None  # (B, N) log pi_old(a_t|s_t) of the actor, at T
+    # (B, N) log pi_old(a_t|s_t) under the sampler's transform (at T, cut to pi_old's top-p
+    # nucleus and renormalised); None where rollout.top_p = 1: it is then ``logprobs``
+    old_sampler_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None  # (B, N) log pi_ref(a_t|s_t)
     values: torch.Tensor | None = None  # (B, N) critic V(s_t)
     scores: torch.Tensor | None = None  # (B,) AM advantage a(x, y) or RM reward r(x, y)
@@ -37,6 +42,17 @@ class Experience:
     @property
     def responses(self) -> torch.Tensor:  # (B, N)
         return self.sequences[:, self.prompt_length :]
+
+    def sampled_old_logprobs(self) -> torch.Tensor:
+        """(B, N) log pi_old(a_t|s_t) under the sampler's transform, comparable with
+        ``rollout_logprobs`` (mu): so pi_old/mu is 1 (to rounding) when the rollout's actor is
+        pi_old. It is the numerator of the importance weight toward the behaviour policy (the
+        decoupled objective, V-trace, the KL metric on stale samples)."""
+        return self.logprobs if self.old_sampler_logprobs is None else self.old_sampler_logprobs
+
+    def behaviour_log_ratio(self) -> torch.Tensor:
+        """(B, N) log pi_old/mu of each token (:meth:`sampled_old_logprobs`)."""
+        return self.sampled_old_logprobs() - self.rollout_logprobs
 
     def select(self, rows: torch.Tensor) -> Experience:
         """The experience of the given rows (for minibatches)."""

@@ -68,11 +68,11 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
     budget = config.ppo.max_tokens_per_micro_batch
     if budget is not None and budget < 1:
         problems.append(f"ppo.max_tokens_per_micro_batch={budget} must be >= 1 (or null)")
-    if config.ppo.old_logprobs == "rollout" and config.rollout.temperature != 1.0:
+    if config.ppo.old_logprobs == "rollout" and config.rollout.top_p < 1.0:
         problems.append(
-            f"ppo.old_logprobs=rollout needs rollout.temperature=1 (it is "
-            f"{config.rollout.temperature}): the rollout's log-probs are at temperature 1; "
-            "use ppo.old_logprobs=recompute or auto"
+            f"ppo.old_logprobs=rollout needs rollout.top_p=1 (it is {config.rollout.top_p}): "
+            "the rollout's log-probs are of the top-p nucleus renormalised, which the PPO "
+            "ratio's pi_old is not; use ppo.old_logprobs=recompute or auto"
         )
     correction = config.ppo.rollout_correction
     if correction not in ROLLOUT_CORRECTIONS:

@@ -175,6 +175,7 @@ class PPOTrainer:
             config.ppo.micro_batch_size,
             self.reward_fn,
             max_tokens=self.token_budget(experience),
+            top_p=config.rollout.top_p,
         )
         timings["score"], t0 = time.time() - t0, time.time()
         experience.is_weights, correction = self.behaviour_correction(experience)
@@ -247,9 +248,12 @@ class PPOTrainer:
         min(pi_old/mu, async.is_cap) per token (per sequence with
         ppo.rollout_correction=seq_tis), pi_old the current actor and mu the generating one;
         async.is_cap=0 applies none, and the metrics then describe the raw ratios (async/*,
-        with the staleness)."""
+        with the staleness). Both sides of pi_old/mu are under the sampler's transform
+        (temperature, top-p renormalised: ``Experience.sampled_old_logprobs``), so the weights
+        are 1 at staleness 0 whatever rollout.temperature and rollout.top_p."""
         ppo, section = self.config.ppo, self.config.async_
-        old, mu, mask = experience.logprobs, experience.rollout_logprobs, experience.response_mask
+        old, mu = experience.sampled_old_logprobs(), experience.rollout_logprobs
+        mask = experience.response_mask
         if section.max_staleness == 0:
             weights, metrics = behaviour_correction(
                 old, mu, mask, ppo.rollout_correction, ppo.rollout_correction_cap
@@ -343,7 +347,7 @@ class PPOTrainer:
                 experience.values, experience.returns, mask
             )
         if self.config.async_.max_staleness == 0:  # else async/kl_behaviour_current
-            metrics |= self.old_logprobs.gap(experience, self.config.rollout.temperature)
+            metrics |= self.old_logprobs.gap(experience)
         metrics |= {f"time/{stage}_s": seconds for stage, seconds in timings.items()}
         if experience.generate_s is not None:  # disaggregated: generated beside the update
             metrics["rollout/generate_s"] = experience.generate_s
@@ -458,20 +462,24 @@ class PPOTrainer:
 
 def reuses_rollout_logprobs(config) -> bool:
     """Whether log pi_old is the rollout's own (``ppo.old_logprobs``; auto: our engine with fp32
-    weights at temperature 1, where a recomputing forward agrees to rounding; vLLM's kernels
-    round differently, by up to ~1e-3 in a log-prob on a trained model, so auto recomputes,
-    unless ``ppo.rollout_correction`` is on: then any engine's at temperature 1). Never with
+    weights and ``rollout.top_p`` = 1, where a recomputing forward agrees to rounding; vLLM's
+    kernels round differently, by up to ~1e-3 in a log-prob on a trained model, so auto
+    recomputes, unless ``ppo.rollout_correction`` is on: then any engine's at top_p = 1).
+    The rollout's log-probs are of the distribution it sampled: at the temperature (so any
+    temperature will do) but, at top_p < 1, cut to the nucleus and renormalised, which the PPO
+    ratio's pi_old must not be (``scoring.reading``): then pi_old is recomputed. Never with
     ``async.max_staleness`` >= 1: the rollout's are the older actor's, the behaviour policy."""
     choice = config.ppo.old_logprobs
     if config.async_.max_staleness > 0:
         return False
+    untruncated = config.rollout.top_p >= 1.0
     if choice == "auto" and config.ppo.rollout_correction != "none":
         # the update corrects for mu != pi_old: no recompute is needed to be consistent
-        return config.rollout.temperature == 1.0
+        return untruncated
     if choice == "auto":
         fp32 = not use_bf16(config.train.bf16, "train.bf16")
         ours = config.rollout.engine == "megatron"
-        return ours and fp32 and config.rollout.temperature == 1.0
+        return ours and fp32 and untruncated
     return choice == "rollout"
 
 
@@ -491,15 +499,15 @@ class OldLogprobs:
         """{field: Role} that the score stage needs for log pi_old: the actor, or none."""
         return {} if self.from_rollout else {"logprobs": actor}
 
-    def gap(self, experience, temperature: float) -> dict:
+    def gap(self, experience) -> dict:
         """How far the rollout's log-probs are from the actor's own forward over the same
-        tokens (recomputed, both at temperature 1): rounding (~1e-6 with our engine in fp32,
-        ~1e-3 with vLLM on a sharp model); far more means the generating weights are not the
-        actor's."""
-        if self.from_rollout or experience.logprobs is None or temperature != 1.0:
+        tokens (recomputed; both under the sampler's transform: temperature, top-p
+        renormalised): rounding (~1e-6 with our engine in fp32, ~1e-3 with vLLM on a sharp
+        model); far more means the generating weights, or the sampler, are not the actor's."""
+        if self.from_rollout or experience.logprobs is None:
             return {}
         mask = experience.response_mask
-        gap = (experience.rollout_logprobs - experience.logprobs).abs() * mask
+        gap = experience.behaviour_log_ratio().abs() * mask
         return {
             "rollout/logprob_diff_max": gap.max().item(),
             "rollout/logprob_diff_mean": (gap.sum() / mask.sum().clamp(min=1)).item(),
