@@ -169,6 +169,50 @@ def test_vtrace_targets_on_behaviour_samples_learn_the_target_policys_value():
     assert (plain - v_pi).abs().max() > 0.5
 
 
+def test_kl_metric_on_stale_samples_is_weighted_k3_and_never_negative():
+    """Issue 48, item 3. Tokens sampled by a behaviour policy mu that favours the tokens the
+    reference likes more than pi_old does: the mean of the reward's k1 (log pi_old - log
+    pi_ref) on them estimates KL(mu || ref) - KL(mu || pi_old) and is negative here, while
+    ``importance_weighted_kl`` (k3 weighted by pi_old/mu, self-normalised, times the mean
+    response length) equals its float64 loop, is >= 0, and estimates the exact KL(pi_old ||
+    ref) of the distributions (closed form) per sequence; at w = 1 it is the plain k3 mean.
+    Ragged mask (rows of 0 to 6 tokens)."""
+    from megatron_rlhf.ppo.advantages import importance_weighted_kl
+
+    g = torch.Generator().manual_seed(11)
+    vocab, batch, length = 8, 600, 6
+    theta = torch.randn(vocab, generator=g, dtype=torch.float64)
+    pi_old = torch.softmax(theta, 0)
+    ref = torch.softmax(theta + 0.8 * torch.randn(vocab, generator=g, dtype=torch.float64), 0)
+    mu = torch.softmax(theta + 2.0 * (ref.log() - pi_old.log()), 0)  # tilted toward ref/pi_old
+    tokens = torch.multinomial(mu, batch * length, replacement=True, generator=g)
+    tokens = tokens.view(batch, length)
+    lengths = torch.randint(0, length + 1, (batch,), generator=g)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).float()
+    logprobs, ref_logprobs = pi_old.log()[tokens].float(), ref.log()[tokens].float()
+    log_weights = (pi_old.log() - mu.log())[tokens].float()
+    k1 = float(((logprobs - ref_logprobs).double() * mask).sum()) / batch
+    assert k1 < -0.1  # the raw estimate on mu's samples: negative
+    kl = importance_weighted_kl(logprobs, ref_logprobs, log_weights, mask)
+    weighted, weights = 0.0, 0.0
+    for b in range(batch):
+        for t in range(int(lengths[b])):
+            r = math.exp(float(ref_logprobs[b, t]) - float(logprobs[b, t]))
+            w = math.exp(float(log_weights[b, t]))
+            weighted += w * (r - 1 - math.log(r))
+            weights += w
+    tokens_per_row = float(mask.sum()) / batch
+    assert kl == pytest.approx(weighted / weights * tokens_per_row, rel=1e-9)
+    assert kl >= 0
+    exact = float((pi_old * (pi_old.log() - ref.log())).sum()) * tokens_per_row
+    assert kl == pytest.approx(exact, rel=0.1), (kl, exact, k1)
+    unweighted = importance_weighted_kl(logprobs, ref_logprobs, torch.zeros_like(mask), mask)
+    log_r = (ref_logprobs - logprobs).double()[mask.bool()]
+    plain = float((log_r.exp() - 1 - log_r).mean()) * tokens_per_row
+    assert unweighted == pytest.approx(plain, rel=1e-9)
+    assert importance_weighted_kl(logprobs, ref_logprobs, log_weights, mask * 0) == 0.0
+
+
 def _experience(rows: int, seed: int):
     from megatron_rlhf.ppo.experience import Experience
 
@@ -319,6 +363,19 @@ def test_stale_rollouts_are_corrected_and_the_first_step_is_the_synchronous_one(
     for row in stale_run[1:]:
         assert row["async/kl_behaviour_current"] > 1e-3
         assert row["async/is_weight_max"] <= 2.0 and row["async/is_weight_mean"] != 1.0
+
+
+def test_kl_metric_of_stale_steps_is_weighted_and_never_negative(sync_run, stale_run):
+    """The stale run's steps 2-12 (1 and 2 steps stale) log ``kl/mean`` as the
+    importance-weighted k3 (>= 0; the controller observes the same value) and the raw k1 on
+    mu's samples beside it as ``kl/k1_behaviour``, which differs from it; step 1 (staleness 0)
+    keeps the synchronous estimator and logs no ``kl/k1_behaviour``, like every synchronous
+    step (its ``kl/mean`` equals the synchronous run's: the test above)."""
+    assert not any("kl/k1_behaviour" in row for row in sync_run)
+    assert "kl/k1_behaviour" not in stale_run[0]
+    for row in stale_run[1:]:
+        assert row["kl/mean"] >= 0, (row["step"], row["kl/mean"])
+        assert row["kl/k1_behaviour"] != row["kl/mean"], row["step"]
 
 
 def test_stale_run_stopped_mid_run_resumes_exactly(setup, stale_run):

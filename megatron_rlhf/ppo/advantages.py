@@ -76,6 +76,36 @@ def compute_advantages(
     return experience
 
 
+def importance_weighted_kl(
+    logprobs: torch.Tensor,  # (B, T) log pi_old(a_t|x_t)
+    ref_logprobs: torch.Tensor,  # (B, T) log pi_ref(a_t|x_t)
+    log_weights: torch.Tensor,  # (B, T) log pi_old/mu of the tokens (mu: who sampled them)
+    mask: torch.Tensor,  # (B, T) response mask
+) -> float:
+    """KL(pi_old || pi_ref) per sequence, estimated on tokens sampled by a behaviour policy mu:
+    Schulman's k3, ``k3_t = r_t - 1 - log r_t`` with ``r_t = pi_ref/pi_old``, weighted by
+    ``w_t = pi_old/mu`` and self-normalised over the batch's response tokens,
+    ``sum w k3 / sum w``, times the mean response length (tokens / rows), the per-sequence
+    unit of ``kl/mean`` and of the adaptive controller's target.
+
+    Why not the mean of the reward's k1, ``log pi_old - log pi_ref``, as on fresh samples: on
+    mu's samples its expectation is KL(mu || pi_ref) - KL(mu || pi_old), which goes negative
+    on stale batches. k3 >= 0 for every token, and so is any weighted mean of it; the weights
+    make it an estimate under pi_old of the states mu visited (self-normalising trades a small
+    bias for bounded variance). At w = 1 (staleness 0) it is the plain token mean of k3:
+    unbiased, like k1, and never negative. Weights are computed relative to the largest, so
+    that no exp overflows; the self-normalisation cancels the shift. float64 throughout."""
+    m = (mask != 0).double()
+    log_w = log_weights.double().masked_fill(m == 0, float("-inf"))
+    if not bool(m.any()):
+        return 0.0
+    w = (log_w - log_w.max()).exp() * m
+    log_r = (ref_logprobs.double() - logprobs.double()) * m
+    k3 = torch.expm1(log_r) - log_r
+    per_token = float((w * k3).sum() / w.sum())
+    return per_token * float(m.sum()) / mask.shape[0]
+
+
 def vtrace(
     rewards: torch.Tensor,  # (B, T) r_t
     values: torch.Tensor,  # (B, T) V(x_t), the current critic's

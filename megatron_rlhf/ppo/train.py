@@ -36,7 +36,12 @@ from megatron_rlhf.config import load_config, to_dict
 from megatron_rlhf.distributed import destroy
 from megatron_rlhf.distributed.handoff import dp_shard
 from megatron_rlhf.generation import SamplingConfig
-from megatron_rlhf.ppo.advantages import compute_advantages, global_mean_var, global_moments
+from megatron_rlhf.ppo.advantages import (
+    compute_advantages,
+    global_mean_var,
+    global_moments,
+    importance_weighted_kl,
+)
 from megatron_rlhf.ppo.config import TrainPPOConfig
 from megatron_rlhf.ppo.control import KLController, RewardNormalizer
 from megatron_rlhf.ppo.losses import behaviour_correction, explained_variance
@@ -203,7 +208,7 @@ class PPOTrainer:
                 max_tokens=self.token_budget(experience),
             )
             timings["update"] = time.time() - t0
-            self.kl.update(*observed_kl(experience))
+            self.kl.update(*observed_kl(experience, self.is_stale(experience)))
         metrics |= self.rollout_metrics(experience, timings)
         metrics |= self.sync_metrics(sync_s)
         metrics |= correction
@@ -265,6 +270,13 @@ class PPOTrainer:
         metrics = {f"async/{key}": value for key, value in metrics.items()}
         metrics |= staleness_metrics(experience, self.step)
         return (weights if section.is_cap else None), metrics
+
+    def is_stale(self, experience) -> bool:
+        """Whether an actor older than this step's generated some row of ``experience`` (its
+        tokens were sampled by mu, not by pi_old)."""
+        if self.config.async_.max_staleness == 0 or experience.policy_version is None:
+            return False
+        return bool((experience.policy_version < self.step).any())
 
     def vtrace_cap(self) -> float | None:
         """V-trace's rho_bar (``async.value_targets=vtrace``; its c_bar is 1), or None for
@@ -342,7 +354,10 @@ class PPOTrainer:
             "kl/coef": self.kl.coef,
         }
         if experience.kl is not None:
-            metrics["kl/mean"] = observed_kl(experience)[0]
+            stale = self.is_stale(experience)
+            metrics["kl/mean"] = observed_kl(experience, stale)[0]
+            if stale:
+                metrics["kl/k1_behaviour"] = behaviour_k1(experience)
             metrics["critic/explained_variance"] = explained_variance(
                 experience.values, experience.returns, mask
             )
@@ -514,8 +529,32 @@ class OldLogprobs:
         }
 
 
-def observed_kl(experience) -> tuple[float, int]:
-    """What the adaptive KL controller observes in one step: the mean per-sequence KL (summed
-    over tokens) over the global batch (every rank holds it) and the number of rollouts."""
+def observed_kl(experience, stale: bool = False) -> tuple[float, int]:
+    """What the adaptive KL controller observes in one step (and ``kl/mean`` logs): the mean
+    per-sequence KL (summed over tokens) over the global batch (every rank holds it) and the
+    number of rollouts.
+
+    A batch sampled by the actor being trained (``stale`` False: synchronous, or staleness 0)
+    gives the mean of the reward's own per-token estimate (``ppo.kl.estimator``), unbiased for
+    KL(pi_old || pi_ref) on pi_old's samples. A stale batch was sampled by an older actor mu,
+    on whose samples that mean estimates KL(mu || ref) - KL(mu || pi_old) and goes negative;
+    it gives the importance-weighted, self-normalised k3 instead
+    (:func:`~megatron_rlhf.ppo.advantages.importance_weighted_kl`, never negative). Only stale
+    batches switch, so a synchronous run's controller and metrics are what they were; at
+    staleness 0 the two estimate the same KL."""
+    if stale:
+        kl = importance_weighted_kl(
+            experience.logprobs, experience.ref_logprobs, experience.behaviour_log_ratio(),
+            experience.response_mask,
+        )  # fmt: skip
+        return kl, experience.response_mask.shape[0]
     mean, _, count = global_moments(experience.kl.sum(dim=1), None)
     return mean, count
+
+
+def behaviour_k1(experience) -> float:
+    """The mean per-sequence sum of k1 = log pi_old - log pi_ref over the batch's tokens as
+    sampled (``kl/k1_behaviour``): on a stale batch, the raw value :func:`observed_kl`
+    replaces, logged so that the two can be compared."""
+    k1 = (experience.logprobs - experience.ref_logprobs).double() * experience.response_mask
+    return global_moments(k1.sum(dim=1), None)[0]
