@@ -35,8 +35,10 @@ from outside keeps what it did):
                   80 x 80 GB, beside the measurements
 A check whose optional package is missing reports "not on this machine", neither a pass nor a
 failure; with the full stack installed (``pip install -e ".[gpu-cu13]"``, vLLM) every check runs.
-Each step runs in a process group of its own, killed whole at its limit (torchrun workers and
-the first run's children included). Transformer Engine logs the attention backend it selects
+Each step runs in a process group of its own; at its limit it, its group and every process
+below it (torchrun's workers start sessions of their own) get SIGTERM, then SIGKILL after the
+step's grace; gpu_check adopts orphans (a child subreaper) and ends whatever a step left behind
+before the next one starts. Transformer Engine logs the attention backend it selects
 (``NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2``); those lines go into ``summary.json``.
 
 Multi-GPU checks need a machine with >= 4 GPUs and are not part of the one-GPU run
@@ -56,6 +58,7 @@ tree within the 64 MiB carried.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -67,7 +70,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(1, str(REPO))  # the tree's megatron_rlhf: the device gets a copy, not an install
+from megatron_rlhf.runtime.processes import (  # noqa: E402
+    become_subreaper,
+    descendants,
+    die_with_parent,
+    end_tree,
+)
+
 PYTHON = sys.executable
+TERM_GRACE_S = 10  # SIGTERM to SIGKILL, for a step past its limit
+TORCHRUN_GRACE_S = 35  # torchrun waits up to 30 s for its workers after a SIGTERM
 SCALING_ARGS = [
     "--sizes", "bloom-560m", "--layouts", "1x1", "--nproc", "1",
     "--micro-batch", "4", "--prompt-len", "512", "--response-len", "128", "--microbatches", "2",
@@ -133,6 +146,8 @@ class Step:
     the plans add up to at most PLANNED_BUDGET_S."""
     files: list[str]
     """Repository files it needs."""
+    grace_s: int = TERM_GRACE_S
+    """From SIGTERM to SIGKILL when it passes its limit (part of the worst case)."""
     dry_run: list[list[str]] = field(default_factory=list)
     """Commands that check it on the CPU (help texts, collection, validation)."""
 
@@ -222,6 +237,7 @@ def steps(output: Path) -> list[Step]:
             ],  # fmt: skip
             timeout_s=60,
             planned_s=45,
+            grace_s=TORCHRUN_GRACE_S,
             files=["tools/scaling_study.py", "megatron_rlhf/planning/tools/study.py"],
             dry_run=[
                 [PYTHON, "tools/scaling_study.py", "--help"],
@@ -264,24 +280,37 @@ def multi_gpu_steps() -> list[Step]:
 
 
 def run_in_process_group(
-    command: list[str], timeout_s: float, *, cwd=None, env=None, log: Path | None = None
+    command: list[str],
+    timeout_s: float,
+    *,
+    cwd=None,
+    env=None,
+    log: Path | None = None,
+    nested: bool = False,
+    grace_s: float = TERM_GRACE_S,
 ) -> tuple[int, str]:
-    """Run ``command`` in a new session (its own process group) and return (exit code, output).
+    """Run ``command`` and return (exit code, output); at ``timeout_s`` end it and every process
+    below it. A timeout returns 124. Output goes to ``log`` when given (and is returned empty),
+    else it is captured and returned.
 
-    At ``timeout_s`` the whole group gets SIGTERM, then SIGKILL 10 s later: children it started
-    (torchrun workers, a conversion, a train-ppo child) die with it instead of holding the GPU.
-    A timeout returns 124. Output goes to ``log`` when given (and is returned empty), else it is
-    captured and returned."""
+    gpu_check's steps run in a session of their own (one process group), so the group's signal
+    reaches every member. A step's own children (``nested``: first_run's ppo_step, DeepSpeed and
+    convert children) stay in the step's group, where that signal reaches them too (in sessions of
+    their own they outlived a killed step, holding the GPU). Each process started here dies with
+    its parent (PR_SET_PDEATHSIG), as its own watchdog died with that parent. Processes that leave
+    the group anyway (torchrun starts each worker in a session of its own) are found in /proc:
+    at the limit all of them get SIGTERM at once, and SIGKILL ``grace_s`` later (torchrun waits
+    up to 30 s for its workers before killing them itself)."""
     handle = open(log, "w", encoding="utf-8") if log is not None else subprocess.PIPE
     proc = subprocess.Popen(
         command, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        start_new_session=not nested, preexec_fn=die_with_parent,
     )  # fmt: skip
     try:
         output, _ = proc.communicate(timeout=timeout_s)
         rc = proc.returncode
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        _end(proc, grace_s, own_group=not nested)
         output, _ = proc.communicate()
         rc = 124
     finally:
@@ -290,17 +319,18 @@ def run_in_process_group(
     return rc, output or ""
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def _end(proc: subprocess.Popen, grace_s: float, own_group: bool) -> None:
+    """SIGTERM to ``proc``, its group (when it is its own) and its descendants; SIGKILL to what
+    is left after ``grace_s``. The tree is read before the first signal: a parent that dies
+    first hands its children to init, out of reach."""
+    tree = [proc.pid, *descendants(proc.pid)]
+    if own_group:  # members that /proc shows under another parent, or not yet
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    end_tree(proc.pid, grace_s, also=tree)
+    if own_group:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------- the stack
@@ -498,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA GPU here; run with --dry-run on a CPU machine", file=sys.stderr)
         return 2
     output.mkdir(parents=True, exist_ok=True)
+    become_subreaper()  # orphans of a step (a detached worker) stay ours to end after it
     site = site_dir(output)
     path = [str(site), str(REPO), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), **TE_DEBUG_ENV)
@@ -532,7 +563,10 @@ def main(argv: list[str] | None = None) -> int:
 def run(step: Step, output: Path, env: dict) -> dict:
     start = time.time()
     log = output / f"{step.name}.log"
-    rc, _ = run_in_process_group(step.command, step.timeout_s, cwd=REPO, env=env, log=log)
+    rc, _ = run_in_process_group(
+        step.command, step.timeout_s, cwd=REPO, env=env, log=log, grace_s=step.grace_s
+    )
+    end_tree(os.getpid(), step.grace_s, reap=True)  # anything the step left, however detached
     text = log.read_text(errors="replace")
     if step.name == "plan" and rc == 0:  # keep the plan's JSON as a file of its own
         (output / "plan_176b_80gpus.json").write_text(text.split("\n[plan_parallelism]")[0])
@@ -564,6 +598,7 @@ def dry_run(step: Step, output: Path, env: dict) -> dict:
             handle.write("$ " + " ".join(command) + "\n")
             handle.flush()
             rc, text = run_in_process_group(command, 300, cwd=REPO, env=env)
+            end_tree(os.getpid(), TERM_GRACE_S, reap=True)
             handle.write(text)
             if rc != 0:
                 problems.append(f"{' '.join(command[:3])}... exited {rc}")

@@ -459,7 +459,7 @@ def check_megatron_to_hf(run: Run) -> dict:
     rc, output = run_in_process_group(
         [sys.executable, "tools/convert_checkpoint.py", "megatron-to-hf",
          "--load", str(run.checkpoint), "--save", str(hf_out)],
-        timeout_s=CHILD_TIMEOUT_S, cwd=REPO, env=child_env(),
+        timeout_s=CHILD_TIMEOUT_S, cwd=REPO, env=child_env(), nested=True,
     )  # fmt: skip
     if rc != 0:
         raise AssertionError(f"megatron-to-hf exited {rc}: {output[-2000:]}")
@@ -537,7 +537,9 @@ def child(run: Run, name: str) -> dict:
     command = [sys.executable, __file__, "--child", name, "--output-dir", str(run.work)]
     if run.cpu:
         command.append("--cpu")
-    rc, output = run_in_process_group(command, CHILD_TIMEOUT_S, cwd=REPO, env=child_env())
+    rc, output = run_in_process_group(
+        command, CHILD_TIMEOUT_S, cwd=REPO, env=child_env(), nested=True
+    )
     if not record.exists():
         raise AssertionError(f"{name} child exited {rc}: {output[-3000:]}")
     result = json.loads(record.read_text())

@@ -115,29 +115,65 @@ def test_gpu_stack_problems_name_what_to_fix():
     assert both == ["faiss-cpu and faiss-gpu are both installed (both provide `faiss`)"]
 
 
-@pytest.mark.launch  # launches Python
-def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path):
-    """A step's children (torchrun workers, a train-ppo child) must not outlive its time limit
-    holding the GPU: the whole process group goes."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from gpu_check import run_in_process_group
+# A step like first_run: it runs a child the way first_run does (nested), and that child starts a
+# grandchild in a session of its own (as torchrun starts its workers); each writes its pid.
+NESTED_STEP = """
+import subprocess, sys, time
+sys.path.insert(0, {benchmarks!r})
+from gpu_check import run_in_process_group
+grandchild = "import os, time; open({pids!r} + '/grandchild', 'w').write(str(os.getpid())); time.sleep(120)"
+child = (
+    "import os, subprocess, sys, time\\n"
+    f"open({pids!r} + '/child', 'w').write(str(os.getpid()))\\n"
+    f"subprocess.Popen([sys.executable, '-c', {{grandchild!r}}], start_new_session=True)\\n"
+    "time.sleep(120)\\n"
+)
+open({pids!r} + "/step", "w").write(str(__import__("os").getpid()))
+run_in_process_group([sys.executable, "-c", child], 300, nested=True)
+"""
+# A torchrun worker that takes 20 s to stop after SIGTERM (a CUDA or NCCL teardown): torchrun
+# waits for it, and a launcher SIGKILLed before then leaves it running in its own session.
+TORCHRUN_WORKER = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep(20), sys.exit(1)))
+open(sys.argv[1] + "/worker", "w").write(str(os.getpid()))
+time.sleep(120)
+"""
 
-    pid_file = tmp_path / "child.pid"
-    parent = (
-        "import subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
-        "time.sleep(60)\n"
-    )
+
+@pytest.mark.launch(ranks=1)  # launches Python, and torchrun with one worker
+@pytest.mark.parametrize("kind", ["nested", "torchrun"])
+def test_a_step_past_its_limit_leaves_no_process(tmp_path, kind):
+    """A step's children must not outlive its limit holding the GPU. first_run's children ran in
+    sessions of their own and torchrun's workers do, so killing the step's process group missed
+    them; and torchrun was SIGKILLed 10 s after SIGTERM while it waits up to 30 s for its
+    workers. Here a step times out with a grandchild in another session (or a torchrun worker
+    that takes 20 s to stop) alive, and afterwards none of its processes is running."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_check import TORCHRUN_GRACE_S, run_in_process_group
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    if kind == "nested":
+        step = NESTED_STEP.format(benchmarks=str(REPO / "benchmarks"), pids=str(pids))
+        command, expected, limit = [sys.executable, "-c", step], {"step", "child", "grandchild"}, 8
+    else:
+        worker = tmp_path / "worker.py"
+        worker.write_text(TORCHRUN_WORKER)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "1", str(worker), str(pids)]  # fmt: skip
+        expected, limit = {"worker"}, 15
     start = time.monotonic()
-    rc, _ = run_in_process_group([sys.executable, "-c", parent], 3, log=tmp_path / "log")
-    assert rc == 124 and time.monotonic() - start < 30
-    child = int(pid_file.read_text())
-    for _ in range(50):  # reaped by init shortly after the kill
-        if not Path(f"/proc/{child}").exists() or "Z" in _proc_state(child):
+    rc, _ = run_in_process_group(command, limit, log=tmp_path / "log", grace_s=TORCHRUN_GRACE_S)
+    assert rc == 124
+    started = {path.name: int(path.read_text()) for path in pids.iterdir()}
+    assert set(started) == expected, f"not all started within {limit} s: {started}"
+    for _ in range(50):  # orphans are reaped by init shortly after
+        if all(_proc_state(pid) == "Z" for pid in started.values()):
             break
         time.sleep(0.1)
-    assert not Path(f"/proc/{child}").exists() or "Z" in _proc_state(child)
+    assert {name: _proc_state(pid) for name, pid in started.items()} == dict.fromkeys(started, "Z")
+    assert time.monotonic() - start < limit + TORCHRUN_GRACE_S
 
 
 def _proc_state(pid: int) -> str:

@@ -8,14 +8,91 @@ import os
 import signal
 import sys
 import threading
+import time
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def die_with_parent() -> None:
     """In a forked child: have the kernel SIGKILL it when its parent dies (Linux)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def become_subreaper() -> bool:
+    """Make this process the one that orphans below it are re-parented to (Linux), instead of
+    init: a grandchild whose parent died, or one that started a session of its own (torchrun's
+    workers do), stays among :func:`descendants` of this process, so a supervisor can find and
+    end it. It must then reap them (:func:`end_tree` does). Returns whether it took effect."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, their children, ...), read from /proc; empty
+    where there is no /proc. Sessions and process groups do not matter, parenthood does."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while being read
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def end_tree(pid: int, grace_s: float, *, also: list[int] = (), reap: bool = False) -> None:
+    """End ``pid``'s descendants (not ``pid`` itself) and the processes ``also`` names: SIGTERM to
+    all of them at once, then, after up to ``grace_s``, SIGKILL to whatever is still running.
+    SIGTERM first so that a launcher such as torchrun can stop its workers and the workers can
+    free the GPU cleanly; all at once so that nobody's grace waits on someone else's. ``reap``:
+    collect the exit status of this process's ended children, for a subreaper
+    (:func:`become_subreaper`) that has no other children whose status someone else awaits (a
+    ``subprocess.Popen`` it still holds would lose its return code)."""
+    found = [*also, *descendants(pid)]
+    _signal_all(found, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(_alive(p) for p in found) and time.monotonic() < deadline:
+        if reap:
+            _reap()
+        time.sleep(0.05)
+    _signal_all([p for p in [*found, *descendants(pid)] if _alive(p)], signal.SIGKILL)
+    for _ in range(100):
+        if reap:
+            _reap()
+        if not any(_alive(p) for p in found):
+            return
+        time.sleep(0.05)
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by its parent, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _reap() -> None:
+    """Collect the exit status of this process's ended children (orphans it adopted)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
 
 
 _forks_die_with_parent = threading.local()
