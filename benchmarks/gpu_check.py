@@ -5,16 +5,19 @@ The machine this project is lent is a bare CUDA image: Python 3.12, torch 2.11 (
 64 MiB carried with the working tree. So the run brings its own wheels:
 
     python benchmarks/gpu_wheelhouse.py --build              # here: .whl/ (git-ignored), ~8 MB
-    python3 benchmarks/gpu_check.py --output-dir /tmp/gpu_check --bundle results/gpu_check.tar.gz
-                                                             # there, with .whl carried
+    python3 benchmarks/gpu_check.py --output-dir /tmp/gpu_check --bundle "$OUT/gpu_check.tar.gz"
+                                              # there, with .whl carried; the device returns $OUT
     python benchmarks/gpu_check.py --dry-run --output-dir /tmp/gpu_check_dry   # CPU: the plan
 
 Steps, in this order (each with a time limit and a planned time on the bare image; each writes
 ``<step>.log``; ``summary.json`` and the bundle are rewritten after every step, so a run stopped
-from outside keeps what it did):
-  1. setup        the wheelhouse (``--wheelhouse``, default ``.whl``) installed with ``--no-index
-                  --no-deps`` into a folder of its own that every later step has on PYTHONPATH
-                  (the project itself runs from the tree: no install); ``pip list`` recorded
+from outside keeps what it did; a failed setup or stack stops the run there, since every later
+step needs them). The device returns only ``$OUT``: the bundle must go there, the results folder
+elsewhere (its ``site/`` holds thousands of files); a GPU run refuses other places.
+  1. setup        the wheelhouse (``--wheelhouse``, default ``.whl``), checked against
+                  ``benchmarks/gpu_wheelhouse.json`` (a missing or altered wheel fails the step),
+                  installed with ``--no-index --no-deps`` into a folder of its own that every
+                  later step has on PYTHONPATH (the project runs from the tree: no install)
   2. stack        what imports, at which version: torch (CUDA), Triton, transformers,
                   megatron-core 0.16.1 and ``megatron_rlhf.kernels`` are required; DeepSpeed,
                   Transformer Engine, faiss-gpu and vLLM are optional ("not on this machine")
@@ -341,16 +344,31 @@ def site_dir(output: Path) -> Path:
     return output / "site"
 
 
-def install_wheelhouse(wheelhouse: Path, site: Path) -> tuple[int, str]:
-    """``pip install --no-index --no-deps`` of every wheel in ``wheelhouse`` into ``site``."""
-    wheels = sorted(str(p) for p in wheelhouse.glob("*.whl"))
-    if not wheels:
-        return 0, f"no wheels in {wheelhouse}: nothing installed"
+def install_wheelhouse(wheelhouse: Path, site: Path, timeout_s: float = 120) -> tuple[int, str]:
+    """``pip install --no-index --no-deps`` of the locked wheels of ``wheelhouse`` into ``site``.
+
+    Refused (exit 1, each problem named with its fix) when a locked wheel is missing or differs
+    from ``benchmarks/gpu_wheelhouse.json``: a setup that installed nothing said "ok", and every
+    later step then failed at ``import megatron.core``, minutes of device time gone."""
+    from gpu_wheelhouse import load_lock, verify
+
+    lock = load_lock()
+    problems = verify(wheelhouse, lock)
+    if problems:
+        fix = (
+            "build the wheelhouse here (python benchmarks/gpu_wheelhouse.py --build) and carry "
+            f"{wheelhouse.name} with the tree, or pass --wheelhouse DIR"
+        )
+        return 1, "\n".join(f"error: setup: {p}" for p in problems) + f"\nerror: setup: {fix}"
+    wheels = [str(wheelhouse / w["file"]) for w in lock["wheels"]]
     command = [
         PYTHON, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
         "--no-cache-dir", "--disable-pip-version-check", "--upgrade", "--target", str(site), *wheels,
     ]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return 124, f"error: setup: pip install did not finish in {timeout_s:.0f} s"
     return (
         proc.returncode,
         f"installed {len(wheels)} wheels into {site}\n{proc.stdout}{proc.stderr}",
@@ -475,7 +493,7 @@ def tree_bytes() -> int:
     """Bytes of the working tree that travels: git's tracked and untracked-not-ignored files."""
     proc = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO, capture_output=True, text=True,
+        cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     if proc.returncode != 0:  # not a git checkout: every file under the repository
         return sum(
@@ -489,6 +507,32 @@ def tree_bytes() -> int:
 
 
 # ----------------------------------------------------------------------------- running
+
+
+def returned_problems(output: Path, bundle: Path | None, dry_run: bool) -> str | None:
+    """Why the results would not come back from the device machine, or None. The device returns
+    only what is written under ``$OUT`` (and few files of it): the bundle belongs there, the
+    results folder (its ``site/`` alone holds thousands of files) outside it."""
+    out = os.environ.get("OUT")
+    if dry_run:
+        return None
+    if bundle is None:
+        return "--bundle is required: the results come back as one file (--bundle $OUT/x.tar.gz)"
+    bundle = bundle.resolve()
+    if out:
+        if not bundle.is_relative_to(Path(out).resolve()):
+            return f"--bundle {bundle}: not under $OUT ({out}), which is all the device returns"
+        if output.is_relative_to(Path(out).resolve()):
+            return (
+                f"--output-dir {output}: under $OUT, which returns few files (site/ alone holds "
+                "thousands); put it outside (e.g. /tmp/gpu_check) and --bundle into $OUT"
+            )
+    elif bundle.is_relative_to(REPO):
+        return (
+            f"--bundle {bundle}: inside the working tree, which the device does not return; "
+            "write it under $OUT (--bundle $OUT/gpu_check.tar.gz)"
+        )
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,6 +571,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not _has_gpu():
         print("error: no CUDA GPU here; run with --dry-run on a CPU machine", file=sys.stderr)
         return 2
+    where = returned_problems(output, Path(args.bundle) if args.bundle else None, args.dry_run)
+    if where:
+        print(f"error: {where}", file=sys.stderr)
+        return 2
     output.mkdir(parents=True, exist_ok=True)
     become_subreaper()  # orphans of a step (a detached worker) stay ours to end after it
     site = site_dir(output)
@@ -538,10 +586,17 @@ def main(argv: list[str] | None = None) -> int:
     for step in planned:
         if step.name == "setup":
             step.command = [*step.command, *setup_args]
+        if summary.get("stopped_after"):  # recorded as not run, so the summary lists every step
+            summary["steps"][step.name] = {"ok": False, "seconds": 0.0, "not_run": True}
+            continue
         record = dry_run(step, output, env) if args.dry_run else run(step, output, env)
         summary["steps"][step.name] = record
         if step.name in ("setup", "stack") and not args.dry_run:
             summary["environment"] = environment(env)
+            if not record["ok"]:  # every later step needs the stack: fail here, loudly
+                summary["stopped_after"] = step.name
+                print(f"[gpu_check] {step.name} failed: the later steps are not run; see "
+                      f"{output / record['log']}", file=sys.stderr)  # fmt: skip
         summary["te_attention_backends"] = te_backend_lines(output)
         write_json(output / "summary.json", summary)
         if args.bundle:
@@ -552,11 +607,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.dry_run:
         summary["bare_image"] = report_bare_image_plan(output)
-        write_json(output / "summary.json", summary)
-        if args.bundle:
-            bundle(output, Path(args.bundle))
-    failed = [n for n, r in summary["steps"].items() if not r["ok"]]
-    print(f"[gpu_check] done: mode={summary['mode']} failed={failed} output_dir={output}")
+    write_json(output / "summary.json", summary)
+    if args.bundle:
+        bundle(output, Path(args.bundle))
+    failed = [n for n, r in summary["steps"].items() if not r["ok"] and not r.get("not_run")]
+    not_run = [n for n, r in summary["steps"].items() if r.get("not_run")]
+    print(f"[gpu_check] done: mode={summary['mode']} failed={failed} not run={not_run} "
+          f"output_dir={output}")  # fmt: skip
     return 1 if failed else 0
 
 
@@ -669,7 +726,12 @@ def environment(env: dict) -> dict:
         "  'device': torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',\n"
         "  'python': __import__('sys').version.split()[0], 'distributions': d}))"
     )
-    proc = subprocess.run([PYTHON, "-c", code], env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(
+            [PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": "no answer in 60 s (a hung CUDA initialisation?)"}
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
     return json.loads(proc.stdout)

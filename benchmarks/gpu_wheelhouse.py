@@ -55,7 +55,12 @@ def load_lock() -> dict:
 
 def _pip(*args: str, cwd: Path | None = None, env: dict | None = None) -> None:
     command = [sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "-q"]
-    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    try:  # a build of DeepSpeed's wheel takes ~1 min; a hung index or build must not hang us
+        proc = subprocess.run(
+            command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+        )
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"error: {' '.join(command)} did not finish in 900 s") from None
     if proc.returncode != 0:
         raise SystemExit(f"error: {' '.join(command)} exited {proc.returncode}:\n{proc.stderr}")
 

@@ -121,7 +121,9 @@ NESTED_STEP = """
 import subprocess, sys, time
 sys.path.insert(0, {benchmarks!r})
 from gpu_check import run_in_process_group
-grandchild = "import os, time; open({pids!r} + '/grandchild', 'w').write(str(os.getpid())); time.sleep(120)"
+grandchild = (
+    "import os, time; open({pids!r} + '/grandchild', 'w').write(str(os.getpid())); time.sleep(120)"
+)
 child = (
     "import os, subprocess, sys, time\\n"
     f"open({pids!r} + '/child', 'w').write(str(os.getpid()))\\n"
@@ -221,3 +223,68 @@ def test_a_bare_copy_of_the_tree_imports_its_own_kernels(tmp_path):
         str(tmp_path / "kernels" / "fused" / "__init__.py"),
         str(tmp_path / "kernels" / "fused" / "logprobs.py"),
     ]  # fmt: skip
+
+
+def test_setup_refuses_a_wheelhouse_without_the_locked_wheels(tmp_path):
+    """A setup with no wheels said "nothing installed" and exited 0; every later step then failed
+    at ``import megatron.core``. Each missing locked wheel is named, with the fix."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_check import install_wheelhouse
+
+    lock = json.loads((REPO / "benchmarks" / "gpu_wheelhouse.json").read_text())
+    wheelhouse = tmp_path / "whl"
+    wheelhouse.mkdir()
+    rc, message = install_wheelhouse(wheelhouse, tmp_path / "site")
+    assert rc == 1 and not (tmp_path / "site").exists()
+    for wheel in lock["wheels"]:
+        assert f"{wheelhouse / wheel['file']}: missing" in message
+    assert "python benchmarks/gpu_wheelhouse.py --build" in message
+
+
+def test_results_go_where_the_device_returns_them(tmp_path, monkeypatch):
+    """The device returns only ``$OUT``: the documented ``--bundle results/...`` was written in
+    the tree and lost; a results folder under ``$OUT`` has too many files to come back."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_check import returned_problems
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    monkeypatch.delenv("OUT", raising=False)
+    assert "inside the working tree" in returned_problems(
+        work, REPO / "results" / "b.tar.gz", False
+    )
+    assert "--bundle is required" in returned_problems(work, None, False)
+    assert returned_problems(work, None, True) is None  # a dry run returns nothing
+    monkeypatch.setenv("OUT", str(out))
+    assert "not under $OUT" in returned_problems(work, tmp_path / "b.tar.gz", False)
+    assert "under $OUT, which returns few files" in returned_problems(
+        out / "work", out / "b.tar.gz", False
+    )
+    assert returned_problems(work, out / "gpu_check.tar.gz", False) is None
+
+
+@pytest.mark.launch  # launches Python (the setup step and the environment probe)
+def test_a_failed_setup_stops_the_run_and_the_bundle_comes_back(tmp_path, monkeypatch):
+    """Setup fails on an empty wheelhouse, no later step runs (each is listed as not run), and
+    the summary still reaches the bundle under ``$OUT``."""
+    import tarfile
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "whl").mkdir()
+    monkeypatch.setenv("OUT", str(out))
+    monkeypatch.setattr(gpu_check, "_has_gpu", lambda: True)  # this machine has none
+    argv = ["--output-dir", str(tmp_path / "work"), "--wheelhouse", str(tmp_path / "whl"),
+            "--bundle", str(out / "gpu_check.tar.gz")]  # fmt: skip
+    assert gpu_check.main(argv) == 1
+    summary = json.loads((tmp_path / "work" / "summary.json").read_text())
+    assert summary["stopped_after"] == "setup"
+    assert summary["steps"]["setup"]["ok"] is False and summary["steps"]["setup"]["rc"] == 1
+    later = [name for name in summary["steps"] if name != "setup"]
+    assert later == ["stack", "first_run", "gpu_tests", "kernels", "attention", "scaling", "plan"]
+    assert all(summary["steps"][name].get("not_run") for name in later)
+    assert "missing" in (tmp_path / "work" / "setup.log").read_text()
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        assert "work/summary.json" in tar.getnames()
