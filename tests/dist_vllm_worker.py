@@ -71,18 +71,25 @@ def _setup(args):
     return STATE
 
 
-def _recomputed_logprobs(model, ids, mask, out):
-    """log pi of the response tokens from a full forward of prompt + response (temperature 1)."""
+def _recomputed_logprobs(model, ids, mask, out, temperature: float = 1.0, top_p: float = 1.0):
+    """log pi of the response tokens from a full forward of prompt + response, at
+    ``temperature`` and, at ``top_p`` < 1, cut to the nucleus and renormalised (the score
+    stage's pi_old for the importance weight: ``ppo/scoring.py``)."""
     from megatron_rlhf.distributed.parallel import model_groups, vocab_group
-    from megatron_rlhf.ppo.scoring import response_logprobs
+    from megatron_rlhf.ppo.scoring import nucleus_log_mass, response_logprobs
 
     sequences = torch.cat([ids, out.response_ids], dim=1)
     full_mask = torch.cat([mask, out.response_mask], dim=1)
     with torch.no_grad():
         logits = model(sequences, full_mask)
-    n = out.response_ids.shape[1]
+    p, n = ids.shape[1], out.response_ids.shape[1]
     tp_group = vocab_group(model_groups(model))  # the logits are vocab-parallel at TP > 1
-    return response_logprobs(logits, sequences, ids.shape[1], n, tp_group=tp_group)
+    logprobs = response_logprobs(logits, sequences, p, n, temperature, tp_group=tp_group)
+    if top_p >= 1.0:
+        return logprobs
+    predicting = logits[:, p - 1 : p - 1 + n]  # (B, N, V/tp)
+    log_mass = nucleus_log_mass(predicting.flatten(0, 1), temperature, top_p, tp_group)
+    return logprobs - log_mass.view(logprobs.shape)
 
 
 @harness.check
@@ -115,16 +122,27 @@ def greedy_equals_megatron_and_transformers(args) -> str:
 
 @harness.check
 def sampled_logprobs_equal_a_recomputing_forward(args) -> str:
+    """mu is what was sampled (issue 48): at T = 0.7 and top-p 0.9 vLLM's log-probs (its
+    processed mode) are of the distribution it drew from, which the score stage recomputes
+    for pi_old (temperature, nucleus renormalised), so pi_old/mu is 1 to vLLM's rounding; not
+    the untruncated softmax at T, nor the raw temperature-1 one."""
     s = _setup(args)
+    temperature, top_p = 0.7, 0.9
     sampling = replace(
-        s["greedy"], greedy=False, temperature=0.7, top_p=0.9, row_seeds=tuple(range(8))
-    )
+        s["greedy"], greedy=False, temperature=temperature, top_p=top_p,
+        row_seeds=tuple(range(8)),
+    )  # fmt: skip
     out = s["engine"].generate(s["ids"], s["mask"], sampling)
-    recomputed = _recomputed_logprobs(s["model"], s["ids"], s["mask"], out)
-    gap = ((out.response_logprobs - recomputed) * out.response_mask).abs().max().item()
+    real = out.response_mask.bool()
+    recomputed = _recomputed_logprobs(s["model"], s["ids"], s["mask"], out, temperature, top_p)
+    gap = (out.response_logprobs - recomputed)[real].abs().max().item()
     assert gap < LOGPROB_TOL, gap
-    assert (out.response_logprobs[out.response_mask == 0] == 0).all()
-    return f"T=0.7, top-p 0.9: raw (temperature-1) log-probs within {gap:.1e} of a full forward"
+    assert (out.response_logprobs[~real] == 0).all()
+    untruncated = _recomputed_logprobs(s["model"], s["ids"], s["mask"], out, temperature)
+    raw = _recomputed_logprobs(s["model"], s["ids"], s["mask"], out)
+    for other in (untruncated, raw):  # what was recorded before differs by far more
+        assert (out.response_logprobs - other)[real].abs().max() > 100 * LOGPROB_TOL
+    return f"T=0.7, top-p 0.9: the nucleus's log-probs within {gap:.1e} of a full forward's"
 
 
 @harness.check

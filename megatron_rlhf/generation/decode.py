@@ -74,11 +74,23 @@ def _choose(logits: torch.Tensor, sampling: SamplingConfig, uniforms) -> torch.T
     the token where the row's cumulative (top-p filtered) probability passes it."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
+    return _draw(*_sampler_probs(logits, sampling), uniforms)
+
+
+def _sampler_probs(logits: torch.Tensor, sampling: SamplingConfig):
+    """(probs, order): softmax(logits / T) (B, V), at top_p < 1 sorted in descending order
+    (``order``: their token ids) with the tokens outside the nucleus at 0, not renormalised
+    (their sum is the nucleus's mass Z); ``order`` None at top_p = 1."""
     probs = (logits / sampling.temperature).softmax(dim=-1)
-    order = None
-    if sampling.top_p < 1.0:
-        probs, order = probs.sort(dim=-1, descending=True)
-        probs = _nucleus(probs, sampling.top_p)
+    if sampling.top_p >= 1.0:
+        return probs, None
+    probs, order = probs.sort(dim=-1, descending=True)
+    return _nucleus(probs, sampling.top_p), order
+
+
+def _draw(probs: torch.Tensor, order, uniforms) -> torch.Tensor:
+    """The token (B,) where each row's cumulative ``probs`` (:func:`_sampler_probs`) passes its
+    uniform times their sum (the renormalisation)."""
     cdf = probs.cumsum(dim=-1)  # (B, V)
     targets = uniforms.to(cdf)[:, None] * cdf[:, -1:]
     picked = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[-1] - 1)
@@ -98,28 +110,32 @@ def nucleus_log_mass(logits: torch.Tensor, temperature: float, top_p: float) -> 
     """log Z (...,) of full-vocab logits (..., V): the log of the probability mass, at
     ``temperature``, of the top-p nucleus the sampler draws from (0 when top_p = 1). The
     sampler's distribution is softmax(logits / T) on the nucleus divided by Z, so
-    ``log mu(a) = log softmax(logits / T)(a) - log Z`` for a token a in it. Computed in fp32 as
-    the sampler computes it, so that a recomputing forward of the same logits finds the same
-    nucleus."""
+    ``log mu(a) = log softmax(logits / T)(a) - log Z`` for a token a in it. Computed in fp32 by
+    the sampler's own steps (:func:`_sampler_probs`), so that a recomputing forward of the same
+    logits finds the same nucleus and the same Z."""
     if top_p >= 1.0:
         return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
-    probs = (logits.float() / temperature).softmax(dim=-1)
-    kept = _nucleus(probs.sort(dim=-1, descending=True).values, top_p)
-    return kept.sum(dim=-1).log()
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p)
+    return _sampler_probs(logits.float(), sampling)[0].sum(dim=-1).log()
 
 
-def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingConfig):
+def sampled_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingConfig, log_mass=None
+) -> torch.Tensor:
     """log mu (B,) of each row's token under the distribution the sampler drew it from, from
     full-vocab logits (B, V): softmax(logits / temperature), cut to the top-p nucleus and
     renormalised (the behaviour policy of PPO's importance weights; the score stage computes
-    pi_old under the same transform, ``ppo/scoring.py``). Greedy: the temperature-1 log-prob
-    (a greedy choice has no sampling distribution; nothing trains on it)."""
+    pi_old under the same transform, ``ppo/scoring.py``). ``log_mass``: the nucleus's log Z
+    (B,) if already known (:func:`nucleus_log_mass`). Greedy: the temperature-1 log-prob (a
+    greedy choice has no sampling distribution; nothing trains on it)."""
     logits = logits.float()
     if sampling.greedy:
         return logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     scaled = (logits / sampling.temperature).log_softmax(dim=-1)
     logprobs = scaled.gather(-1, tokens[:, None]).squeeze(-1)
-    return logprobs - nucleus_log_mass(logits, sampling.temperature, sampling.top_p)
+    if log_mass is None:
+        log_mass = nucleus_log_mass(logits, sampling.temperature, sampling.top_p)
+    return logprobs - log_mass
 
 
 class MicroBatch:
@@ -311,8 +327,13 @@ def choose_tokens(last, sampling: SamplingConfig, uniforms) -> tuple[torch.Tenso
     renormalised: :func:`sampled_logprobs`) per row from (k, V) logits and the rows' uniforms
     (k,) (None: greedy)."""
     last = last.float()
-    chosen = _choose(last, sampling, uniforms)
-    return chosen, sampled_logprobs(last, chosen, sampling)
+    if sampling.greedy:
+        chosen = last.argmax(dim=-1)
+        return chosen, sampled_logprobs(last, chosen, sampling)
+    probs, order = _sampler_probs(last, sampling)
+    chosen = _draw(probs, order, uniforms)
+    log_mass = None if order is None else probs.sum(dim=-1).log()  # one sort for both
+    return chosen, sampled_logprobs(last, chosen, sampling, log_mass)
 
 
 def stage_forward(model, micro_batch: MicroBatch, context, hidden=None):
