@@ -5,12 +5,13 @@
 2. Under ``TRITON_INTERPRET=1``, at tiny sizes with 16-token blocks (block edges inside rows and
    sequences), against a float64 PyTorch reference (``models/bloom/attention.py``'s functions on
    float64 tensors): outputs and dq, dk, dv of left- and right-padded batches with an
-   empty-after-padding row, packed ragged THD rows with trailing padding, every head dim, bf16
+   empty-after-padding row, rows with padding inside a sequence (``1 1 1 0 0 1 1``, alone and
+   packed), packed ragged THD rows with trailing padding, every head dim, bf16
    and fp32; a TP rank's slopes through the core attention module; positions far from 0 (where
    an absolute ``slope * pos_k`` bias would lose fp32 bits: the one place the query-relative
    offset is visible, since a softmax row ignores a constant); and ``BloomModel`` with
    ``attention_backend="triton"`` against ``"torch"``, forward and backward, padded and packed,
-   and generation with and without a KV cache.
+   and generation with and without a KV cache; batch x heads on grid axis 0.
    Triton reads that variable when kernels are decorated, so this file re-runs itself in a
    subprocess: ``python tests/test_alibi_attention_triton.py --out results.json``.
 3. ``benchmarks/gpu_attention.py --smoke`` runs under the interpreter (slow).
@@ -177,6 +178,108 @@ def check_segments_and_fewer_queries(gen):
     )
 
 
+def _fp32_against_the_mask(gen, key_mask, positions, slopes, what: str) -> str:
+    """The fused kernel in fp32 against the PyTorch path (``attention_mask_for``) in float64, on
+    random (S, B, H, 16) q, k, v for ``key_mask`` (B, S), one head per slope, scale 1/4."""
+    from megatron_rlhf.kernels.alibi_attention import fused_alibi_attention
+
+    batch, seq = key_mask.shape
+    shape = (seq, batch, slopes.numel(), 16)
+    inputs = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in "qkv"]
+    return _compare(
+        lambda q, k, v: fused_alibi_attention(q, k, v, positions, key_mask, slopes, 0.25),
+        lambda q, k, v: _reference_padded(q, k, v, key_mask, positions, slopes, 0.25),
+        inputs,
+        torch.float32,
+        gen,
+        what,
+    )
+
+
+def check_hole_in_a_row(gen):
+    """Padding inside a sequence: ``1 1 1 0 0 1 1`` is one sequence whose last tokens see its
+    first ones (``attention_mask_for``, and ``positions_from_mask`` counts on across the hole).
+    The loop bounds started a new sequence at each run of an id, so those queries skipped key
+    blocks they see and the kv backward used a log-sum-exp that never counted them (output off
+    by ~1, dk by ~3). Rows cross 16-token blocks: the hole alone, after left padding, and in a
+    packed row's second sequence; plus the 7-token row itself."""
+    from megatron_rlhf.models.bloom.alibi import alibi_slopes, positions_from_mask
+
+    rows = [
+        [1] * 20 + [0] * 20 + [1] * 24,
+        [0] * 5 + [1] * 13 + [0] * 19 + [1] * 10 + [2] * 17,
+        [1] * 18 + [2] * 14 + [0] * 17 + [2] * 15,
+    ]
+    details = []
+    for key_mask in (torch.tensor(rows), torch.tensor([[1, 1, 1, 0, 0, 1, 1]])):
+        positions = positions_from_mask(key_mask).float()
+        what = f"holes S={key_mask.shape[1]}"
+        details.append(_fp32_against_the_mask(gen, key_mask, positions, alibi_slopes(2), what))
+    return "; ".join(details)
+
+
+def check_grid_axes(gen):
+    """Batch x heads goes on grid axis 0 (CUDA allows 2**31 - 1 there, 65,535 on axis 1: scoring
+    4,096 rows of a 16-head model is 65,536 programs); the row's blocks on axis 1."""
+    from megatron_rlhf.kernels import triton_alibi_attention as kernel
+    from megatron_rlhf.kernels.alibi_attention import fused_alibi_attention
+
+    grids = {}
+
+    class Recorded:
+        def __init__(self, name, jit):
+            self.name, self.jit = name, jit
+
+        def __getitem__(self, grid):
+            grids[self.name] = grid
+            return self.jit[grid]
+
+    names = ("_forward_kernel", "_backward_kv_kernel", "_backward_q_kernel")
+    real = {name: getattr(kernel, name) for name in names}
+    try:
+        for name in names:
+            setattr(kernel, name, Recorded(name, real[name]))
+        batch, heads, seq = 3, 5, 20
+        q, k, v = (torch.randn(seq, batch, heads, 16, requires_grad=True) for _ in "qkv")
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        positions = torch.arange(seq, dtype=torch.float32).expand(batch, seq)
+        slopes = torch.ones(heads)
+        fused_alibi_attention(q, k, v, positions, mask, slopes, 0.25).sum().backward()
+    finally:
+        for name in names:
+            setattr(kernel, name, real[name])
+    blocks = -(-seq // kernel.BLOCK_M)
+    assert grids == dict.fromkeys(names, (batch * heads, blocks)), grids
+    return f"grids {grids}"
+
+
+def test_loop_bounds_cover_every_key_the_mask_lets_a_query_see():
+    """``alibi_loop_bounds`` against ``attention_mask_for`` (the mask the PyTorch path applies):
+    each query's first key is at or before every key it sees, and each key's last query is after
+    every query that sees it, for rows with padding inside a sequence, left and right padding and
+    packed ids. (Runs on the CPU without Triton kernels.)"""
+    from megatron_rlhf.kernels.alibi_attention import alibi_loop_bounds
+
+    from megatron_rlhf.models.bloom.model import attention_mask_for
+
+    rows = torch.tensor([
+        [1, 1, 1, 0, 0, 1, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 1, 2, 2, 0, 2],
+        [1, 2, 2, 2, 3, 0, 3, 3, 3, 3],
+        [0, 0, 0, 1, 1, 1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1, 1, 0, 0, 0, 0],
+    ])  # fmt: skip
+    seen = ~attention_mask_for(rows, rows.shape[1])[:, 0]  # (B, Sq, Sk) True: query sees key
+    bounds = alibi_loop_bounds(rows)
+    first_key, last_query = bounds[:, 0], bounds[:, 1]
+    index = torch.arange(rows.shape[1])
+    for b in range(rows.shape[0]):
+        for i, j in seen[b].nonzero().tolist():
+            assert first_key[b, i] <= j, (rows[b].tolist(), i, j)
+            assert i < last_query[b, j], (rows[b].tolist(), i, j)
+    assert (first_key <= index).all()  # and never past the query itself
+
+
 def _packed_case(gen, dtype, head_dim):
     from megatron_rlhf.kernels.alibi_attention import fused_packed_alibi_attention
 
@@ -230,22 +333,12 @@ def check_tp_rank_slopes(gen):
 def check_far_positions(gen):
     """Keys and queries at positions 200,000 on (the tail of a very long row): the relative
     bias is as small as at position 0; an absolute one (~1e5) would keep 3 bits of the score."""
-    from megatron_rlhf.kernels.alibi_attention import fused_alibi_attention
-
     from megatron_rlhf.models.bloom.alibi import alibi_slopes
 
     key_mask = torch.ones(2, 23, dtype=torch.long)
     positions = torch.arange(23, dtype=torch.float32).expand(2, 23) + 200_000
     slopes = alibi_slopes(2) * 8  # the steepest head of a BLOOM model: 0.5
-    inputs = [torch.randn(23, 2, 2, 16, generator=gen, dtype=torch.float64) for _ in "qkv"]
-    return _compare(
-        lambda q, k, v: fused_alibi_attention(q, k, v, positions, key_mask, slopes, 0.25),
-        lambda q, k, v: _reference_padded(q, k, v, key_mask, positions, slopes, 0.25),
-        inputs,
-        torch.float32,
-        gen,
-        "positions 200,000+",
-    )
+    return _fp32_against_the_mask(gen, key_mask, positions, slopes, "positions 200,000+")
 
 
 def check_bloom_model(gen):
@@ -318,6 +411,8 @@ CHECKS = {
     "far_positions": check_far_positions,
     "bloom_model": check_bloom_model,
     "bloom_generate": check_bloom_generate,
+    "hole_in_a_row": check_hole_in_a_row,
+    "grid_axes": check_grid_axes,
 }
 
 

@@ -487,6 +487,28 @@ def test_attention_backend_resolution():
         resolve_attention_backend("te", cpu)  # no transformer-engine here
 
 
+def test_auto_gives_an_fp32_model_with_wide_heads_pytorch_attention_on_a_gpu(monkeypatch):
+    """The fp32 Triton attention spills 10-20 KB a thread at head dim 64 and 128 on sm_90 (its
+    D=128 backward took 67 s to compile), yet ``auto`` chose it for any CUDA model. Here Triton
+    is taken to launch (no GPU on this machine): bf16, and fp32 at head dim 16, keep Triton."""
+    import megatron_rlhf.models.bloom.spec as spec
+
+    monkeypatch.setattr(spec, "triton_launches", lambda: True)
+    monkeypatch.setattr(spec, "HAVE_TRITON", True)
+    cuda = torch.device("cuda")
+
+    def auto(dtype, head_dim):
+        return spec.resolve_attention_backend("auto", cuda, dtype=dtype, head_dim=head_dim)
+
+    assert [auto(torch.float32, d) for d in (16, 64, 80, 128)] == [
+        "triton", "torch", "torch", "torch",
+    ]  # fmt: skip
+    assert [auto(torch.bfloat16, d) for d in (16, 64, 128)] == ["triton"] * 3
+    assert spec.resolve_attention_backend("triton", cuda, dtype=torch.float32, head_dim=128) == (
+        "triton"
+    )  # asked for by name
+
+
 def test_triton_backend_without_a_usable_triton_takes_the_pytorch_path():
     """attention_backend='triton' on the CPU without the interpreter: the same logits as 'torch'
     (the model then builds the mask and the core attention falls back), padded and packed."""

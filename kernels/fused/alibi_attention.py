@@ -41,8 +41,13 @@ def fused_alibi_attention(
     key_segments: torch.Tensor,  # (B, Sk) 0 = padding, else the token's sequence id
     slopes: torch.Tensor,  # (H,) fp32, this TP rank's
     softmax_scale: float,
+    loop_bounds: torch.Tensor | None = None,  # (B, 2, Sk): alibi_loop_bounds(key_segments)
 ) -> torch.Tensor:
-    """Causal ALiBi attention of the last Sq of Sk tokens; returns (Sq, B, H*D)."""
+    """Causal ALiBi attention of the last Sq of Sk tokens; returns (Sq, B, H*D).
+
+    ``loop_bounds`` depends on the mask only: a model passes the one it built once per forward
+    (:func:`alibi_loop_bounds`, any dtype that holds integers exactly) instead of every layer
+    rebuilding it (about ten small kernels a layer)."""
     seq_q, batch, heads, dim = query.shape
     seq_k = key.shape[0]
     if key.shape != (seq_k, batch, heads, dim) or value.shape != key.shape or seq_q > seq_k:
@@ -56,7 +61,14 @@ def fused_alibi_attention(
             "tensor-parallel rank's slice (alibi_slopes_for_rank)"
         )
     segments = key_segments.to(torch.int32)
-    first_key, last_query = _loop_bounds(segments)
+    if loop_bounds is None:
+        loop_bounds = alibi_loop_bounds(segments)
+    if loop_bounds.shape != (batch, 2, seq_k):
+        raise ValueError(
+            f"fused_alibi_attention: loop_bounds must be (B, 2, Sk) = {(batch, 2, seq_k)} "
+            f"(alibi_loop_bounds of the key segments), got {tuple(loop_bounds.shape)}"
+        )
+    first_key, last_query = (b.to(torch.int32).contiguous() for b in loop_bounds.unbind(1))
     out = _FusedAlibiAttention.apply(
         *(_unit_last_stride(t) for t in (query, key, value)),
         slopes.float().contiguous(),
@@ -68,7 +80,7 @@ def fused_alibi_attention(
     )
     # the PyTorch path's fully masked row is uniform over all Sk keys (no host sync to skip it)
     blind = _queries_seeing_nothing(segments, seq_q)  # (B, Sq)
-    mean = value.float().mean(0).to(value.dtype)  # (B, H, D)
+    mean = value.mean(0, dtype=torch.float32).to(value.dtype)  # (B, H, D), no fp32 copy of V
     out = torch.where(blind.T[:, :, None, None], mean[None], out)
     return out.reshape(seq_q, batch, heads * dim)
 
@@ -102,23 +114,30 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _loop_bounds(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token (B, Sk) int32: the first key it may see as a query (its sequence's first token;
-    0 for padding), and the end, exclusive, of the queries that may see it as a key (its
-    sequence's end, or Sk when a padding token follows it, since padding queries see every real
-    key before them; 0 for padding keys)."""
+def alibi_loop_bounds(key_segments: torch.Tensor) -> torch.Tensor:
+    """The kernel's loop bounds per token, (B, 2, Sk) int32: [:, 0] the first key a token may see
+    as a query (its sequence's first token; 0 for padding), [:, 1] the end, exclusive, of the
+    queries that may see it as a key (its sequence's end, or Sk when a padding token follows it,
+    since padding queries see every real key before them; 0 for padding keys).
+
+    Bounds only: the kernel still masks every score, so they may cover more than is seen, never
+    less. A sequence starts where the id exceeds every id before it, as ``positions_from_mask``
+    counts positions: a row with padding inside one sequence (``1 1 1 0 0 1 1``) is one sequence
+    whose later tokens see the earlier ones (``attention_mask_for``). Starting a sequence at each
+    run of an id made those queries skip keys they see (an output off by ~1 in the interpreter)."""
+    segments = key_segments.to(torch.int32)
     batch, seq = segments.shape
     index = torch.arange(seq, device=segments.device).expand(batch, seq)
     real = segments > 0
-    previous = torch.nn.functional.pad(segments[:, :-1], (1, 0))
-    starts = real & (segments != previous)
+    before = torch.nn.functional.pad(segments.cummax(-1).values[:, :-1], (1, 0))
+    starts = real & (segments > before)
     first_key = torch.where(starts, index, 0).cummax(-1).values * real
     following = torch.nn.functional.pad(segments[:, 1:], (0, 1))
     ends = torch.where(real & (segments != following), index + 1, seq)
-    seq_end = ends.flip(-1).cummin(-1).values.flip(-1)  # the end of the sequence holding j
+    seq_end = ends.flip(-1).cummin(-1).values.flip(-1)  # the end of the run holding j
     padding_after = (~real).flip(-1).long().cumsum(-1).flip(-1) > 0
     last_query = torch.where(padding_after, seq, seq_end) * real
-    return first_key.to(torch.int32).contiguous(), last_query.to(torch.int32).contiguous()
+    return torch.stack([first_key, last_query], 1).to(torch.int32)
 
 
 def _queries_seeing_nothing(segments: torch.Tensor, seq_q: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Triton flash-attention forward and backward with BLOOM's query-relative ALiBi bias.
 
-One program of the forward holds a block of ``BLOCK_M`` queries of one (batch row, head) and
+One program of the forward holds a block of ``BLOCK_M`` queries of one (batch row, head) (grid
+axis 0: batch x heads, which may pass axis 1's 65,535; axis 1: the blocks of the row) and
 streams the keys it may see in blocks of ``BLOCK_N``: scores ``q . k * scale`` in fp32 plus
 ``slope_h * (pos_k - pos_q)`` in fp32, the mask, then an online softmax (running max ``m`` and
 sum ``l``, the accumulator rescaled when the max grows). It writes the output and the row's
@@ -93,8 +94,8 @@ def _forward_kernel(
     heads, seq_q, seq_k, head_dim, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)  # batch x heads on axis 0 (up to 2**31 - 1; axis 1 stops at 65,535)
+    pid_m = tl.program_id(1)
     b = pid_bh // heads
     h = pid_bh % heads
     tokens = b.to(tl.int64) * seq_k
@@ -156,8 +157,8 @@ def _backward_kv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """dk and dv of one block of keys, over every query block that may see it."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
     b = pid_bh // heads
     h = pid_bh % heads
     offset = seq_k - seq_q
@@ -224,8 +225,8 @@ def _backward_q_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """dq of one block of queries, over the key blocks it may see (the forward's loop)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)  # batch x heads on axis 0 (up to 2**31 - 1; axis 1 stops at 65,535)
+    pid_m = tl.program_id(1)
     b = pid_bh // heads
     h = pid_bh % heads
     tokens = b.to(tl.int64) * seq_k
@@ -293,7 +294,7 @@ def forward(q, k, v, slopes, positions, segments, first_key, scale):
     lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse.fill_(float("inf"))
-    grid = (triton.cdiv(seq_q, BLOCK_M), batch * heads)
+    grid = (batch * heads, triton.cdiv(seq_q, BLOCK_M))
     _forward_kernel[grid](
         q, k, v, out, lse, slopes, positions, segments, first_key,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
@@ -318,12 +319,12 @@ def backward(q, k, v, out, grad_out, lse, slopes, positions, segments, first_key
     common = (
         *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out),
     )  # fmt: skip
-    _backward_kv_kernel[(triton.cdiv(seq_k, BLOCK_N), batch * heads)](
+    _backward_kv_kernel[(batch * heads, triton.cdiv(seq_k, BLOCK_N))](
         q, k, v, grad_out, dk, dv, lse, delta, slopes, positions, segments, last_query,
         *common, *_strides(dk), *_strides(dv),
         heads, seq_q, seq_k, head_dim, scale, **options,
     )  # fmt: skip
-    _backward_q_kernel[(triton.cdiv(seq_q, BLOCK_M), batch * heads)](
+    _backward_q_kernel[(batch * heads, triton.cdiv(seq_q, BLOCK_M))](
         q, k, v, grad_out, dq, lse, delta, slopes, positions, segments, first_key,
         *common, *_strides(dq),
         heads, seq_q, seq_k, head_dim, scale, **options,

@@ -30,7 +30,8 @@ Three core attentions, chosen by ``BloomModel``'s ``attention_backend`` (``spec.
   (``megatron_rlhf.kernels.alibi_attention``): fp32 relative bias and softmax, O(S) extra memory
   (the log-sum-exp), for training, scoring and prefill, packed and padded rows. ``BloomModel``
   then passes ``attention_bias`` as (B, 2, Sk): key positions and key segment ids (the key mask),
-  and no (B, 1, S, S) mask unless a KV cache is in use (decode takes the PyTorch path).
+  plus the kernel's loop bounds (B, 4, Sk) when it runs, and no (B, 1, S, S) mask unless a KV
+  cache is in use (decode takes the PyTorch path).
 - ``te``: :class:`TEAlibiDotProductAttention` (GPU, when transformer-engine imports), for
   full-length right-padded batches (``BloomModel`` decides once per forward and then passes no
   positions); everything else takes the PyTorch path. This is *not* a fused ALiBi kernel: with
@@ -213,8 +214,9 @@ class FusedAlibiDotProductAttention(AlibiDotProductAttention):
     """:class:`AlibiDotProductAttention` through the fused Triton kernel where it runs (CUDA with
     a working Triton, or ``TRITON_INTERPRET=1``), no attention dropout active, and every query
     is new (Sq = Sk: training, scoring, prefill); otherwise the PyTorch path (decode with a KV
-    cache). ``attention_bias`` is (B, 2, Sk): key positions and key segment ids; BloomModel
-    builds no (B, 1, Sq, Sk) mask (``attention_mask`` None) when the kernel will run."""
+    cache). ``attention_bias`` is (B, 2, Sk): key positions and key segment ids, or (B, 4, Sk)
+    with the kernel's loop bounds after them (``alibi_loop_bounds``, built once per forward);
+    BloomModel builds no (B, 1, Sq, Sk) mask (``attention_mask`` None) when the kernel will run."""
 
     def forward(
         self,
@@ -223,7 +225,7 @@ class FusedAlibiDotProductAttention(AlibiDotProductAttention):
         value: torch.Tensor,  # (Sk, B, H/tp, D)
         attention_mask: torch.Tensor | None,  # (B, 1, Sq, Sk) bool, or None
         attn_mask_type=None,
-        attention_bias=None,  # (B, 2, Sk) fp32 key positions and segment ids
+        attention_bias=None,  # (B, 2 or 4, Sk) fp32 key positions, segment ids (, loop bounds)
         packed_seq_params=None,
     ) -> torch.Tensor:
         fused = fused_alibi_available(query) and not (self.training and self.dropout.p > 0)
@@ -239,9 +241,10 @@ class FusedAlibiDotProductAttention(AlibiDotProductAttention):
                 "segment ids (BloomModel passes them with attention_backend='triton')"
             )
         if fused and query.shape[0] == key.shape[0]:
+            bounds = attention_bias[:, 2:4] if attention_bias.shape[1] == 4 else None
             return fused_alibi_attention(
                 query, key, value, attention_bias[:, 0], attention_bias[:, 1], self.slopes,
-                self.softmax_scale,
+                self.softmax_scale, loop_bounds=bounds,
             )  # fmt: skip
         if attention_mask is None:
             raise ValueError(

@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from megatron_rlhf.distributed.cpu_compat import tensor_cuda_is_identity
 from megatron_rlhf.distributed.parallel import compute_device, current_groups
-from megatron_rlhf.kernels.alibi_attention import fused_alibi_available
+from megatron_rlhf.kernels.alibi_attention import alibi_loop_bounds, fused_alibi_available
 from megatron_rlhf.models.bloom.alibi import positions_from_mask
 from megatron_rlhf.models.bloom.attention import rank_slopes
 from megatron_rlhf.models.bloom.config import (
@@ -104,7 +104,10 @@ class BloomModel(GPTModel):
         )
         config.perform_initialization = init_weights  # False when a checkpoint overwrites all
         pre_process, post_process = pp_rank == 0, pp_rank == pp - 1
-        backend = resolve_attention_backend(attention_backend, device, use_te_attention)
+        backend = resolve_attention_backend(
+            attention_backend, device, use_te_attention,
+            dtype=params_dtype, head_dim=arch.hidden_size // arch.num_heads,
+        )  # fmt: skip
         slopes = rank_slopes(arch.num_heads, pg_collection).to(device)  # one for every layer
         spec = bloom_block_spec(get_num_layers_to_build(config, pp_rank=pp_rank), backend, slopes)
         # Megatron-Core creates its CPU-initialised tensors (and we create ours) on the default
@@ -305,12 +308,16 @@ class BloomModel(GPTModel):
     def _fused_attention_inputs(self, padding_mask: torch.Tensor, query_length: int, context):
         """The Triton core attention's (mask, ``attention_bias``): key positions and segment ids
         (B, 2, Sk) fp32, and no (B, 1, Sq, Sk) mask when the kernel runs (no KV cache, Triton
-        usable on this device), else the mask for the PyTorch path."""
-        key_info = torch.stack([positions_from_mask(padding_mask), padding_mask.long()], 1)
+        usable on this device), else the mask for the PyTorch path. When the kernel runs, the
+        bias also carries its loop bounds (B, 4, Sk): built here once per forward, not in every
+        layer (``alibi_loop_bounds``; values below 2**24, exact in fp32)."""
+        key_info = [positions_from_mask(padding_mask), padding_mask.long()]
         activations = padding_mask.new_empty(0, dtype=self.config.params_dtype)  # dtype, device
         runs = context is None and fused_alibi_available(activations)
+        if runs:
+            key_info += alibi_loop_bounds(padding_mask).unbind(1)
         mask = None if runs else attention_mask_for(padding_mask, query_length)
-        return mask, key_info.float()
+        return mask, torch.stack(key_info, 1).float()
 
     def _scalar_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
         # Under SP the norm sees this rank's (S/tp, B, H) tokens, so its sequence-parallel

@@ -36,6 +36,9 @@ from megatron_rlhf.models.bloom.lean import (
 )
 
 ATTENTION_BACKENDS = ("auto", "triton", "te", "torch")
+# From this head dim on ``auto`` gives an fp32 model PyTorch attention: compiled for sm_90, the
+# fp32 kernels keep their values in registers at 16 and spill at 64 and 128.
+FP32_TRITON_SPILLS_FROM_HEAD_DIM = 64
 CORE_ATTENTION = {
     "torch": AlibiDotProductAttention,  # PyTorch, O(S^2) fp32 scores
     "triton": FusedAlibiDotProductAttention,  # fused Triton kernel, O(S)
@@ -77,13 +80,22 @@ def bloom_layer_spec(backend: str = "torch", slopes: torch.Tensor | None = None)
 
 
 def resolve_attention_backend(
-    backend: str | None, device, use_te_attention: bool | None = None
+    backend: str | None,
+    device,
+    use_te_attention: bool | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
 ) -> str:
     """The core attention a model on ``device`` uses: triton, te or torch.
 
     ``auto`` (or None): on a GPU the fused Triton kernel when Triton compiles and launches there,
     else TransformerEngine when it imports, else PyTorch; on the CPU PyTorch (``triton`` is
     allowed there: the kernel runs under ``TRITON_INTERPRET=1``, and the PyTorch path otherwise).
+    An fp32 model (``dtype``) with ``head_dim`` >= 64 takes PyTorch on a GPU too: the kernel's
+    IEEE-fp32 dots spill 10-20 KB of local memory a thread there (sm_90, Triton 3.6), and its
+    D=128 backward took 67 s to compile (``FP32_TRITON_SPILLS_FROM_HEAD_DIM``; ``triton`` still
+    forces it).
     ``use_te_attention`` is the older switch: True means ``te``, False ``torch``.
     """
     if use_te_attention is not None:
@@ -99,6 +111,9 @@ def resolve_attention_backend(
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "auto":
         if device.type != "cuda":
+            return "torch"
+        spills = head_dim is not None and head_dim >= FP32_TRITON_SPILLS_FROM_HEAD_DIM
+        if dtype == torch.float32 and spills:
             return "torch"
         if HAVE_TRITON and (INTERPRET or triton_launches()):
             return "triton"
