@@ -376,26 +376,31 @@ def _sampler_logprobs_float64(logits, tokens, temperature: float, top_p: float):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_behaviour_logprobs_are_the_distribution_sampled_and_pi_old_matches(tmp_path, packed):
+def test_behaviour_logprobs_are_the_distribution_sampled_and_pi_old_matches(
+    tmp_path, monkeypatch, packed
+):
     """mu is what was sampled (issue 48, item 1). At temperature 0.7 and top-p 0.9 our engine
     records each token's log-prob under softmax(z / T) cut to the nucleus and renormalised;
     the score stage computes pi_old (the same actor: staleness 0) under the same transform, so
     pi_old/mu is 1 to 1e-5 on every response token; and pi_old of the PPO ratio and KL reward
     stays the untruncated softmax at T. References: a float64 softmax of a full forward's
     logits with the nucleus found by hand. Ragged prompts, rows ending at different steps,
-    padded and packed scoring micro-batches. (Before: mu was log softmax(z) at T = 1 over the
-    whole vocabulary, 0.48 from the reference here, and pi_old/mu ran from 0.93 to 1.46.)"""
+    padded and packed scoring micro-batches (packed: the nucleus found 3 positions at a time).
+    (Before: mu was log softmax(z) at T = 1 over the whole vocabulary, 0.48 from the reference
+    here, and pi_old/mu ran from 0.93 to 1.46.)"""
     from dist_bloom_common import ARCH_A
 
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.generation import SamplingConfig, generate
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
+    from megatron_rlhf.ppo import scoring
     from megatron_rlhf.ppo.losses import behaviour_correction
     from megatron_rlhf.ppo.rollout import experience_of
-    from megatron_rlhf.ppo.scoring import score
 
     temperature, top_p, new = 0.7, 0.9, 8
+    if packed:  # ARCH_A's vocabulary is padded to 1,024 columns
+        monkeypatch.setattr(scoring, "NUCLEUS_CHUNK_ELEMENTS", 3 * 1024)
     save_random_hf_bloom(tmp_path / "lm", ARCH_A, seed=6)
     g = torch.Generator().manual_seed(8)
     lengths, p = [3, 7, 1, 5, 6, 2], 7
@@ -418,7 +423,7 @@ def test_behaviour_logprobs_are_the_distribution_sampled_and_pi_old_matches(tmp_
         experience = experience_of(
             prompts, out.response_ids, out.response_mask, out.response_logprobs
         )
-        scored = score(
+        scored = scoring.score(
             experience, {"logprobs": model}, "am", temperature, micro_batch_size=4,
             max_tokens=23 if packed else None, top_p=top_p,
         )  # fmt: skip

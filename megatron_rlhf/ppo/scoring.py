@@ -54,9 +54,11 @@ def response_logprobs(
     return token_logprobs(predicting, targets, temperature, tp_group, return_entropy=return_entropy)
 
 
-NUCLEUS_CHUNK_ELEMENTS = 1 << 24
+NUCLEUS_CHUNK_ELEMENTS = 1 << 23
 """Logits (positions x vocabulary) gathered and sorted at once by :func:`nucleus_log_mass`:
-the sort holds ~12 bytes an element, so about 200 MB whatever the vocabulary."""
+~30 bytes an element at the peak (the gathered logits, their probabilities, the sort's values
+and int64 indices, cumulative sums), so ~250 MB whatever the vocabulary: 32 positions of
+BLOOM's 250,880."""
 
 
 def nucleus_log_mass(
