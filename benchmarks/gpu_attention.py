@@ -7,7 +7,8 @@ BLOOM-176B (112 heads of 128: TP8 14), at S = 512, 2,048 and 4,096 tokens (B x S
 rows right-padded by up to an eighth, the layout every backend takes), in bf16:
 
 - time (ms, median of ``REPEATS`` calls interleaved across the methods, after a warm-up call,
-  CUDA-synchronised) and peak extra memory (``max_memory_allocated`` during the call minus
+  CUDA-synchronised; every Triton specialisation is compiled before the budget's clock starts)
+  and peak extra memory (``max_memory_allocated`` during the call minus
   ``memory_allocated`` before it) of the forward, and of forward + backward;
 - error against the fp32 PyTorch path on the same inputs, in bf16 steps at the reference's
   largest magnitude (``2^(floor(log2 max|ref|) - 7)``): output, and the largest of dq, dk, dv.
@@ -17,7 +18,7 @@ Methods: ``triton`` (``megatron_rlhf.kernels.alibi_attention``), ``torch`` (``al
 of ``models/bloom/attention.py``: fp32 scores, O(S^2)), ``te`` (TransformerEngine's
 DotProductAttention with ALiBi slopes and a padding mask, which runs its unfused attention; only
 where transformer-engine imports). Sizes stop early when ``--budget-s`` is spent (noted in the
-table and the JSON).
+table and the JSON); the JSON is rewritten after every configuration.
 
 ``--smoke`` runs every line at tiny sizes on the CPU under ``TRITON_INTERPRET=1`` (times
 meaningless, memory not measured): ``tests/test_alibi_attention_triton.py`` does so.
@@ -54,19 +55,22 @@ HEAD_DIM = 128
 
 
 class Batch:
-    """Right-padded bf16 q, k, v (S, B, H, D), their key mask, positions and this rank's slopes."""
+    """Right-padded bf16 q, k, v (S, B, H, D), their key mask, positions and this rank's slopes.
+    The tensors are drawn on ``device`` (``gen``: a generator there): on the CPU they took ~1 s
+    a configuration; the row lengths come from the CPU generator ``lengths_gen``."""
 
-    def __init__(self, seq: int, rows: int, heads: int, tp: int, head_dim: int, device, gen):
+    def __init__(self, seq, rows, heads, tp, head_dim, device, gen, lengths_gen):
         per_rank = heads // tp
         shape = (seq, rows, per_rank, head_dim)
-        self.inputs = [torch.randn(shape, generator=gen).to(device) for _ in "qkv"]
-        lengths = seq - torch.randint(0, seq // 8 + 1, (rows,), generator=gen)
+        self.inputs = [torch.randn(shape, generator=gen, device=device) for _ in "qkv"]
+        lengths = seq - torch.randint(0, seq // 8 + 1, (rows,), generator=lengths_gen)
         lengths[0] = seq
         self.key_mask = (torch.arange(seq)[None] < lengths[:, None]).long().to(device)
         self.positions = positions_from_mask(self.key_mask).float()
         self.slopes = alibi_slopes_for_rank(heads, tp - 1, tp).to(device)  # the last rank's
         self.scale = head_dim**-0.5
-        self.grad_out = torch.randn(seq, rows, per_rank * head_dim, generator=gen).to(device)
+        shape = (seq, rows, per_rank * head_dim)
+        self.grad_out = torch.randn(shape, generator=gen, device=device)
 
 
 def method_calls(batch: Batch, device) -> dict:
@@ -168,6 +172,32 @@ def timings(calls: dict, batch: Batch, device, repeats: int) -> dict:
     return result
 
 
+def compile_up_front(configs, head_dim: int, device, generators) -> tuple[float, list[str]]:
+    """Compile, before the clock starts, every Triton specialisation the measurements use: one
+    tiny forward + backward per (heads per rank) of ``configs``. Triton specialises integer
+    arguments on divisibility by 16: heads per rank (32 vs 8 and 14) give two versions of each
+    of the three kernels (~5 s each to compile at head dim 128, measured for sm_90 on a 2-core
+    machine); the sequence lengths (all multiples of 16, as is 64 here) and strides (head dim
+    128) give no more. Compiling inside the budget left time for S=512 only. Returns (seconds,
+    what was compiled)."""
+    start, compiled = time.perf_counter(), []
+    for config, heads, tp in configs:
+        batch = Batch(64, 1, heads, tp, head_dim, device, *generators)
+        run(method_calls(batch, device)["triton"], batch, torch.bfloat16, True)
+        compiled.append(f"{config}: {heads // tp} heads x {head_dim}, bf16 fwd + bwd_kv + bwd_q")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, compiled
+
+
+def write_results(path: Path, results: list, extra: dict) -> None:
+    """The rows so far (rewritten after every configuration: a step stopped at its limit keeps
+    what it measured), via a temporary name."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"rows": results, **extra}, indent=1))
+    tmp.replace(path)
+
+
 def table_rows(config: str, seq: int, rows: int, heads: int, calls, errs, times) -> list[dict]:
     out = []
     for name in calls:
@@ -202,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, help="write the rows and the environment here")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU interpreter")
-    parser.add_argument("--budget-s", type=float, default=55.0, help="stop adding sizes after")
+    parser.add_argument(
+        "--budget-s", type=float, default=55.0,
+        help="stop adding sizes after this many seconds of measuring (compiles are before it)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    started = time.perf_counter()
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             print("--smoke needs triton and TRITON_INTERPRET=1 in the environment")
@@ -221,19 +253,38 @@ def main(argv: list[str] | None = None) -> int:
     if not fused_alibi_available(torch.empty(0, dtype=torch.bfloat16, device=device)):
         print("the Triton kernel cannot run here (no triton, or its probe failed)")
         return 2
-    gen = torch.Generator().manual_seed(0)
+    generators = (torch.Generator(device=device).manual_seed(0), torch.Generator().manual_seed(0))
+    compile_s, compiled = compile_up_front(configs, head_dim, device, generators)
+    print(f"compiled before measuring ({compile_s:.1f} s): " + "; ".join(compiled), flush=True)
+    environment = {
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "smoke": args.smoke,
+    }
     print(
         f"{'config':<9} {'S':>5} {'B':>3} {'method':<7} {'fwd ms':>9} {'f+b ms':>9} {'fwd MB':>9}"
         f" {'f+b MB':>9} {'out err':>8} {'grad err':>8}   (errors: bf16 steps vs fp32 torch)"
     )
+    started = time.perf_counter()  # the budget's clock: compiles are done
     results, mismatches, stopped = [], [], None
+
+    def record(done: bool) -> None:
+        if args.json:
+            environment["te"] = any(row["method"] == "te" for row in results)
+            write_results(args.json, results, {
+                "environment": environment, "compile_s": compile_s, "compiled": compiled,
+                "seconds": time.perf_counter() - started, "stopped": stopped,
+                "mismatches": mismatches, "complete": done,
+            })  # fmt: skip
+
     for seq in seq_lens:
         for config, heads, tp in configs:
             if time.perf_counter() - started > args.budget_s:
                 stopped = f"budget of {args.budget_s:.0f} s spent before {config} S={seq}"
                 break
             rows = max(1, tokens // seq)
-            batch = Batch(seq, rows, heads, tp, head_dim, device, gen)
+            batch = Batch(seq, rows, heads, tp, head_dim, device, *generators)
             calls = method_calls(batch, device)
             try:
                 errs = errors(calls, batch)
@@ -250,30 +301,12 @@ def main(argv: list[str] | None = None) -> int:
                 mismatches.append(f"{config} S={seq}")
                 print(f"MISMATCH {config} S={seq}: triton {errs['triton']} torch {errs['torch']}")
             del batch, calls
+            record(done=False)
     elapsed = time.perf_counter() - started
     if stopped:
         print(f"stopped: {stopped}")
-    print(f"total {elapsed:.1f} s")
-    if args.json:
-        environment = {
-            "torch": torch.__version__,
-            "triton": _triton_version(),
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "te": any(row["method"] == "te" for row in results),
-            "smoke": args.smoke,
-        }
-        args.json.write_text(
-            json.dumps(
-                {
-                    "rows": results,
-                    "environment": environment,
-                    "seconds": elapsed,
-                    "stopped": stopped,
-                    "mismatches": mismatches,
-                },
-                indent=1,
-            )  # fmt: skip
-        )
+    print(f"total {elapsed:.1f} s measuring, {compile_s:.1f} s compiling before")
+    record(done=True)
     return 1 if mismatches else 0
 
 

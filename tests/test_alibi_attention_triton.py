@@ -438,12 +438,23 @@ def test_fused_attention_under_interpreter(check, interpreter_results):
 
 
 @pytest.mark.launch
-def test_attention_benchmark_script_runs_under_interpreter():
-    """benchmarks/gpu_attention.py cannot time anything here; --smoke runs every line of it."""
-    proc = run_python([str(REPO / "benchmarks" / "gpu_attention.py"), "--smoke"])
+def test_attention_benchmark_script_runs_under_interpreter(tmp_path):
+    """benchmarks/gpu_attention.py cannot time anything here; --smoke runs every line of it:
+    the compiles before the budget's clock, and the JSON (rewritten after every size)."""
+    import json
+
+    out = tmp_path / "attention.json"
+    script = str(REPO / "benchmarks" / "gpu_attention.py")
+    proc = run_python([script, "--smoke", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "MISMATCH" not in proc.stdout
     assert "triton" in proc.stdout and "total" in proc.stdout
+    assert proc.stdout.index("compiled before measuring") < proc.stdout.index("config")
+    result = json.loads(out.read_text())
+    assert result["complete"] and result["compiled"] == [
+        "tiny tp2: 2 heads x 80, bf16 fwd + bwd_kv + bwd_q"
+    ]
+    assert {row["seq"] for row in result["rows"]} == {24, 40}
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ def test_gpu_check_dry_run_passes(tmp_path):
     assert bare["required_missing"] == []
     assert bare["carried_bytes"] == bare["tree_bytes"] + bare["wheelhouse_bytes"]
     assert bare["carried_bytes"] <= 64 * 2**20
-    assert bare["planned_s"] <= 6 * 60 and bare["limit_s"] <= 8 * 60
+    assert bare["planned_s"] <= 300 and bare["limit_s"] <= 8 * 60
+    assert bare["worst_case_s"] <= 10 * 60
+    assert "compiles up front: before the budget's clock" in proc.stdout
     assert bare["first_run_optional_checks"] == {
         "logits_te": "not on this machine", "faiss_kmeans": "not on this machine",
         "deepspeed_zero2": "runs", "vllm_reload": "not on this machine",
@@ -288,3 +290,23 @@ def test_a_failed_setup_stops_the_run_and_the_bundle_comes_back(tmp_path, monkey
     assert "missing" in (tmp_path / "work" / "setup.log").read_text()
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
         assert "work/summary.json" in tar.getnames()
+
+
+def test_the_plan_fits_a_device_session_and_names_what_it_compiles_first(tmp_path):
+    """15 device-minutes hold a machine start (1-3 min), the planned run and a targeted rerun:
+    the plan is <= 300 s (it was 325 s, with the attention step's budget spent on compiles);
+    every step that times or budgets Triton kernels names the compiles it does first, and the
+    attention step's limit holds its imports, compiles and budget."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_check import budget_problems, steps
+
+    planned = {step.name: step for step in steps(tmp_path)}
+    assert budget_problems(list(planned.values())) == []
+    assert sum(step.planned_s for step in planned.values()) <= 300
+    assert "8,704" in planned["first_run"].compiles  # the timed log-prob call's own shape
+    assert "D=128" in planned["attention"].compiles and "8/14" in planned["attention"].compiles
+    assert "untimed" in planned["kernels"].compiles
+    attention = planned["attention"]
+    budget = float(attention.command[attention.command.index("--budget-s") + 1])
+    assert 8 + 20 + budget + 10 <= attention.timeout_s  # imports, compiles, budget, last size
+    assert planned["scaling"].grace_s >= 35  # torchrun waits 30 s for its workers
