@@ -265,22 +265,28 @@ def test_results_go_where_the_device_returns_them(tmp_path, monkeypatch):
 
 
 @pytest.mark.launch  # launches Python (the setup step and the environment probe)
-def test_a_failed_setup_stops_the_run_and_the_bundle_comes_back(tmp_path, monkeypatch):
+def test_a_failed_setup_stops_the_run_and_the_bundle_comes_back(tmp_path):
     """Setup fails on an empty wheelhouse, no later step runs (each is listed as not run), and
-    the summary still reaches the bundle under ``$OUT``."""
+    the summary still reaches the bundle under ``$OUT``. gpu_check runs in a process of its own
+    (it makes itself a subreaper and ends what its steps leave), told it has a GPU."""
     import tarfile
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import gpu_check
 
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "whl").mkdir()
-    monkeypatch.setenv("OUT", str(out))
-    monkeypatch.setattr(gpu_check, "_has_gpu", lambda: True)  # this machine has none
     argv = ["--output-dir", str(tmp_path / "work"), "--wheelhouse", str(tmp_path / "whl"),
             "--bundle", str(out / "gpu_check.tar.gz")]  # fmt: skip
-    assert gpu_check.main(argv) == 1
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import gpu_check\n"
+        "gpu_check._has_gpu = lambda: True  # this machine has none\n"
+        f"sys.exit(gpu_check.main({argv!r}))\n"
+    )
+    env = dict(os.environ, OUT=str(out))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "setup failed: the later steps are not run" in proc.stderr
     summary = json.loads((tmp_path / "work" / "summary.json").read_text())
     assert summary["stopped_after"] == "setup"
     assert summary["steps"]["setup"]["ok"] is False and summary["steps"]["setup"]["rc"] == 1

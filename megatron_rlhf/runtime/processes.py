@@ -15,10 +15,15 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
+# libc, opened here rather than in a forked child: dlopen there could wait forever on a loader
+# lock that another thread of the parent held at the fork (subprocess's preexec_fn runs there).
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
 def die_with_parent() -> None:
     """In a forked child: have the kernel SIGKILL it when its parent dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def become_subreaper() -> bool:
@@ -26,9 +31,7 @@ def become_subreaper() -> bool:
     init: a grandchild whose parent died, or one that started a session of its own (torchrun's
     workers do), stays among :func:`descendants` of this process, so a supervisor can find and
     end it. It must then reap them (:func:`end_tree` does). Returns whether it took effect."""
-    if not sys.platform.startswith("linux"):
-        return False
-    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    return _LIBC is not None and _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def descendants(pid: int) -> list[int]:
