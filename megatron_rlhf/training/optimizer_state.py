@@ -1,9 +1,9 @@
 """Megatron-Core 0.16.1's distributed optimizer on torch Adam: what its checkpoints need.
 
 Without Transformer Engine or Apex (the bare CUDA image this project is lent), Megatron-Core
-wraps ``torch.optim.Adam``/``AdamW``, a path it exercises far less than TE's FusedAdam. Three
-places of ``megatron/core/optimizer/distrib_optimizer.py`` break a save or a resume there; each
-function below works around one of them without changing what a step computes
+wraps ``torch.optim.Adam``/``AdamW``, a path it exercises far less than TE's FusedAdam. Code of
+``megatron/core/optimizer/distrib_optimizer.py`` breaks a save or a resume there in the ways
+below; each public function works around some of them without changing what a step computes
 (``tests/test_distributed_optimizer.py`` resumes bit-for-bit through the real optimizer):
 
 - ``state_dict()`` asserts one Adam step count over the parameters (:640-642), and
@@ -15,10 +15,10 @@ function below works around one of them without changing what a step computes
   ``fully_reshardable`` left the step out of what it copies (:2097), so ``KeyError: 'step'``;
   ``dp_reshardable`` copies the step the state had when the state dict to load into was built
   (a local, unsaved object: :1663-1666), so every resume restarted Adam's bias correction at
-  step 0. And ``load_state_dict`` gives every parameter the same step tensor (:829-831), which torch
-  Adam then advances once per parameter at each step: :func:`load_optimizer_state`. (It also
-  gives back the step the CPU's plain FP32 optimizer leaves out of a step-0 checkpoint.)
-  Its ``dp_reshardable`` twin copies into views of fp32 parameters outside ``no_grad``.
+  step 0. ``load_state_dict`` also gives every parameter the same step tensor (:829-831), which
+  torch Adam then advances once per parameter at each step, and the ``dp_reshardable`` copy
+  writes into views of fp32 parameters outside ``no_grad``: :func:`load_optimizer_state` (which
+  also gives back the step the CPU's plain FP32 optimizer leaves out of a step-0 checkpoint).
 - ``dp_reshardable`` writes the gaps between parameters in a bucket from ``torch.empty`` (:1631),
   so a checkpoint held whatever memory was there (NaN included, which the save's finite check
   refuses): :func:`zero_checkpoint_padding`.
@@ -73,10 +73,10 @@ def _cpu_step_dtype() -> torch.dtype:
 @torch.no_grad()
 def load_optimizer_state(optimizer, state_dict) -> None:
     """``optimizer.load_state_dict(state_dict)``, with a distributed optimizer's torch-Adam steps
-    (just loaded from its param groups) set aside while the parameter state is copied in, and each
-    parameter given its own step tensor afterwards. Without grad: ``load_parameter_state_from_dp_reshardable``
-    (unlike its fully_reshardable twin) copies into fp32 parameters' views in place, which autograd
-    refuses for a leaf that requires grad."""
+    (just loaded from its param groups) set aside while the parameter state is copied in, and
+    each parameter given its own step tensor afterwards. Without grad: the ``dp_reshardable``
+    copy (unlike the ``fully_reshardable`` one) writes into views of fp32 parameters, which
+    autograd refuses for a leaf that requires grad."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     chained = _chained(optimizer)
@@ -112,7 +112,8 @@ def load_optimizer_state(optimizer, state_dict) -> None:
 def _step_zero_where_missing(state_dict: dict) -> None:
     """The plain FP32 optimizer saves a common step only when it is truthy (optimizer.py:1031),
     so a step-0 checkpoint has moments without a step, which torch Adam refuses to load
-    (``KeyError: 'step'``). Load casts it as torch would (``_process_value_according_to_param_policy``)."""
+    (``KeyError: 'step'``). A CPU scalar, which ``load_state_dict`` moves where the group needs
+    it (torch's ``_process_value_according_to_param_policy``)."""
     entries = state_dict.get("state", {})
     if "common_step" in entries:
         return
