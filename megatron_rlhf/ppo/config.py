@@ -253,11 +253,13 @@ class TrainSection:
     output_dir: str = "runs/ppo"
     """Checkpoints (step_N), metrics.jsonl, samples.jsonl and TensorBoard logs go here."""
     save_interval: int = 50
-    """Checkpoint every this many steps and at the end."""
+    """Checkpoint every this many steps and at the end (0: only at the end)."""
     log_interval: int = 1
-    """Print and write TensorBoard scalars every this many steps."""
+    """Write TensorBoard scalars and metrics.jsonl every this many steps and at the end (the
+    progress bar moves every step)."""
     sample_interval: int = 10
-    """Dump (prompt, response, score) samples to samples.jsonl every N steps."""
+    """Dump (prompt, response, score) samples to samples.jsonl every this many steps and at the
+    end (0: only at the end)."""
     resume: bool = True
     """Continue from output_dir's latest checkpoint when there is one."""
     max_nonfinite_skips: int = 0
@@ -273,6 +275,17 @@ class TrainSection:
     """Recompute the actor's and critic's layers in the backward pass (full, one layer at a
     time) instead of keeping their activations: what makes a 176B PPO step fit (see
     examples/ppo/bloomz_176b_am_ppo_sr.yaml)."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with the section's counts. The intervals follow training/run.py's
+        ``Run.due`` (0: only at the end), as in train-sft and train-reward."""
+        return [
+            f"train.{key}={getattr(self, key)} must be >= {least}"
+            for key, least in (
+                ("steps", 1), ("save_interval", 0), ("log_interval", 1), ("sample_interval", 0),
+            )
+            if getattr(self, key) < least
+        ]  # fmt: skip
 
 
 @dataclass(kw_only=True)

@@ -63,7 +63,8 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
         },
     )
     config = replace(config, models=models)
-    problems = optim_problems(config.actor_optim, "actor_optim")
+    problems = config.train.problems()
+    problems += optim_problems(config.actor_optim, "actor_optim")
     problems += optim_problems(config.critic_optim, "critic_optim")
     budget = config.ppo.max_tokens_per_micro_batch
     if budget is not None and budget < 1:

@@ -18,7 +18,7 @@ gives the critic V-trace targets (advantages.vtrace). N = 0 is the synchronous s
 ``placement.mode=disaggregated`` (placement.py) rollout ranks generate while the training ranks
 score and update: every rank runs this loop, each side skipping the other's stages.
 Checkpoints (actor, critic, optimizers, schedules, KL controller, reward normaliser, RNG, data
-positions) are saved every ``train.save_interval`` steps and resumed exactly. The run's
+positions) are saved every ``train.save_interval`` steps and at the end, and resumed exactly. The run's
 lifecycle (run directory, resume, log, non-finite guard, save on a signal, summary) is
 training/run.py's, shared with ``train-sft`` and ``train-reward``.
 """
@@ -149,8 +149,7 @@ class PPOTrainer:
                 last_reward = metrics["reward/mean"]
                 first_reward = last_reward if first_reward is None else first_reward
                 self.log(done, metrics, experience)
-            save_due = done % config.train.save_interval == 0 or done == config.train.steps
-            if self.run.end_step(done, save_due, self.save, exit_signals):
+            if self.run.end_step(done, self.save, exit_signals):
                 break
         self.run.close()
         self.roles.rollout.close()
@@ -285,8 +284,9 @@ class PPOTrainer:
         return section.is_cap if section.value_targets == "vtrace" else None
 
     def log(self, step: int, metrics: dict, experience) -> None:
-        """The step's metrics (the bar shows the reward, the KL and on GPUs the MFU) and every
-        ``train.sample_interval`` steps its samples."""
+        """The step's progress (the bar shows the reward, the KL and on GPUs the MFU), its
+        metrics and its samples when the run's cadence says so (``train.log_interval``,
+        ``train.sample_interval``: training/run.py ``Run.due``)."""
         shown = {
             "reward": f"{metrics['reward/mean']:.3f}",
             "kl": f"{metrics.get('kl/mean', 0):.3f}",
@@ -294,8 +294,8 @@ class PPOTrainer:
         if "throughput/mfu" in metrics:  # GPUs only
             shown["mfu"] = f"{metrics['throughput/mfu']:.1%}"
         self.logger.advance(**shown)
-        self.logger.write(step, metrics)
-        if step % self.config.train.sample_interval == 0 and is_rank0():
+        self.run.write(step, metrics)
+        if self.run.due("sample", step) and is_rank0():
             dump_samples(self.output_dir / "samples.jsonl", step, experience, self.data.tokenizer)
 
     def sampling(self) -> SamplingConfig:

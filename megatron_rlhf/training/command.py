@@ -105,10 +105,6 @@ def reduce_metrics(metrics: dict) -> dict:
     return {key: float(np.mean([m[key] for m in reporting])) for key in reporting[0]}
 
 
-def every(step: int, interval: int) -> bool:
-    return interval > 0 and step % interval == 0
-
-
 def check_data_fits_model(dataset, key: str, model_dir: str, model_vocab: int) -> None:
     """The dataset's tokenizer is the model's: ids inside its vocabulary, same fingerprint."""
     from megatron_rlhf.checkpoint.dist import tokenizer_of

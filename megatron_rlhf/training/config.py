@@ -145,7 +145,8 @@ class TrainConfig:
     save_interval: int = 500
     """Checkpoint every this many steps and at the end (0: only at the end)."""
     log_interval: int = 10
-    """Print, write TensorBoard scalars and metrics.jsonl every this many steps."""
+    """Print, write TensorBoard scalars and metrics.jsonl every this many steps and at the
+    end."""
     seed: int = 1234
     """Data order and held-out split."""
     resume: bool = True

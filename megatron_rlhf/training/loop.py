@@ -313,16 +313,11 @@ def train(
             run.check(step, metrics)
             history.append(metrics)
             logger.advance(**task.progress(metrics))
-            if command.every(step, config.train.log_interval):
-                logger.write(step, metrics, "train")
-            last = step == total_steps
-            if data.eval_set is not None and (
-                last or command.every(step, config.train.eval_interval)
-            ):
+            run.write(step, metrics, "train")
+            if data.eval_set is not None and run.due("eval", step):
                 last_eval = task.evaluate(engine, data.eval_set, batches)
                 logger.write(step, task.eval_scalars(last_eval), "eval")
-            save_due = last or command.every(step, config.train.save_interval)
-            if run.end_step(step, save_due, save, exit_signals) is not None:
+            if run.end_step(step, save, exit_signals) is not None:
                 break
     finally:
         exit_signals.restore()

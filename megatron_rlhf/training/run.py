@@ -12,10 +12,16 @@ A :class:`Run` is built once the models can be loaded, and then:
   positions) from the returned dict;
 - :meth:`Run.start` writes ``config.json`` (atomically) and opens the :class:`RunLog`;
 - per step: :meth:`Run.check` (training/guards.py: a non-finite step is skipped or stops the run
-  with exit code 2 before it is saved), then :meth:`Run.end_step` (a checkpoint when due, and on
-  an exit signal all ranks agree on, training/signals.py, a checkpoint and a stop);
+  with exit code 2 before it is saved), :meth:`Run.write` (the step's metrics, when a log line
+  is due), then :meth:`Run.end_step` (a checkpoint when due, and on an exit signal all ranks
+  agree on, training/signals.py, a checkpoint and a stop);
 - :func:`finish` prints the one-line summary and returns the exit code (75 when stopped by a
   signal).
+
+The run owns the cadence, for every trainer: :meth:`Run.due` is the one rule for
+``train.save_interval``, ``train.log_interval``, ``train.eval_interval`` and
+``train.sample_interval`` (every that many steps and at the last step; 0: only at the last), so
+a trainer never reads an interval itself and the commands cannot drift apart.
 
 What differs is the trainer's ``save()`` (its engines and state) and what it logs.
 """
@@ -70,6 +76,8 @@ class Run:
         self.saved_step: int | None = None
         self.stopped_by: signal.Signals | None = None
         self.log: RunLog | None = None
+        self.total_steps: int | None = None
+        """The run's last step (set by :meth:`start`)."""
 
     def restore(self, engines: dict) -> dict:
         """Load :attr:`resume_from` into ``engines`` ({role: TrainEngine}); the trainer state it
@@ -111,6 +119,7 @@ class Run:
             )
         if is_rank0():
             write_json(self.output_dir / "config.json", to_dict(self.config))
+        self.total_steps = total_steps
         self.log = RunLog(self.command, self.output_dir, self.step, total_steps)
         return self.log
 
@@ -120,13 +129,27 @@ class Run:
         self.step = step
         return self.guard.check(step, metrics)
 
-    def end_step(self, step: int, save_due: bool, save, exit_signals) -> signal.Signals | None:
-        """After step ``step``: ``save(step)`` (collective; returns the checkpoint) when due; then
-        the exit signal every rank agrees on, if any, after a checkpoint of this step."""
+    def due(self, what: str, step: int) -> bool:
+        """Whether ``train.<what>_interval`` (``what``: save, log, eval or sample) acts after step
+        ``step``: every that many steps and at the run's last step; 0 means only at the last.
+        The one rule of every trainer (a trainer without that key never acts early)."""
+        interval = getattr(self.config.train, f"{what}_interval", 0)
+        return step == self.total_steps or (interval > 0 and step % interval == 0)
+
+    def write(self, step: int, metrics: dict, prefix: str | None = None) -> None:
+        """Step ``step``'s metrics to the run log (rank 0) when a log line is due
+        (``train.log_interval``)."""
+        if self.due("log", step):
+            self.log.write(step, metrics, prefix)
+
+    def end_step(self, step: int, save, exit_signals) -> signal.Signals | None:
+        """After step ``step``: ``save(step)`` (collective; returns the checkpoint) when due
+        (``train.save_interval``); then the exit signal every rank agrees on, if any, after a
+        checkpoint of this step."""
         from megatron_rlhf.training.signals import stopped_message
 
         self.step = step
-        if save_due:
+        if self.due("save", step):
             self.checkpoint, self.saved_step = save(step), step
         self.stopped_by = exit_signals.agreed()
         if self.stopped_by is not None:
