@@ -135,14 +135,24 @@ child = (
 open({pids!r} + "/step", "w").write(str(__import__("os").getpid()))
 run_in_process_group([sys.executable, "-c", child], 300, nested=True)
 """
-# A torchrun worker that takes 20 s to stop after SIGTERM (a CUDA or NCCL teardown): torchrun
-# waits for it, and a launcher SIGKILLed before then leaves it running in its own session.
+# A torchrun worker that takes argv[2] seconds to stop after SIGTERM (a CUDA or NCCL teardown):
+# torchrun waits for it, and a launcher SIGKILLed before then leaves it running in its own session.
 TORCHRUN_WORKER = """
 import os, signal, sys, time
-signal.signal(signal.SIGTERM, lambda *_: (time.sleep(20), sys.exit(1)))
+def stop(*_):
+    open(sys.argv[1] + "/worker_got_sigterm", "w").close()
+    time.sleep(float(sys.argv[2]))
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stop)
 open(sys.argv[1] + "/worker", "w").write(str(os.getpid()))
 time.sleep(120)
 """
+# Its times, scaled down from the GPU's (a worker that takes 20 s to stop, torchrun's 30 s wait,
+# TORCHRUN_GRACE_S = 35, which test_the_plan_fits_a_device_session... checks) so that the
+# launcher is SIGKILLed while its worker is still stopping: the worker takes longer than the
+# grace and the polling below together, so only a SIGKILL that reaches it in its own session
+# ends it in time. Both start in ~1 s; the limit leaves room for a loaded machine.
+WORKER_STOP_S, WORKER_GRACE_S, TORCHRUN_LIMIT_S = 60, 2, 8
 
 
 @pytest.mark.launch(ranks=1)  # launches Python, and torchrun with one worker
@@ -152,7 +162,8 @@ def test_a_step_past_its_limit_leaves_no_process(tmp_path, kind):
     sessions of their own and torchrun's workers do, so killing the step's process group missed
     them; and torchrun was SIGKILLed 10 s after SIGTERM while it waits up to 30 s for its
     workers. Here a step times out with a grandchild in another session (or a torchrun worker
-    that takes 20 s to stop) alive, and afterwards none of its processes is running."""
+    that takes longer than the grace to stop) alive, and afterwards none of its processes is
+    running."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from gpu_check import TORCHRUN_GRACE_S, run_in_process_group
 
@@ -161,15 +172,19 @@ def test_a_step_past_its_limit_leaves_no_process(tmp_path, kind):
     if kind == "nested":
         step = NESTED_STEP.format(benchmarks=str(REPO / "benchmarks"), pids=str(pids))
         command, expected, limit = [sys.executable, "-c", step], {"step", "child", "grandchild"}, 8
+        grace = TORCHRUN_GRACE_S  # the nested step's processes stop at once
     else:
         worker = tmp_path / "worker.py"
         worker.write_text(TORCHRUN_WORKER)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", "1", str(worker), str(pids)]  # fmt: skip
-        expected, limit = {"worker"}, 15
+                   "--nproc-per-node", "1", str(worker), str(pids), str(WORKER_STOP_S)]  # fmt: skip
+        expected, limit, grace = {"worker"}, TORCHRUN_LIMIT_S, WORKER_GRACE_S
     start = time.monotonic()
-    rc, _ = run_in_process_group(command, limit, log=tmp_path / "log", grace_s=TORCHRUN_GRACE_S)
+    rc, _ = run_in_process_group(command, limit, log=tmp_path / "log", grace_s=grace)
     assert rc == 124
+    if kind == "torchrun":  # SIGTERM first: the grace is for an orderly stop
+        assert (pids / "worker_got_sigterm").exists()
+        (pids / "worker_got_sigterm").unlink()
     started = {path.name: int(path.read_text()) for path in pids.iterdir()}
     assert set(started) == expected, f"not all started within {limit} s: {started}"
     for _ in range(50):  # orphans are reaped by init shortly after
@@ -177,7 +192,8 @@ def test_a_step_past_its_limit_leaves_no_process(tmp_path, kind):
             break
         time.sleep(0.1)
     assert {name: _proc_state(pid) for name, pid in started.items()} == dict.fromkeys(started, "Z")
-    assert time.monotonic() - start < limit + TORCHRUN_GRACE_S
+    killed = 5 if kind == "torchrun" else 0  # end_tree waits up to 5 s for a SIGKILL to land
+    assert time.monotonic() - start < limit + grace + killed
 
 
 def _proc_state(pid: int) -> str:
