@@ -86,21 +86,28 @@ def run_command(command: str, body: Callable[[], int], distributed: bool = False
 def find_user_os_error(err: BaseException) -> OSError | None:
     """The first user-fixable ``OSError`` in ``err``, its causes and (for torch's
     ``CheckpointException``) the per-rank failures it wraps; None if there is none."""
+    for current in error_chain(err):
+        if isinstance(current, OSError) and current.errno in USER_OS_ERRORS:
+            return current
+        if isinstance(current, (KeyboardInterrupt, SystemExit)):
+            return None
+    return None
+
+
+def error_chain(err: BaseException):
+    """``err``, then (breadth first, each once) its causes, contexts and the per-rank failures
+    a torch ``CheckpointException`` wraps."""
     seen, pending = set(), [err]
     while pending:
         current = pending.pop(0)
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in USER_OS_ERRORS:
-            return current
-        if isinstance(current, (KeyboardInterrupt, SystemExit)):
-            return None
+        yield current
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
             pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         pending += [current.__cause__, current.__context__]
-    return None
 
 
 def os_error_message(err: OSError) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -75,3 +77,17 @@ def make_advantage_model(root: Path, hf_dir: Path) -> Path:
     script_path.write_text(script)
     subprocess.run([sys.executable, str(script_path)], check=True, capture_output=True)
     return target
+
+
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def launcher_env_kept():
+    """A command run in this process leaves the launcher's variables as it found them."""
+    saved = {key: os.environ.get(key) for key in LAUNCHER_ENV}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.update({key: value})

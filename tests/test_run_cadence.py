@@ -11,14 +11,11 @@ Each trainer here runs 3 steps with ``save_interval=0`` and ``log_interval=2``: 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-import pytest
-from ppo_fixtures import make_ppo_setup
+from ppo_fixtures import launcher_env_kept, make_ppo_setup
 from test_reward_train import save_hf_bloom, write_synthetic_pairs
 
-DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 CADENCE = ["train.steps=3", "train.save_interval=0", "train.log_interval=2"]
 
 
@@ -30,15 +27,6 @@ def logged_steps(run: Path, key: str) -> list[int]:
 
 def checkpoints(run: Path) -> list[str]:
     return sorted(path.name for path in run.glob("step_*"))
-
-
-@pytest.fixture
-def clean_dist_env():
-    """An in-process run leaves the launcher's variables as it found them."""
-    saved = {key: os.environ.get(key) for key in DIST_ENV}
-    yield
-    for key, value in saved.items():
-        os.environ.pop(key, None) if value is None else os.environ.update({key: value})
 
 
 def test_the_rule_is_every_interval_and_the_last_step():
@@ -57,7 +45,7 @@ def test_the_rule_is_every_interval_and_the_last_step():
     assert [s for s in range(1, 8) if run.due("eval", s)] == [7]  # no such key: the end only
 
 
-def test_train_ppo_saves_only_at_the_end_and_logs_every_other_step(tmp_path, clean_dist_env):
+def test_train_ppo_saves_only_at_the_end_and_logs_every_other_step(tmp_path):
     """Failed before: ZeroDivisionError after step 1 (``ppo/train.py``'s ``done %
     save_interval``), and every step logged."""
     from megatron_rlhf.ppo.train_cli import main
@@ -65,7 +53,8 @@ def test_train_ppo_saves_only_at_the_end_and_logs_every_other_step(tmp_path, cle
     setup, run = make_ppo_setup(tmp_path), tmp_path / "run"
     argv = ["--config", str(setup["config"]), f"train.output_dir={run}", *CADENCE]
     short = ["rollout.prompts_per_step=8", "ppo.epochs=1", "ppo.num_minibatches=1"]
-    assert main([*argv, *short, "ppo.micro_batch_size=8", "train.sample_interval=0"]) == 0
+    with launcher_env_kept():
+        assert main([*argv, *short, "ppo.micro_batch_size=8", "train.sample_interval=0"]) == 0
     assert checkpoints(run) == ["step_0000003"]
     assert logged_steps(run, "reward/mean") == [2, 3]
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
@@ -83,7 +72,7 @@ def test_train_ppo_refuses_a_negative_interval_naming_the_key(tmp_path, capsys):
     assert "train.log_interval=0 must be >= 1" in err
 
 
-def test_train_reward_saves_only_at_the_end_and_logs_every_other_step(tmp_path, clean_dist_env):
+def test_train_reward_saves_only_at_the_end_and_logs_every_other_step(tmp_path):
     from megatron_rlhf.reward.train import main
 
     data = write_synthetic_pairs(tmp_path / "pairs", pairs_per_task=10)
@@ -93,12 +82,13 @@ def test_train_reward_saves_only_at_the_end_and_logs_every_other_step(tmp_path, 
         f"model.load={trunk}", f"data.train={data}", f"train.output_dir={run}",
         "train.global_batch_size=4", "train.micro_batch_size=4", "train.eval_interval=0",
     ]  # fmt: skip
-    assert main([*argv, *CADENCE]) == 0
+    with launcher_env_kept():
+        assert main([*argv, *CADENCE]) == 0
     assert checkpoints(run) == ["step_0000003"]
     assert logged_steps(run, "train/loss") == [2, 3]
 
 
-def test_train_sft_saves_only_at_the_end_and_logs_every_other_step(tmp_path, clean_dist_env):
+def test_train_sft_saves_only_at_the_end_and_logs_every_other_step(tmp_path):
     from megatron_rlhf.data import write_sft_dataset
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
     from megatron_rlhf.training.sft import main
@@ -112,7 +102,8 @@ def test_train_sft_saves_only_at_the_end_and_logs_every_other_step(tmp_path, cle
         f"train.output_dir={run}", "train.global_batch_size=8", "train.micro_batch_size=8",
         "data.eval_fraction=0.25", "train.eval_interval=0",
     ]  # fmt: skip
-    assert main([*argv, *CADENCE]) == 0
+    with launcher_env_kept():
+        assert main([*argv, *CADENCE]) == 0
     assert checkpoints(run) == ["step_0000003"]
     assert logged_steps(run, "train/loss") == [2, 3]
     assert logged_steps(run, "eval/loss") == [3]  # eval_interval=0: at the end only

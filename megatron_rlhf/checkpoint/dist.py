@@ -4,7 +4,8 @@ A checkpoint directory holds Megatron-Core's ``torch_dist`` files plus ``megatro
 (architecture, head type, how it was made), when known the tokenizer files, and
 ``manifest.json`` (every file's size and SHA-256, verified before loading). Saving writes into
 ``<dir>.tmp-partial`` and renames it when every rank has finished, so an interrupted save never
-leaves a directory that looks complete. Nothing of ours is pickled; torch's ``.metadata`` and
+leaves a directory that looks complete; a save that runs out of space removes the partial and
+says so (:class:`DiskFullError`). Nothing of ours is pickled; torch's ``.metadata`` and
 Megatron's ``common.pt`` are pickles (upstream): the manifest is checked first, ``.metadata`` is
 read through a restricted unpickler (checkpoint/safe_pickle.py) and ``common.pt`` only with
 ``torch.load``'s ``weights_only=True``.
@@ -13,6 +14,7 @@ read through a restricted unpickler (checkpoint/safe_pickle.py) and ``common.pt`
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import multiprocessing
 import pickle
@@ -32,7 +34,7 @@ from megatron_rlhf.checkpoint.containment import require_contained
 from megatron_rlhf.distributed.parallel import world_max
 from megatron_rlhf.models.bloom.config import BloomArchitecture
 from megatron_rlhf.runtime.processes import die_with_parent, forks_die_with_parent
-from megatron_rlhf.utils import InputError, NonFiniteError
+from megatron_rlhf.utils import InputError, NonFiniteError, error_chain
 
 METADATA_FILE = "megatron_rlhf.json"
 GLOBAL_TENSORS_FILE = "global_tensors.safetensors"
@@ -102,16 +104,35 @@ def save(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
+    try:
+        _write(partial, sharded_state_dict, metadata, tokenizer_dir, rank_state, global_tensors)
+    except BaseException as err:  # torch's CheckpointException derives from BaseException
+        full = out_of_space(err, partial, sharded_state_dict)
+        if full is None:
+            raise
+        if _rank() == 0:  # give the space back; the checkpoints before it are untouched
+            shutil.rmtree(partial, ignore_errors=True)
+        raise full from None
+    if _rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+    _barrier()
+    return final
+
+
+def _write(partial: Path, sharded_state_dict, metadata, tokenizer_dir, rank_state, tensors):
+    """Every file of a checkpoint into ``partial`` (collective): :func:`save`'s body."""
     _results_queue_without_spawn()
     with _quiet_upstream_deprecations(), forks_die_with_parent():
         dist_checkpointing.save(sharded_state_dict, str(partial))
     if rank_state is not None:
         (partial / "rank_state").mkdir(exist_ok=True)
         (partial / "rank_state" / f"{_rank():05d}.json").write_text(json.dumps(rank_state))
-    if _rank() == 0 and global_tensors:
+    if _rank() == 0 and tensors:
         from safetensors.torch import save_file
 
-        tensors = {k: t.detach().cpu().contiguous() for k, t in global_tensors.items()}
+        tensors = {k: t.detach().cpu().contiguous() for k, t in tensors.items()}
         save_file(tensors, str(partial / GLOBAL_TENSORS_FILE))
     if _rank() == 0:
         (partial / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
@@ -119,12 +140,46 @@ def save(
             copy_tokenizer_files(tokenizer_dir, partial)
     _barrier()
     manifest.write_manifest(partial)
-    if _rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        partial.rename(final)
-    _barrier()
-    return final
+
+
+class DiskFullError(InputError):
+    """A checkpoint save ran out of disk space (exit code 2, one line, no traceback). The
+    partial save is removed, so nothing the run wrote before it changes."""
+
+
+def out_of_space(err: BaseException, partial: Path, sharded_state_dict) -> DiskFullError | None:
+    """A :class:`DiskFullError` for ``partial`` when ``err`` ended its save for lack of space,
+    else None. Lack of space is ``ENOSPC`` / ``EDQUOT`` anywhere in ``err``, as an OSError or
+    in a message (torch's ``CheckpointException`` wraps each rank's failure, and Megatron's
+    writer re-raises a worker's OSError as ``RuntimeError: Worker failure: [Errno 28] ...``),
+    or, since torch's zip writer loses the errno (a full disk reads ``unexpected pos 704 vs
+    598``), fewer bytes free on that disk than this rank's tensors take. The message gives
+    both numbers."""
+    needed = sum(t.numel() * t.element_size() for _, t in _named_tensors(sharded_state_dict))
+    free = shutil.disk_usage(partial.parent).free
+    if not (_says_no_space(err) or free < needed and not _has_os_error(err)):
+        return None
+    return DiskFullError(
+        f"{partial}: no space left on device while saving a checkpoint (this rank's tensors "
+        f"need about {needed:,} bytes; {free:,} bytes were free there); the partial save was "
+        "removed; free space or save elsewhere"
+    )
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _says_no_space(err: BaseException) -> bool:
+    marks = [f"[Errno {code}]" for code in _NO_SPACE]
+    return any(
+        (isinstance(e, OSError) and e.errno in _NO_SPACE) or any(m in str(e) for m in marks)
+        for e in error_chain(err)
+    )
+
+
+def _has_os_error(err: BaseException) -> bool:
+    """Whether ``err`` holds an OSError (some other one than no space: a named cause)."""
+    return any(isinstance(e, OSError) for e in error_chain(err))
 
 
 def _results_queue_without_spawn() -> None:

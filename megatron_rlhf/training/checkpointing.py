@@ -87,17 +87,29 @@ def save_training_checkpoint(
     }
     rank_state = {"rng": rng_state(), "schedulers": schedulers, "trainer": trainer_state}
     directory = Path(run_dir) / f"step_{step:07d}"
-    dist_ckpt.save(
-        directory,
-        sharded,
-        metadata,
-        tokenizer_dir=tokenizer_dir,
-        overwrite=True,
-        rank_state=rank_state,
-        global_tensors=trainer_tensors,
-    )
+    try:
+        dist_ckpt.save(
+            directory,
+            sharded,
+            metadata,
+            tokenizer_dir=tokenizer_dir,
+            overwrite=True,
+            rank_state=rank_state,
+            global_tensors=trainer_tensors,
+        )
+    except dist_ckpt.DiskFullError as err:  # the pointer was not moved: say what it names
+        raise dist_ckpt.DiskFullError(f"{err}; {_last_good(run_dir)}") from None
     point_latest(run_dir, directory)
     return directory
+
+
+def _last_good(run_dir: str | Path) -> str:
+    """What a run that failed to save can resume from (latest_checkpoint.txt is unchanged)."""
+    latest = Path(run_dir) / LATEST_FILE
+    if not latest.is_file():
+        return "no checkpoint of this run was written before it; the run starts over"
+    last = Path(run_dir) / latest.read_text().strip()
+    return f"the last checkpoint {last} is intact: relaunch and the run resumes from it"
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
