@@ -34,9 +34,24 @@ def bootstrap_interval(
 
     ``statistic`` maps an index array into ``per_row``'s rows (numpy, so 1000 draws are cheap).
     """
-    rng = np.random.default_rng(seed)
-    rows = len(per_row)
-    draws = [statistic(rng.integers(0, rows, rows)) for _ in range(BOOTSTRAP_SAMPLES)]
+    draws = [statistic(idx) for idx in bootstrap_indices(len(per_row), seed)]
+    low, high = np.percentile(draws, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def bootstrap_indices(rows: int, seed: int) -> np.ndarray:
+    """The ``BOOTSTRAP_SAMPLES`` x ``rows`` resampled row indices of ``seed``: one draw, the same
+    numbers as one ``rng.integers(0, rows, rows)`` per resample (numpy's int64 draws are not
+    buffered across calls), in ~1/50 of the time."""
+    return np.random.default_rng(seed).integers(0, rows, (BOOTSTRAP_SAMPLES, rows))
+
+
+def bootstrap_mean_percent_interval(values: np.ndarray, seed: int = 0) -> tuple[float, float]:
+    """``bootstrap_interval(values, partial(_mean_percent, values), seed)``, all resamples at
+    once: each row's mean of integer values is the same float (exact sums)."""
+    if not np.issubdtype(values.dtype, np.integer):
+        return bootstrap_interval(values, partial(_mean_percent, values), seed)
+    draws = 100.0 * values[bootstrap_indices(len(values), seed)].mean(axis=1)
     low, high = np.percentile(draws, [2.5, 97.5])
     return float(low), float(high)
 
@@ -348,7 +363,7 @@ def arm_extras(judgments_by_seed: dict[int, list[dict]]) -> dict:
                 [VERDICT_SIGN[j["outcome"]] for j in _of_set(judgments_by_seed[s], set_name)]
             )
             out[set_name]["net_win_bootstrap"].append(
-                list(bootstrap_interval(signs, partial(_mean_percent, signs), s))
+                list(bootstrap_mean_percent_interval(signs, s))
             )
     return out
 
