@@ -15,12 +15,15 @@ spawn), in its body or in a fixture it sets up, fails unless it carries one of t
 a launch costs seconds of imports, and the quick tier must stay quick as the suite grows.
 
 **Parallel runs** (``pytest -n 2 --dist loadgroup``, the README's test command): every test
-of 2 or more ranks or marked ``chaos`` joins one ``xdist_group``, so those run one at a time
+of more than 2 ranks or marked ``chaos`` joins one ``xdist_group``, so those run one at a time
 on one worker (they size their timeouts and signal timing for a machine they share with one
-other test at most), and so does any test of their files that shares a module-scoped run with
-one of them (the run is built once); every other test is grouped by its file. Groups are handed
-out longest first (the serial group, then the files that run a command end to end, then the
-rest), so the last minutes are short tests on both workers, not one long test on one.
+other test at most, of 2 processes at most: a 2-rank launch, or the study's ``--jobs 2``), and
+so does any test of their files that shares a module-scoped run with one of them (the run is
+built once); every other test, 2-rank launches included, is grouped by its file. With the
+2-rank launches in it the serial group was ~55% of the suite's time, the long pole of both
+workers; without them the other worker takes them and finishes with it. Groups are handed out
+longest first (the serial group, then the files that run a command end to end, then the rest),
+so the last minutes are short tests on both workers, not one long test on one.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 LAUNCH_MARKERS = ("launch", "e2e", "chaos")
 SERIAL_GROUP = "ranks"
+SERIAL_ABOVE_RANKS = 2  # launches of more ranks run one at a time, in SERIAL_GROUP
 
 _current: pytest.Item | None = None  # the test whose setup, call or teardown is running
 
@@ -74,7 +78,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if any(item.get_closest_marker(name) for name in LAUNCH_MARKERS):
             item.add_marker(pytest.mark.slow)
-        if _ranks(item) >= 2 or item.get_closest_marker("chaos") is not None:
+        if _ranks(item) > SERIAL_ABOVE_RANKS or item.get_closest_marker("chaos") is not None:
             serial.add(item)
     # a test that shares a module-scoped run with a serial test joins it: the run is built once
     shared = set().union(*(_shared_fixtures(item) for item in serial))
