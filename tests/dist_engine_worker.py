@@ -196,7 +196,7 @@ def kl_controller(args) -> None:
 
     from megatron_rlhf.distributed import initialize
     from megatron_rlhf.ppo.control import KLController
-    from megatron_rlhf.ppo.train import observed_kl
+    from megatron_rlhf.ppo.metrics import observed_kl
 
     initialize()  # TP1 PP1 on 2 ranks: DP = 2
     generator = torch.Generator().manual_seed(21)

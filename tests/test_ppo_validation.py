@@ -72,7 +72,7 @@ def test_rollout_logprobs_as_pi_old_need_the_whole_vocabulary(setup, capsys):
 
 def test_old_logprobs_auto_reuses_the_rollouts_only_where_they_agree():
     from megatron_rlhf.ppo import config as ppo
-    from megatron_rlhf.ppo.train import reuses_rollout_logprobs
+    from megatron_rlhf.ppo.roles import reuses_rollout_logprobs
 
     def config(choice, temperature=1.0, bf16=False, top_p=1.0):
         return ppo.TrainPPOConfig(
@@ -147,7 +147,7 @@ def test_old_logprobs_auto_with_a_rollout_correction_takes_any_engines_logprobs(
     at it: the weights at T = 0.7 are 1 at staleness 0, tests/test_ppo_units.py), but top_p 1
     is still required (at top_p < 1 mu is the nucleus renormalised, not the ratio's pi_old)."""
     from megatron_rlhf.ppo import config as ppo
-    from megatron_rlhf.ppo.train import reuses_rollout_logprobs
+    from megatron_rlhf.ppo.roles import reuses_rollout_logprobs
 
     def config(correction, engine="vllm", temperature=1.0, choice="auto", top_p=1.0):
         return ppo.TrainPPOConfig(

@@ -3,8 +3,8 @@ whitening.
 
 The per-token math of the synchronous step runs in the fused kernels; :func:`vtrace` (the
 critic's targets on stale samples, ``async.value_targets=vtrace``) is plain PyTorch. ``train-ppo``
-holds the global batch on every rank, so statistics are global; with a batch split over a
-data-parallel group, pass the group and the mean/variance reductions span it.
+holds the global batch on every rank, so :func:`compute_advantages`' statistics are global;
+the reductions (:func:`global_moments`) take a data-parallel group for a batch split over one.
 """
 
 from __future__ import annotations
@@ -43,24 +43,22 @@ def compute_advantages(
     experience: Experience,
     kl_controller: KLController,
     normalizer: RewardNormalizer,
-    kl_kind: str,
-    gamma: float,
-    lam: float,
-    whiten: bool = True,
-    group=None,
+    ppo,
     vtrace_cap: float | None = None,
 ) -> Experience:
-    """Fill kl, rewards, advantages and returns. ``group``: the DP group whose ranks each hold
-    a part of the batch (None: this rank holds the whole batch). ``vtrace_cap``: V-trace
-    targets and advantages (:func:`vtrace`, rho_bar = ``vtrace_cap``, c_bar = 1) toward pi_old
+    """Fill kl, rewards, advantages and returns of the global batch (every rank holds it), by
+    the ``ppo`` section's ``kl.estimator``, ``gamma``, ``lam`` and ``whiten_advantages``.
+    ``vtrace_cap`` (``AsyncConfig.vtrace_cap``): V-trace targets and advantages
+    (:func:`vtrace`, rho_bar = ``vtrace_cap``, c_bar = 1) toward pi_old
     (``experience.logprobs``) from the behaviour policy (``experience.rollout_logprobs``)
     instead of GAE. c_bar = 1 is IMPALA's choice: the traces c_t only shrink, so their
     products over a response cannot blow up the variance; the fixed point (the value of
     pi_rho_bar) depends on rho_bar alone."""
-    shift, scale = normalizer(*global_mean_var(experience.scores, group))
+    gamma, lam = ppo.gamma, ppo.lam
+    shift, scale = normalizer(*global_mean_var(experience.scores, None))
     scores = (experience.scores - shift) / scale  # (B,)
     mask = experience.response_mask
-    kl = kl_penalty(experience.logprobs, experience.ref_logprobs, kl_kind) * mask  # (B, N)
+    kl = kl_penalty(experience.logprobs, experience.ref_logprobs, ppo.kl.estimator) * mask  # (B, N)
     rewards = shaped_rewards(scores, kl, mask, kl_controller.coef)  # (B, N)
     if vtrace_cap is None:
         advantages, returns = gae(rewards, experience.values, mask, gamma, lam)
@@ -69,8 +67,8 @@ def compute_advantages(
         advantages, returns = vtrace(
             rewards, experience.values, mask, log_ratio, gamma, lam, rho_bar=vtrace_cap, c_bar=1.0
         )
-    if whiten:
-        advantages = masked_whiten(advantages, mask, group=group)
+    if ppo.whiten_advantages:
+        advantages = masked_whiten(advantages, mask)
     experience.kl, experience.rewards = kl, rewards
     experience.advantages, experience.returns = advantages, returns
     return experience

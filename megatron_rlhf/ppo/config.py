@@ -180,6 +180,13 @@ class PPOConfig:
     rejection_threshold: float | None = None
     """Keep the best response of each prompt if its score >= this (None: always keep it)."""
 
+    def token_budget(self, width: int) -> int | None:
+        """Tokens per packed scoring and update micro-batch for a batch ``width`` tokens wide
+        (None: padded micro-batches)."""
+        if not self.packing:
+            return None
+        return self.max_tokens_per_micro_batch or self.micro_batch_size * width
+
 
 @dataclass(kw_only=True)
 class PlacementConfig:
@@ -218,6 +225,11 @@ class AsyncConfig:
     behaviour log-probs), and V-trace's rho_bar (its c_bar is 1); >= 1, or 0 for no weight
     (the correction off: PPO clipped around the current actor as if the samples were its
     own)."""
+
+    @property
+    def vtrace_cap(self) -> float | None:
+        """V-trace's rho_bar (``value_targets=vtrace``; its c_bar is 1), or None for GAE."""
+        return self.is_cap if self.value_targets == "vtrace" else None
 
 
 @dataclass(kw_only=True)

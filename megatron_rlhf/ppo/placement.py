@@ -40,6 +40,7 @@ inter-node links, and the samples a few MB (256 x 2048 tokens).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -47,6 +48,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.distributed.parallel import compute_device, world_max
 from megatron_rlhf.generation import generate
+from megatron_rlhf.ppo.rollouts import Rollouts
 
 SAMPLES_TAG = 7
 """The tag of the samples' point-to-point messages (the weight sync uses the default, 0)."""
@@ -168,6 +170,69 @@ class DisaggregatedRollout:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+
+
+class Colocated:
+    """``placement.mode=colocated``: every rank holds every role, generates and trains."""
+
+    def training(self):
+        """The block a step's update runs in: the world, as it is."""
+        return contextlib.nullcontext()
+
+    def rollouts(self, engine, queue, data, config, expand) -> Rollouts:
+        return Rollouts(engine, queue, data, config, expand)
+
+
+class TrainingRanks:
+    """A training rank of the disaggregated placement: it receives the rollouts, and runs what
+    only the training ranks take part in (the update, checkpoints) with their group standing
+    for the world (``distributed.parallel.default_group``)."""
+
+    def __init__(self, link: DisaggregatedRollout):
+        self.link = link
+
+    def training(self):
+        from megatron_rlhf.distributed.parallel import default_group
+
+        return default_group(self.link.training_group)
+
+    def rollouts(self, engine, queue, data, config, expand) -> Rollouts:
+        return ReceivedRollouts(engine, queue, data, config, expand)
+
+
+class RolloutRanks:
+    """A rollout rank of the disaggregated placement: it generates and sends; it holds no role
+    to train, save or load (its step's rollout is None)."""
+
+    def __init__(self, link: DisaggregatedRollout):
+        self.link = link
+
+    def training(self):
+        return contextlib.nullcontext()
+
+    def rollouts(self, engine, queue, data, config, expand) -> Rollouts:
+        return SentRollouts(engine, queue, data, config, expand)
+
+
+class SentRollouts(Rollouts):
+    """A rollout rank's source: each batch generated here is sent to the training ranks; its
+    queue keeps the count only (the step's rollout is None)."""
+
+    holds_rollouts = False
+
+    def produce(self, prompts: dict, batch: int):
+        start = time.time()
+        experience = self.generate(prompts, batch)
+        self.engine.send(experience, time.time() - start)
+        return None
+
+
+class ReceivedRollouts(Rollouts):
+    """A training rank's source: each batch is the rollout ranks', received when trained or
+    saved (:class:`PendingRollout`)."""
+
+    def produce(self, prompts: dict, batch: int):
+        return self.engine.receive(prompts)
 
 
 class PendingRollout:

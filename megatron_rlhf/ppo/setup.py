@@ -1,4 +1,5 @@
-"""Build everything a PPO run needs, after validating it without touching model memory."""
+"""Validate a PPO config and resolve it into a plan (checkpoints, tokenizers, layouts) without
+touching model memory; ppo/roles.py builds the run from the plan."""
 
 from __future__ import annotations
 
@@ -8,15 +9,13 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
-from megatron_rlhf.checkpoint import CheckpointInfo, describe_checkpoint, load_bloom
+from megatron_rlhf.checkpoint import CheckpointInfo, describe_checkpoint
 from megatron_rlhf.checkpoint.hf_io import hf_reward_outputs
 from megatron_rlhf.data.tokenizer import check_same_tokenizer
 from megatron_rlhf.distributed.layouts import Layout, check_global_batch, resolve_layouts
+from megatron_rlhf.ppo.checks import async_problems, placement_problems
 from megatron_rlhf.ppo.config import TrainPPOConfig
 from megatron_rlhf.ppo.losses import ROLLOUT_CORRECTIONS
-from megatron_rlhf.training.command import use_bf16
 from megatron_rlhf.utils import InputError
 
 ROLE_KEYS = ("actor", "reference", "critic", "reward")
@@ -174,80 +173,6 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
     return PPOPlan(config=config, checkpoints=checkpoints, layouts=layouts)
 
 
-def async_problems(config: TrainPPOConfig) -> list[str]:
-    """What is wrong with the ``async`` section, alone and with the ``ppo`` keys it meets."""
-    section, ppo, problems = config.async_, config.ppo, []
-    staleness, cap = section.max_staleness, section.is_cap
-    if staleness < 0:
-        problems.append(
-            f"async.max_staleness={staleness} must be >= 0 (0: the synchronous step, "
-            "1: one-step-off)"
-        )
-    if not (math.isfinite(cap) and (cap == 0 or cap >= 1)):
-        problems.append(f"async.is_cap={cap} must be a finite number >= 1, or 0 for no weight")
-    elif cap == 0 and section.value_targets == "vtrace":
-        problems.append(
-            "async.value_targets=vtrace truncates its ratios at async.is_cap, which is 0 (the "
-            "correction off); set async.is_cap >= 1 or async.value_targets=gae"
-        )
-    if staleness <= 0:
-        return problems
-    if ppo.algorithm == "rejection_sampling":
-        problems.append(
-            f"async.max_staleness={staleness} applies to ppo.algorithm=ppo; "
-            "ppo.algorithm=rejection_sampling trains on its own rollouts: set async.max_staleness=0"
-        )
-    if ppo.old_logprobs == "rollout":
-        problems.append(
-            f"async.max_staleness={staleness} recomputes pi_old with the current actor (the "
-            "rollout's log-probs are the behaviour policy's); set ppo.old_logprobs=auto or "
-            "recompute"
-        )
-    if ppo.rollout_correction != "none" and cap == 0:
-        problems.append(
-            f"ppo.rollout_correction={ppo.rollout_correction} asks for the importance weight "
-            "that async.is_cap=0 turns off; set async.is_cap >= 1 or ppo.rollout_correction=none"
-        )
-    elif ppo.rollout_correction != "none" and ppo.rollout_correction_cap != cap:
-        problems.append(
-            f"with async.max_staleness={staleness} the weight min(pi_old/mu, cap) is capped by "
-            f"async.is_cap={cap}, not ppo.rollout_correction_cap={ppo.rollout_correction_cap}; "
-            "set both to the same value"
-        )
-    return problems
-
-
-def placement_problems(config: TrainPPOConfig, world_size: int) -> list[str]:
-    """What is wrong with the ``placement`` section for this world (the config loader has
-    checked ``placement.mode``'s value)."""
-    placement, problems = config.placement, []
-    ranks = placement.rollout_ranks
-    if placement.mode == "colocated":
-        if ranks:
-            problems.append(
-                f"placement.rollout_ranks={ranks} applies to placement.mode=disaggregated; "
-                "set placement.rollout_ranks=0 or placement.mode=disaggregated"
-            )
-        return problems
-    if not 1 <= ranks < world_size:
-        problems.append(
-            f"placement.rollout_ranks={ranks} must be between 1 and the world size minus one "
-            f"({world_size - 1}): the rollout engine and the training roles each need ranks"
-        )
-    if config.rollout.engine != "megatron":
-        problems.append(
-            f"placement.mode=disaggregated generates with our engine on the rollout ranks; "
-            f"rollout.engine={config.rollout.engine} runs vLLM over the whole world (its "
-            "launcher takes every rank): set rollout.engine=megatron or placement.mode=colocated"
-        )
-    if config.ppo.algorithm == "rejection_sampling":
-        problems.append(
-            "placement.mode=disaggregated overlaps PPO's update with generation; "
-            "ppo.algorithm=rejection_sampling: use placement.mode=colocated"
-        )
-    return problems
-
-
 def placed_layouts(config: TrainPPOConfig, world_size: int, archs: dict) -> dict[str, Layout]:
     """Every role's layout: over the whole world (colocated), or the training roles over the
     first ``world - placement.rollout_ranks`` ranks and the rollout over the rest."""
@@ -343,147 +268,6 @@ def _dataset_tokenizer(prefix: str, key: str, vocab: int) -> dict:
 def _tokenizer_identity(tokenizer: dict) -> tuple:
     """What the data sidecars record about a tokenizer that must agree between data sets."""
     return (tokenizer["vocab_size"], tokenizer["eos_id"], tokenizer["pad_id"])
-
-
-@dataclass(eq=False)
-class Role:
-    """One model of the run with the process groups it was built on (and, for a trained role,
-    its TrainEngine): what rollout, scoring, the update and evaluation take."""
-
-    name: str
-    model: torch.nn.Module
-    pg: object  # its ProcessGroupCollection (model.pg_collection): .tp, .pp, .dp
-    engine: object = None  # training.TrainEngine of the actor and the critic
-
-    @property
-    def arch(self):
-        return self.model.arch
-
-
-@dataclass(eq=False)
-class Roles:
-    actor: Role
-    reference: Role
-    critic: Role
-    reward: Role | None
-    rollout: object  # generation.engines.RolloutEngine
-
-
-def build_roles(plan: PPOPlan, role_groups: dict, seed: int) -> Roles:
-    """Load every model on its own layout's groups (``role_groups``: each role's LayoutGroups
-    from ``initialize_layouts``; the model-parallel RNG seeded per layout), wrap the actor and
-    the critic in their TrainEngines, and set up the rollout engine. In the disaggregated
-    placement a rollout rank builds only the rollout copy (its Roles hold no other role) and a
-    training rank all but it (``ppo/placement.py``)."""
-    from megatron_rlhf.distributed.groups import seed_layout
-    from megatron_rlhf.distributed.parallel import default_group
-    from megatron_rlhf.generation.engines import build_rollout_engine
-    from megatron_rlhf.ppo.placement import DisaggregatedRollout
-
-    config, checkpoints, layouts = plan.config, plan.checkpoints, plan.layouts
-    dtype = torch.bfloat16 if use_bf16(config.train.bf16, "train.bf16") else torch.float32
-    common = dict(
-        params_dtype=dtype,
-        sequence_parallel=config.parallel.sequence_parallel,
-        attention_backend=config.models.attention_backend,
-    )
-
-    def build_copy(rollout_groups):
-        from megatron_rlhf.models.bloom import BloomModel
-
-        seed_layout(rollout_groups, seed)
-        return BloomModel(
-            checkpoints["actor"].arch,
-            head="lm",
-            init_weights=False,
-            pg_collection=rollout_groups.pg_collection,
-            **common,
-        )
-
-    if config.placement.mode == "disaggregated":
-        bucket_mb, training = config.rollout.sync_bucket_mb, layouts["rollout"].first_rank
-        training_group = torch.distributed.new_group(list(range(training)))  # every rank
-        if layouts["rollout"].holds(torch.distributed.get_rank()):
-            copy = build_copy(role_groups["rollout"])
-            link = DisaggregatedRollout(None, copy, layouts, training_group, bucket_mb)
-            return Roles(actor=None, reference=None, critic=None, reward=None, rollout=link)
-        with default_group(training_group):  # the optimizers' set-up, the checkpoint reads
-            actor, reference, critic, reward = _training_roles(plan, role_groups, seed, common)
-        link = DisaggregatedRollout(actor.model, None, layouts, training_group, bucket_mb)
-        return Roles(actor=actor, reference=reference, critic=critic, reward=reward, rollout=link)
-    actor, reference, critic, reward = _training_roles(plan, role_groups, seed, common)
-    rollout_rows = config.rollout.prompts_per_step // layouts["rollout"].dp
-    if config.ppo.algorithm == "rejection_sampling":
-        rollout_rows *= config.ppo.rejection_samples_per_prompt
-    vllm_settings = dict(
-        max_model_len=config.data.max_prompt_length + config.rollout.max_new_tokens,
-        max_rows=rollout_rows,
-        seed=seed,
-        sync_bucket_mb=config.rollout.sync_bucket_mb,
-    )
-    rollout = build_rollout_engine(
-        actor.model,
-        role_groups["actor"],
-        role_groups["rollout"],
-        build_copy,
-        engine=config.rollout.engine,
-        vllm_settings=vllm_settings,
-    )
-    return Roles(actor=actor, reference=reference, critic=critic, reward=reward, rollout=rollout)
-
-
-def _training_roles(plan: PPOPlan, role_groups: dict, seed: int, common: dict) -> tuple:
-    """(actor, reference, critic, reward or None), each on its layout's groups."""
-    from megatron_rlhf.distributed.groups import seed_layout
-    from megatron_rlhf.training import TrainEngine
-
-    config, checkpoints = plan.config, plan.checkpoints
-    trained = dict(common, recompute_activations=config.train.recompute_activations)
-
-    def load(role: str, **kwargs):
-        seed_layout(role_groups[role], seed)
-        pg = role_groups[role].pg_collection
-        return load_bloom(checkpoints[role], pg_collection=pg, **kwargs), pg
-
-    updates = config.train.steps * config.ppo.epochs * config.ppo.num_minibatches
-    actor_model, actor_pg = load("actor", head="lm", init_weights=False, **trained)
-    actor = Role(
-        "actor",
-        actor_model,
-        actor_pg,
-        TrainEngine(actor_model, config.actor_optim, updates, "actor."),
-    )
-    reference_model, reference_pg = load("reference", head="lm", init_weights=False, **common)
-    reference = Role("reference", reference_model.eval(), reference_pg)
-    critic_info = checkpoints["critic"]
-    critic_is_value_model = (
-        not critic_info.is_hf and critic_info.meta.get("num_scalar_outputs") == 1
-    )
-    critic_model, critic_pg = load(
-        "critic",
-        head="scalar",
-        num_scalar_outputs=1,
-        trunk_only=not critic_is_value_model,
-        init_weights=False,  # every tensor is loaded; a fresh head has its own seeded init
-        **trained,
-    )
-    critic = Role(
-        "critic",
-        critic_model,
-        critic_pg,
-        TrainEngine(critic_model, config.critic_optim, updates, "critic."),
-    )
-    reward = None
-    if "reward" in checkpoints:
-        outputs = 2 if config.models.reward_kind == "am" else 1
-        reward_model, reward_pg = load(
-            "reward", head="scalar", num_scalar_outputs=outputs, init_weights=False, **common
-        )
-        reward = Role("reward", reward_model.eval(), reward_pg)
-    for frozen in (reference, reward):
-        if frozen is not None:
-            frozen.model.requires_grad_(False)
-    return actor, reference, critic, reward
 
 
 def import_reward_fn(spec: str, key: str = "models.reward_fn"):

@@ -75,6 +75,13 @@ class RolloutQueue:
         self.pending.pop(0)
         return experience
 
+    def in_flight(self) -> tuple[dict | None, dict[str, torch.Tensor] | None]:
+        """:meth:`state` for a checkpoint; (None, None) at ``max_staleness`` 0, where no
+        rollout outlives its step (a resume starts at the checkpoint's step)."""
+        if self.max_staleness == 0:
+            return None, None
+        return self.state()
+
     def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """(JSON-able state, tensors) of the rollouts in flight, for a checkpoint (a pending
         one is received first)."""

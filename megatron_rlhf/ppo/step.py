@@ -1,0 +1,123 @@
+"""The step of a PPO run on one rollout, the paper's recipe after the rollout stage:
+
+  score       (scoring.py)     reference log-probs (and old ones if recomputed), values,
+                               AM/RM scores
+  correct     (correction.py)  log pi_old's source, the weights toward the behaviour policy
+  advantages  (advantages.py)  -beta*KL shaped rewards (Eq. 2), GAE or V-trace, whitening
+  update      (update.py)      PPO epochs; with rehearsal, L_PPO + gamma*NLL(D_R) (Eq. 9)
+
+:class:`PPOStep` and :class:`RejectionStep` (best-of-K then SFT, rejection.py) share one
+protocol, ``step(rollout, step) -> metrics``; ppo/roles.py chooses one at build time, so the
+trainer never asks which it holds. Neither knows where the rollout came from: every rank that
+runs a step holds the global batch, whichever ranks generated it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_rlhf.distributed.handoff import dp_shard
+from megatron_rlhf.ppo.advantages import compute_advantages
+from megatron_rlhf.ppo.metrics import is_stale, observed_kl
+from megatron_rlhf.ppo.rejection import rejection_update, select_best
+from megatron_rlhf.ppo.scoring import score_in_layouts
+from megatron_rlhf.ppo.update import ppo_update
+
+
+class PPOStep:
+    """Score → correct → advantages → update on a rollout of the actor's (``correction``:
+    :mod:`~megatron_rlhf.ppo.correction`'s choice for the run)."""
+
+    def __init__(self, config, roles, data, controls, old_logprobs, correction, reward_fn, report):
+        self.config, self.roles, self.data = config, roles, data
+        self.kl, self.normalizer = controls
+        self.old_logprobs, self.correction = old_logprobs, correction
+        self.reward_fn, self.report = reward_fn, report
+
+    def step(self, rollout, step: int) -> dict:
+        """The step's update on ``rollout`` (a :class:`~megatron_rlhf.ppo.rollouts.Rollout`);
+        its metrics."""
+        config, timings = self.config, rollout.timings
+        self.old_logprobs.take_from_rollout(rollout.experience)
+        t0 = time.time()
+        experience = score(rollout.experience, self.scorers(), config, self.reward_fn)
+        timings["score"], t0 = time.time() - t0, time.time()
+        experience.is_weights, correction = self.correction(experience, step)
+        experience = compute_advantages(
+            experience, self.kl, self.normalizer, config.ppo, config.async_.vtrace_cap
+        )
+        timings["advantages"], t0 = time.time() - t0, time.time()
+        metrics = ppo_update(
+            experience,
+            self.roles.actor,
+            self.roles.critic,
+            config.ppo,
+            config.rollout.temperature,
+            torch.Generator().manual_seed(config.train.seed * 100003 + step),
+            self.rehearsal_minibatches(),
+            config.rehearsal.gamma,
+            self.data.pad_id,
+            config.rehearsal.nll_reduction,
+            max_tokens=config.ppo.token_budget(experience.sequences.shape[1]),
+        )
+        timings["update"] = time.time() - t0
+        self.kl.update(*observed_kl(experience, is_stale(experience, step)))
+        metrics |= self.report.rollout(experience, timings, step, self.correction.gap(experience))
+        return metrics | rollout.sync | correction
+
+    def scorers(self) -> dict:
+        """{Experience field: the Role that fills it} in the score stage."""
+        roles = self.roles
+        scored = self.old_logprobs.scorers(roles.actor)
+        scored |= {"ref_logprobs": roles.reference, "values": roles.critic}
+        return scored | ({"scores": roles.reward} if roles.reward is not None else {})
+
+    def rehearsal_minibatches(self):
+        """The rehearsal microbatches of each global PPO minibatch (one per actor microbatch)."""
+        if not self.config.rehearsal.enabled:
+            return None
+        ppo, batch = self.config.ppo, self.config.rollout.prompts_per_step
+        return self.data.rehearsal_minibatches(batch // ppo.num_minibatches // ppo.micro_batch_size)
+
+
+class RejectionStep:
+    """Rejection sampling (paper Eqs. 3-4): score the K samples of each prompt, keep the best
+    above ``ppo.rejection_threshold``, one NLL step on them."""
+
+    def __init__(self, config, roles, old_logprobs, reward_fn, report):
+        self.config, self.roles = config, roles
+        self.old_logprobs, self.reward_fn, self.report = old_logprobs, reward_fn, report
+
+    def step(self, rollout, step: int) -> dict:
+        config, timings, roles = self.config, rollout.timings, self.roles
+        t0 = time.time()
+        scorers = {"scores": roles.reward} if roles.reward is not None else {}
+        experience = score(rollout.experience, scorers, config, self.reward_fn)
+        timings["score"], t0 = time.time() - t0, time.time()
+        ppo, dp = config.ppo, roles.actor.pg.dp
+        kept = select_best(
+            experience.scores, ppo.rejection_samples_per_prompt, ppo.rejection_threshold
+        )
+        usable = len(kept) - len(kept) % (ppo.micro_batch_size * dp.size())
+        mine = dp_shard(kept[:usable], dp)
+        metrics = rejection_update(experience.select(mine), roles.actor, ppo.micro_batch_size)
+        timings["update"] = time.time() - t0
+        metrics |= self.report.rollout(experience, timings, step, self.old_logprobs.gap(experience))
+        return metrics | rollout.sync
+
+
+def score(experience, scorers: dict, config, reward_fn):
+    """The score stage: every field of ``scorers`` ({field: Role}) filled on the global batch,
+    and the scores of ``reward_fn`` when there is one."""
+    return score_in_layouts(
+        experience,
+        scorers,
+        config.models.reward_kind,
+        config.rollout.temperature,
+        config.ppo.micro_batch_size,
+        reward_fn,
+        max_tokens=config.ppo.token_budget(experience.sequences.shape[1]),
+        top_p=config.rollout.top_p,
+    )
