@@ -47,8 +47,9 @@ def make_ppo_setup(
         "critic_optim": {"lr": 3.0e-3, "warmup_fraction": 0.0},
         # Seed 1: since sampling draws one uniform per (step, row) (fe42945) the 12-step outcome
         # depends on the seed: mean reward of steps 10-12 was 0.42 / 0.91 / 0.80 / 0.51 for seeds
-        # 1234 / 1 / 2 / 3 (every seed rises from ~0.02). The tests' bounds are unchanged. Open:
-        # with seed 2 the TP=2 run already differs from TP=1 at step 1 (reward 0.023 vs 0.044).
+        # 1234 / 1 / 2 / 3 (every seed rises from ~0.02). The tests' bounds are unchanged. With
+        # seed 2, TP=2 samples what TP=1 does for 6 steps, then rounding flips a token
+        # (tests/test_ppo_training.py test_seed_2_tp2_samples_equal_tp1_until_rounding_flips_one).
         "train": {"steps": 12, "save_interval": 4, "sample_interval": 4, "seed": 1},
     }
     (root / "ppo.yaml").write_text(yaml.safe_dump(config))
