@@ -1,6 +1,6 @@
 """The parts of a generation step that the plain loop (``engine.py``) and the pipelined one
 (``pipelined.py``) share: the sampling settings and the output, a micro-batch's buffers
-(``MicroBatch``, which also drops the rows that ended), this stage's forward of it, the token
+(``DecodeRows``, which also drops the rows that ended), this stage's forward of it, the token
 choice on the last stage from one uniform number per (step, row), and the joining of the
 micro-batches. How tokens are chosen and why the cut of the batch changes none of them:
 ``engine.py``."""
@@ -138,7 +138,7 @@ def sampled_logprobs(
     return logprobs - log_mass
 
 
-class MicroBatch:
+class DecodeRows:
     """Rows ``rows`` of the batch: prompt plus generated ids and mask in preallocated
     (b, P + max_new) buffers, per-token log-probs and which rows have ended.
 
@@ -270,7 +270,7 @@ def prefill_groups(lengths: list[int]) -> list[tuple[slice, int]]:
     return groups[::-1]
 
 
-def prefill_by_length(model, micro_batch: MicroBatch, context: StaticInferenceContext):
+def prefill_by_length(model, micro_batch: DecodeRows, context: StaticInferenceContext):
     """The prompt step of a micro-batch whose rows are sorted longest first, one forward per
     ``prefill_groups`` group (``prefill_sorted``): the same cache columns as the padded
     prefill's, and the (b, 1, V) logits of every row's first token. Single-stage models only."""
@@ -313,7 +313,7 @@ def split_rows(batch: int, parts: int) -> list[slice]:
     return [slice(int(b[0]), int(b[-1]) + 1) for b in bounds]
 
 
-def choose_for(micro_batch: MicroBatch, logits, uniforms) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_for(micro_batch: DecodeRows, logits, uniforms) -> tuple[torch.Tensor, torch.Tensor]:
     """Token and its log-prob under the sampled distribution (:func:`sampled_logprobs`) per
     live row from the last stage's (k, S, V) logits."""
     rows = None
@@ -336,7 +336,7 @@ def choose_tokens(last, sampling: SamplingConfig, uniforms) -> tuple[torch.Tenso
     return chosen, sampled_logprobs(last, chosen, sampling, log_mass)
 
 
-def stage_forward(model, micro_batch: MicroBatch, context, hidden=None):
+def stage_forward(model, micro_batch: DecodeRows, context, hidden=None):
     """This stage's forward of one micro-batch step (``hidden`` from the previous stage)."""
     micro_batch.point_cache(context)
     if hidden is not None:
@@ -365,7 +365,7 @@ def sampling_uniforms(sampling: SamplingConfig, batch: int, device, dp_rank: int
     return torch.stack(columns, dim=1).to(device)
 
 
-def collect(micro_batches: list[MicroBatch]) -> GenerationOutput:
+def collect(micro_batches: list[DecodeRows]) -> GenerationOutput:
     """Concatenate the micro-batches' responses, cut after the last step any row took."""
     steps = max(mb.step for mb in micro_batches)
     ids = torch.cat([mb.ids[:, mb.prompt_length :] for mb in micro_batches])[:, :steps]

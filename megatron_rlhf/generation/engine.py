@@ -4,7 +4,7 @@ Prompts are left-padded so every row's next token sits in the last column; ALiBi
 from the padding mask, so padding changes nothing. Each step the last pipeline stage turns the
 TP-gathered logits of the last position into the next token (greedy, or temperature + top-p
 sampling, identical on every TP rank). Rows stop at EOS and leave the decode batch: the rows
-still decoding are moved to the front of their KV-cache slots (``MicroBatch.compact``, one copy
+still decoding are moved to the front of their KV-cache slots (``DecodeRows.compact``, one copy
 of the live rows' cache after a step in which some row ended), so a decode step computes only
 them and a rollout costs about the sum of its rows' lengths, not batch x longest. The loop stops
 when every row has ended. Nor is the prompts' left padding computed (``unpadded_prefill``):
@@ -34,8 +34,8 @@ from megatron.core.inference.contexts import StaticInferenceContext
 
 from megatron_rlhf.distributed.parallel import compute_device, model_groups
 from megatron_rlhf.generation.decode import (
+    DecodeRows,
     GenerationOutput,
-    MicroBatch,
     SamplingConfig,
     choose_for,
     collect,
@@ -79,7 +79,7 @@ def generate(
         elif groups.pp.size() > 1:
             out = generate_pipelined(model, prompt_ids, prompt_mask, sampling, context, uniforms)
         else:
-            micro_batch = MicroBatch(slice(0, batch), prompt_ids, prompt_mask, sampling, device)
+            micro_batch = DecodeRows(slice(0, batch), prompt_ids, prompt_mask, sampling, device)
             while not micro_batch.done:
                 if micro_batch.step == 0 and order is not None and context is not None:
                     logits = prefill_by_length(model, micro_batch, context)

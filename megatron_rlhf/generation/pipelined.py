@@ -36,8 +36,8 @@ from megatron_rlhf.distributed.parallel import (
     stage_rank,
 )
 from megatron_rlhf.generation.decode import (
+    DecodeRows,
     GenerationOutput,
-    MicroBatch,
     choose_for,
     collect,
     split_rows,
@@ -118,7 +118,7 @@ def generate_pipelined(
         ids, mask = prompt_ids[rows], prompt_mask[rows]
         if sampling.unpadded_prefill:
             ids, mask = trim_left_padding(ids, mask)
-        micro_batches.append(MicroBatch(rows, ids, mask, sampling, device))
+        micro_batches.append(DecodeRows(rows, ids, mask, sampling, device))
     links = _Links(max(mb.rows.stop - mb.rows.start for mb in micro_batches), groups)
     if is_first_stage(groups):
         _first_stage(model, micro_batches, context, links)

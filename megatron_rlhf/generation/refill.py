@@ -51,7 +51,7 @@ costs a decode step its attention's read of ``c`` such columns plus its share of
 the slots may still be carried, bounded by the live row with the most tokens left
 (``max_new_tokens`` minus its count). Compact when ``saved > cost``. Because ``moved <=
 carried`` and ``occ <= c``, this holds whenever two or more steps may remain: the copy that
-made compaction expensive before (``MicroBatch.compact`` copies every live row to close any
+made compaction expensive before (``DecodeRows.compact`` copies every live row to close any
 gap) is gone, and the model keeps it from copying at the last step. ``drop_ended_rows=False``
 never compacts (static shapes); ``decode_batch=None`` is the all-at-once loop of
 ``engine.py`` (every row's end compacts every live row).
