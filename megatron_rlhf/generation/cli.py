@@ -29,8 +29,8 @@ import time
 from megatron_rlhf.distributed.layouts import add_parallel_arguments, parallel_from_args
 from megatron_rlhf.generation.prompts import (
     add_generation_arguments,
-    build_engine,
     check_generation_arguments,
+    engine_from_args,
     left_pad,
     read_prompts,
     resolve_tokenizer,
@@ -86,7 +86,7 @@ def _generate(args) -> int:
     sampling = sampling_from_args(args, tokenizer, use_kv_cache=not args.no_kv_cache)
     initialize(args.tp, args.pp, arch=arch)
     model = load_bloom(args.load, init_weights=False)
-    engine = build_engine(args, model, max(len(ids) for _, ids in records))
+    engine = engine_from_args(args, model, max(len(ids) for _, ids in records))
     dp_rank, dp_size = model.pg_collection.dp.rank(), model.pg_collection.dp.size()
     mine = list(range(dp_rank, len(records), dp_size))
     results: dict[int, dict] = {}

@@ -1,5 +1,5 @@
 """The rollout seam: which model, in which layout, generates (a PPO step's responses, and
-``generate``'s and ``eval-policy``'s through ``generation/prompts.build_engine``).
+``generate``'s and ``eval-policy``'s through ``generation/prompts.engine_from_args``).
 
 The PPO loop only sees :class:`RolloutEngine`: before each rollout it calls ``refresh()`` (bring
 the generation weights up to date with the actor's last update), then ``ppo.rollout.rollout_global``

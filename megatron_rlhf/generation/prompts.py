@@ -185,7 +185,7 @@ def left_pad(batch: list[list[int]], pad_id: int):
     return input_ids, mask
 
 
-def build_engine(args, model, longest_prompt: int, groups=None):
+def engine_from_args(args, model, longest_prompt: int, groups=None):
     """The ``--engine`` generating with ``model`` on ``groups`` (default: the model's) as a
     rollout engine (``generation/engines.py``): vLLM gets the model's weights in memory before
     the first batch. To generate with another model of the same shape: set ``engine.actor``,

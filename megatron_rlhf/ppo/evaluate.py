@@ -227,7 +227,7 @@ def run(args, plan: dict) -> int:
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.distributed import destroy, initialize_layouts
     from megatron_rlhf.distributed.groups import seed_layout
-    from megatron_rlhf.generation.prompts import build_engine
+    from megatron_rlhf.generation.prompts import engine_from_args
 
     start = time.time()
     tokenizer, prompt_sets = plan["tokenizer"], plan["prompt_sets"]
@@ -245,7 +245,7 @@ def run(args, plan: dict) -> int:
             for name, records in prompt_sets.items()
         }
         longest = max(len(ids) for records in prompt_sets.values() for _, ids in records)
-        engine = build_engine(args, policy, longest, policy_groups)
+        engine = engine_from_args(args, policy, longest, policy_groups)
         policy_out = generate_sets(engine, batches, sampling, "policy")
         del policy
         sft = load_bloom(
