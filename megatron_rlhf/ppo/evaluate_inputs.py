@@ -20,8 +20,9 @@ def validate_inputs(args) -> dict:
     the roles' layouts)."""
     from megatron_rlhf.checkpoint import checkpoint_architecture
     from megatron_rlhf.distributed.layouts import validate_layouts
+    from megatron_rlhf.distributed.parallel import world_size_from_env
     from megatron_rlhf.generation.prompts import read_prompts, resolve_tokenizer
-    from megatron_rlhf.ppo.setup import import_reward_fn, world_size
+    from megatron_rlhf.ppo.setup import import_reward_fn
     from megatron_rlhf.runtime import locks
 
     if (args.judge is None) == (args.score_fn is None):
@@ -43,7 +44,7 @@ def validate_inputs(args) -> dict:
         role = "judge" if flag == "--judge" else "policy"
         tp, pp = shapes[role]
         try:
-            layouts |= validate_layouts({role: (tp, pp)}, world_size(), {role: arch})
+            layouts |= validate_layouts({role: (tp, pp)}, world_size_from_env(), {role: arch})
         except InputError as err:
             raise InputError(
                 f"{flag} {directory} in the {role} layout (--parallel {role}.tp={tp} "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -282,7 +281,3 @@ def import_reward_fn(spec: str, key: str = "models.reward_fn"):
     if not hasattr(module, function_name):
         raise InputError(f"{key}: {module_name} has no {function_name}")
     return getattr(module, function_name)
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -27,12 +27,13 @@ from pathlib import Path
 
 from megatron_rlhf.config import load_config, to_dict
 from megatron_rlhf.distributed import destroy
+from megatron_rlhf.distributed.parallel import world_size_from_env
 from megatron_rlhf.ppo.config import TrainPPOConfig
 from megatron_rlhf.ppo.control import KLController, RewardNormalizer
 from megatron_rlhf.ppo.metrics import StepMetrics
 from megatron_rlhf.ppo.roles import build_modes, build_roles
 from megatron_rlhf.ppo.run_io import RunData, dump_samples
-from megatron_rlhf.ppo.setup import PPOPlan, import_reward_fn, validate_config, world_size
+from megatron_rlhf.ppo.setup import PPOPlan, import_reward_fn, validate_config
 from megatron_rlhf.training import config as shared
 from megatron_rlhf.training.run import Run, finish
 from megatron_rlhf.training.run_dir import first_logged
@@ -49,7 +50,7 @@ def train(args) -> int:
     from megatron_rlhf.training.memory_check import check_ppo
 
     config = load_config(TrainPPOConfig, args.config, args.overrides)
-    plan = validate_config(config, world_size())
+    plan = validate_config(config, world_size_from_env())
     check_ppo(plan.config, plan.archs, plan.layouts, args.skip_memory_check)  # before any model
     exit_signals = ExitSignals(config.train.exit_signals, "train-ppo")
     try:
