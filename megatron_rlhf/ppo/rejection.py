@@ -40,7 +40,7 @@ def nll_loss(temperature: float, tp_group, logits: torch.Tensor, mb: MicroBatch)
 
 def rejection_update(experience: Experience, actor, micro_batch_size: int) -> dict:
     """One optimizer step of NLL on the selected responses (Eq. 4); ``actor`` is the actor's
-    :class:`~megatron_rlhf.ppo.setup.Role` and ``experience`` this DP rank's rows."""
+    :class:`~megatron_rlhf.ppo.roles.Role` and ``experience`` this DP rank's rows."""
     batch = experience.sequences.shape[0]
     usable = batch - batch % micro_batch_size
     if usable == 0:

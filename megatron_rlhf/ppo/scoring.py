@@ -206,23 +206,19 @@ def _micro_batch_rows(experience: Experience, micro_batch_size: int, max_tokens:
     return [torch.tensor(rows, device=device) for rows in pack_by_budget(lengths, max_tokens)]
 
 
-def score_in_layouts(
-    experience: Experience,
-    roles: dict,
-    reward_kind: str,
-    temperature: float,
-    micro_batch_size: int,
-    reward_fn=None,
-    max_tokens: int | None = None,
-    top_p: float = 1.0,
-) -> Experience:
-    """:func:`score` with every role in its own layout, on the global batch held by every rank.
+def score_in_layouts(experience: Experience, roles: dict, config, reward_fn=None) -> Experience:
+    """:func:`score` with every role in its own layout, on the global batch held by every rank;
+    ``config``: the run's (``models.reward_kind``, ``rollout.temperature`` and ``top_p``,
+    ``ppo.micro_batch_size`` and its token budget), ``reward_fn``: scores from a function.
 
-    ``roles``: {Experience field: :class:`~megatron_rlhf.ppo.setup.Role`}. Each role's DP rank
+    ``roles``: {Experience field: :class:`~megatron_rlhf.ppo.roles.Role`}. Each role's DP rank
     scores its rows of the batch and the field is gathered back over the role's DP group
     (:func:`~megatron_rlhf.distributed.handoff.for_each_dp_shard`), so every rank of the world
     ends with the global fields.
     """
+    reward_kind, micro_batch_size = config.models.reward_kind, config.ppo.micro_batch_size
+    temperature, top_p = config.rollout.temperature, config.rollout.top_p
+    max_tokens = config.ppo.token_budget(experience.sequences.shape[1])
     for field, role in roles.items():
 
         def score_rows(rows, field=field, role=role):

@@ -42,7 +42,7 @@ class PPOStep:
         config, timings = self.config, rollout.timings
         self.old_logprobs.take_from_rollout(rollout.experience)
         t0 = time.time()
-        experience = score(rollout.experience, self.scorers(), config, self.reward_fn)
+        experience = score_in_layouts(rollout.experience, self.scorers(), config, self.reward_fn)
         timings["score"], t0 = time.time() - t0, time.time()
         experience.is_weights, correction = self.correction(experience, step)
         experience = compute_advantages(
@@ -94,7 +94,7 @@ class RejectionStep:
         config, timings, roles = self.config, rollout.timings, self.roles
         t0 = time.time()
         scorers = {"scores": roles.reward} if roles.reward is not None else {}
-        experience = score(rollout.experience, scorers, config, self.reward_fn)
+        experience = score_in_layouts(rollout.experience, scorers, config, self.reward_fn)
         timings["score"], t0 = time.time() - t0, time.time()
         ppo, dp = config.ppo, roles.actor.pg.dp
         kept = select_best(
@@ -106,18 +106,3 @@ class RejectionStep:
         timings["update"] = time.time() - t0
         metrics |= self.report.rollout(experience, timings, step, self.old_logprobs.gap(experience))
         return metrics | rollout.sync
-
-
-def score(experience, scorers: dict, config, reward_fn):
-    """The score stage: every field of ``scorers`` ({field: Role}) filled on the global batch,
-    and the scores of ``reward_fn`` when there is one."""
-    return score_in_layouts(
-        experience,
-        scorers,
-        config.models.reward_kind,
-        config.rollout.temperature,
-        config.ppo.micro_batch_size,
-        reward_fn,
-        max_tokens=config.ppo.token_budget(experience.sequences.shape[1]),
-        top_p=config.rollout.top_p,
-    )

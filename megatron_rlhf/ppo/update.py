@@ -110,7 +110,7 @@ def ppo_update(
     """``ppo.epochs`` epochs of ``ppo.num_minibatches`` optimizer steps over the global batch.
 
     ``experience`` is the global batch (every rank holds it); ``actor`` and ``critic`` are
-    :class:`~megatron_rlhf.ppo.setup.Role` values. Each global minibatch is split over each
+    :class:`~megatron_rlhf.ppo.roles.Role` values. Each global minibatch is split over each
     role's data-parallel ranks (``handoff.dp_shard``); losses are token means over the global
     minibatch, so any mix of layouts takes the single-process step. With rehearsal,
     ``rehearsal_minibatches`` yields the global minibatch's rehearsal microbatches (one per
