@@ -447,7 +447,7 @@ def update_part(size: str, args) -> dict:
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.models.bloom.config import BloomArchitecture
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
-    from megatron_rlhf.ppo.setup import Role
+    from megatron_rlhf.ppo.roles import Role
     from megatron_rlhf.ppo.update import ppo_update
     from megatron_rlhf.training import OptimConfig, TrainEngine
 
