@@ -298,7 +298,7 @@ def _top_p_support(logits: torch.Tensor, top_p: float) -> set[int]:
 
 
 def test_sampling_top_p_and_temperature_follow_the_reference():
-    from megatron_rlhf.generation.decode import SamplingConfig, _choose
+    from megatron_rlhf.generation.decode import SamplingConfig, choose_tokens
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 37, generator=generator) * 2.0
@@ -306,7 +306,7 @@ def test_sampling_top_p_and_temperature_follow_the_reference():
     batch = logits.expand(draws, -1)
     for top_p, temperature in [(1.0, 1.0), (0.9, 1.0), (0.5, 0.7), (1e-6, 1.0)]:
         sampling = SamplingConfig(top_p=top_p, temperature=temperature)
-        tokens = _choose(batch, sampling, torch.rand(draws, generator=generator))
+        tokens, _ = choose_tokens(batch, sampling, torch.rand(draws, generator=generator))
         support = _top_p_support(logits[0] / temperature, top_p)
         assert set(tokens.tolist()) <= support, (top_p, temperature)
         expected = torch.zeros(37, dtype=torch.float64)
@@ -315,7 +315,7 @@ def test_sampling_top_p_and_temperature_follow_the_reference():
         observed = torch.bincount(tokens, minlength=37).double() / draws
         sigma = (expected * (1 - expected) / draws).sqrt()
         assert ((observed - expected).abs() <= 5 * sigma + 1e-9).all(), (top_p, temperature)
-    greedy = _choose(batch[:3], SamplingConfig(greedy=True), None)
+    greedy, _ = choose_tokens(batch[:3], SamplingConfig(greedy=True), None)
     assert torch.equal(greedy, logits.argmax(-1).expand(3))
 
 

@@ -69,14 +69,6 @@ class GenerationOutput:
     response_logprobs: torch.Tensor  # (B, N) log mu(token): see sampled_logprobs; 0 on padding
 
 
-def _choose(logits: torch.Tensor, sampling: SamplingConfig, uniforms) -> torch.Tensor:
-    """Next token per row from full-vocab logits (B, V) and one uniform in [0, 1) per row (B,):
-    the token where the row's cumulative (top-p filtered) probability passes it."""
-    if sampling.greedy:
-        return logits.argmax(dim=-1)
-    return _draw(*_sampler_probs(logits, sampling), uniforms)
-
-
 def _sampler_probs(logits: torch.Tensor, sampling: SamplingConfig):
     """(probs, order): softmax(logits / T) (B, V), at top_p < 1 sorted in descending order
     (``order``: their token ids) with the tokens outside the nucleus at 0, not renormalised
