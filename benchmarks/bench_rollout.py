@@ -199,7 +199,7 @@ def pp_worker(args) -> None:
     from megatron_rlhf.distributed.handoff import dp_rows, gather_rows
     from megatron_rlhf.distributed.layouts import Layout
     from megatron_rlhf.generation import SamplingConfig, generate
-    from megatron_rlhf.generation.engines import build_rollout_engine
+    from megatron_rlhf.generation.rollout_engines import build_rollout_engine
     from megatron_rlhf.models.bloom import BloomModel
 
     torch.set_num_threads(1)

@@ -38,7 +38,7 @@ def main() -> None:
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.checkpoint.hf_stream import hf_tensor_stream
     from megatron_rlhf.distributed import initialize
-    from megatron_rlhf.generation.engines import VLLMRolloutEngine
+    from megatron_rlhf.generation.rollout_engines import VLLMRolloutEngine
     from megatron_rlhf.models.bloom.config import BloomArchitecture
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
     from megatron_rlhf.planning.shapes import model_params

@@ -122,7 +122,7 @@ def rollouts(groups, hf_dir, sampling):
     from dist_bloom_common import ARCH_A, left_padded_batch
 
     from megatron_rlhf.checkpoint import checkpoint_architecture, load_bloom
-    from megatron_rlhf.generation.engines import build_rollout_engine
+    from megatron_rlhf.generation.rollout_engines import build_rollout_engine
     from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.ppo.rollout import rollout_global, step_row_seeds
 

@@ -44,7 +44,7 @@ def _setup(args):
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.distributed import initialize
     from megatron_rlhf.generation import SamplingConfig, generate
-    from megatron_rlhf.generation.engines import VLLMRolloutEngine
+    from megatron_rlhf.generation.rollout_engines import VLLMRolloutEngine
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
 
     initialize(args.tp)

@@ -378,7 +378,7 @@ def check_bloom_generate(gen):
     """Generation with a KV cache (prefill through the kernel, decode on the PyTorch path) and
     without one (every step through the kernel) gives the tokens of attention_backend='torch'."""
     from megatron_rlhf.distributed import destroy, initialize
-    from megatron_rlhf.generation.engine import SamplingConfig, generate
+    from megatron_rlhf.generation.decode_loop import SamplingConfig, generate
     from megatron_rlhf.models.bloom import BloomModel
     from megatron_rlhf.models.bloom.config import BloomArchitecture
 

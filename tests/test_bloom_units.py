@@ -583,7 +583,7 @@ def test_compaction_pays_unless_at_most_one_step_remains():
 
 def test_decode_batch_is_refused_where_refill_cannot_run():
     from megatron_rlhf.generation import SamplingConfig
-    from megatron_rlhf.generation.engine import check_decode_batch
+    from megatron_rlhf.generation.decode_loop import check_decode_batch
 
     with pytest.raises(ValueError, match="PP = 1 only"):
         check_decode_batch(SamplingConfig(decode_batch=4), pipeline_stages=2)

@@ -382,7 +382,7 @@ def test_vllm_replicas_agree_on_calls_with_a_tensor_on_the_collective_device(mon
     with device type cpu"). The tensor must be on the collective's device: pointed at ``meta``
     here, a CPU tensor is caught."""
     import megatron_rlhf.distributed.parallel as parallel
-    from megatron_rlhf.generation.engines import VLLMRolloutEngine
+    from megatron_rlhf.generation.rollout_engines import VLLMRolloutEngine
 
     class Stop(Exception):
         pass

@@ -88,7 +88,8 @@ def branched_modules() -> dict[str, list[str]]:
 def test_each_mode_is_branched_on_in_at_most_two_modules():
     """Today: placement in setup.py (its layouts) and roles.py (its roles and side); staleness
     in roles.py (the correction) and staleness.py (the queue); the engine in setup.py only (what
-    vLLM cannot run; its choice is generation/engines.py's); the step in setup.py and roles.py."""
+    vLLM cannot run; its choice is generation/rollout_engines.py's); the step in setup.py and
+    roles.py."""
     modules = branched_modules()
     assert {mode: names for mode, names in modules.items() if len(names) > 2} == {}
     assert "roles.py" in modules["placement"] and "roles.py" in modules["step"]

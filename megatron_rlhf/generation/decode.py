@@ -1,9 +1,9 @@
-"""The parts of a generation step that the plain loop (``engine.py``) and the pipelined one
+"""The parts of a generation step that the plain loop (``decode_loop.py``) and the pipelined one
 (``pipelined.py``) share: the sampling settings and the output, a micro-batch's buffers
 (``DecodeRows``, which also drops the rows that ended), this stage's forward of it, the token
 choice on the last stage from one uniform number per (step, row), and the joining of the
 micro-batches. How tokens are chosen and why the cut of the batch changes none of them:
-``engine.py``."""
+``decode_loop.py``."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class SamplingConfig:
     decode_batch: int | None = None
     """Decode slots: at most this many rows decode at once; when a row ends, a waiting prompt
     is prefilled into its slot (continuous batching, ``refill.py``). None (or 0): every
-    prompt of the call decodes at once (``engine.py``'s loop). Needs the KV cache and PP = 1;
+    prompt of the call decodes at once (``decode_loop.py``'s loop). Needs the KV cache and PP = 1;
     prompts are then always prefilled by length (``unpadded_prefill`` ignored), and
     ``drop_ended_rows=False`` keeps ended rows' slots in the batch until refilled. Tokens and
     log-probs per row do not depend on it (log-probs up to float rounding of a different

@@ -1,7 +1,7 @@
 """What a command that generates from a JSONL of prompts needs (``generate``, ``eval-policy``,
 and ``score`` reading prompts): the batching, length and sampling flags and their checks, the
 prompts read and tokenized with errors naming their line, left padding, and the engine that
-generates (``generation/engines.py``).
+generates (``generation/rollout_engines.py``).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _check_decode_batch(args, pipeline_stages: int) -> None:
 def sampling_from_args(args, tokenizer, **overrides):
     """The SamplingConfig of ``add_generation_arguments`` flags; EOS/pad from the tokenizer
     (BLOOM's 2/3 without one)."""
-    from megatron_rlhf.generation.engine import SamplingConfig
+    from megatron_rlhf.generation.decode_loop import SamplingConfig
 
     eos = getattr(tokenizer, "eos_token_id", None)
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -187,10 +187,10 @@ def left_pad(batch: list[list[int]], pad_id: int):
 
 def engine_from_args(args, model, longest_prompt: int, groups=None):
     """The ``--engine`` generating with ``model`` on ``groups`` (default: the model's) as a
-    rollout engine (``generation/engines.py``): vLLM gets the model's weights in memory before
-    the first batch. To generate with another model of the same shape: set ``engine.actor``,
+    rollout engine (``generation/rollout_engines.py``): vLLM gets the model's weights in memory
+    before the first batch. To generate with another model of the same shape: set ``engine.actor``,
     then ``engine.refresh()``."""
-    from megatron_rlhf.generation.engines import TrainingLayoutEngine, VLLMRolloutEngine
+    from megatron_rlhf.generation.rollout_engines import TrainingLayoutEngine, VLLMRolloutEngine
 
     if args.engine == "megatron":
         return TrainingLayoutEngine(model)

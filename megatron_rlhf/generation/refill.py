@@ -54,7 +54,7 @@ carried`` and ``occ <= c``, this holds whenever two or more steps may remain: th
 made compaction expensive before (``DecodeRows.compact`` copies every live row to close any
 gap) is gone, and the model keeps it from copying at the last step. ``drop_ended_rows=False``
 never compacts (static shapes); ``decode_batch=None`` is the all-at-once loop of
-``engine.py`` (every row's end compacts every live row).
+``decode_loop.py`` (every row's end compacts every live row).
 """
 
 from __future__ import annotations

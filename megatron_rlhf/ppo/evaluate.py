@@ -141,7 +141,7 @@ def rank_batches(records: list, batch_size: int, pad_id: int, dp_rank: int, dp_s
 
 def generate_sets(engine, batches: dict, sampling, desc: str) -> dict:
     """{set: [Experience per batch]}: one response per prompt of this rank's batches, from a
-    rollout engine (``generation/engines.py``)."""
+    rollout engine (``generation/rollout_engines.py``)."""
     from tqdm import tqdm
 
     from megatron_rlhf.ppo.rollout import rollout

@@ -3,7 +3,7 @@ chosen once, as an object the trainer holds and never asks about.
 
 - the placement (``placement.mode``): :func:`build_roles` builds the roles this rank holds and
   its side (ppo/placement.py ``Colocated``, ``TrainingRanks`` or ``RolloutRanks``);
-- the rollout engine (``rollout.engine``: ours or vLLM, generation/engines.py) behind the
+- the rollout engine (``rollout.engine``: ours or vLLM, generation/rollout_engines.py) behind the
   rollout source that side makes (ppo/rollouts.py), over the rollouts in flight
   (``async.max_staleness``, ppo/staleness.py);
 - the step (``ppo.algorithm``: :class:`~megatron_rlhf.ppo.step.PPOStep` or
@@ -47,7 +47,7 @@ class Roles:
     reference: Role
     critic: Role
     reward: Role | None
-    rollout: object  # generation.engines.RolloutEngine, or the disaggregated placement's link
+    rollout: object  # generation.rollout_engines.RolloutEngine, or the disaggregated link
     world: object  # ppo/placement.py: Colocated, TrainingRanks or RolloutRanks
 
     def engines(self) -> dict:
@@ -65,7 +65,7 @@ def build_roles(plan: PPOPlan, role_groups: dict, seed: int) -> Roles:
     training rank all but it (``ppo/placement.py``)."""
     from megatron_rlhf.distributed.groups import seed_layout
     from megatron_rlhf.distributed.parallel import default_group
-    from megatron_rlhf.generation.engines import build_rollout_engine
+    from megatron_rlhf.generation.rollout_engines import build_rollout_engine
     from megatron_rlhf.ppo.placement import (
         Colocated,
         DisaggregatedRollout,

@@ -13,7 +13,7 @@ from megatron_rlhf.ppo.experience import Experience
 
 def rollout(engine, prompts: dict, sampling: SamplingConfig) -> Experience:
     """One response per prompt of this rank's ``prompts`` (``collate_prompts`` output) from a
-    :class:`~megatron_rlhf.generation.engines.RolloutEngine`."""
+    :class:`~megatron_rlhf.generation.rollout_engines.RolloutEngine`."""
     out = engine.generate(prompts["input_ids"], prompts["attention_mask"], sampling)
     return experience_of(prompts, out.response_ids, out.response_mask, out.response_logprobs)
 

@@ -2,10 +2,11 @@
 (ppo/roles.py) with the ranks' roles (ppo/placement.py).
 
 :class:`Rollouts` generates on this rank's engine (our KV-cached engine or vLLM behind
-``generation.engines.RolloutEngine``) into a :class:`~megatron_rlhf.ppo.staleness.RolloutQueue`:
-each step the batches due, then the oldest in flight. With ``async.max_staleness`` = 0 that is
-this step's batch, generated now; with N >= 1 batch t + N is generated before the update of
-batch t. ppo/placement.py's subclasses send the batches to other ranks, or receive them.
+``generation.rollout_engines.RolloutEngine``) into a
+:class:`~megatron_rlhf.ppo.staleness.RolloutQueue`: each step the batches due, then the oldest
+in flight. With ``async.max_staleness`` = 0 that is this step's batch, generated now; with
+N >= 1 batch t + N is generated before the update of batch t. ppo/placement.py's subclasses
+send the batches to other ranks, or receive them.
 """
 
 from __future__ import annotations

@@ -244,7 +244,7 @@ def _score_step(model, ids, mask, work: StudyWork):
 
 def _generate_step(model, prompt_ids, prompt_mask, work: StudyWork):
     from megatron_rlhf.generation import SamplingConfig
-    from megatron_rlhf.generation.engine import generate
+    from megatron_rlhf.generation.decode_loop import generate
 
     sampling = SamplingConfig(max_new_tokens=work.response_len, greedy=True, eos_id=-1, pad_id=3)
     return lambda: generate(model, prompt_ids, prompt_mask, sampling)
