@@ -41,9 +41,9 @@ import torch
 
 from megatron_rlhf.reward.config import (
     AMConfig,
-    DataConfig,
     LayoutConfig,
     ModelConfig,
+    RewardDataConfig,
     RewardTrainConfig,
     TrainConfig,
     check_policy_column,
@@ -54,8 +54,8 @@ from megatron_rlhf.training.command import to_device
 from megatron_rlhf.utils import InputError
 
 __all__ = [  # the config's names stay importable from here
-    "AMConfig", "DataConfig", "LayoutConfig", "ModelConfig", "RewardTrainConfig", "TrainConfig",
-    "evaluate", "main", "make_loss_fn", "train",
+    "AMConfig", "LayoutConfig", "ModelConfig", "RewardDataConfig", "RewardTrainConfig",
+    "TrainConfig", "evaluate", "main", "make_loss_fn", "train",
 ]  # fmt: skip
 
 
@@ -99,14 +99,16 @@ class RewardTask(loop.Task):
     def sharded_optimizer(self) -> bool:
         return self.config.backend == "deepspeed" or super().sharded_optimizer()
 
-    def build_engine(self, arch, total_steps, num_microbatches, run):
+    def build_train_engine(self, arch, total_steps, num_microbatches, run):
         from megatron_rlhf.reward.model import NUM_OUTPUTS
 
         if self.config.backend == "deepspeed":
             from megatron_rlhf.reward import train_deepspeed
 
-            return train_deepspeed.build_engine(self.config, total_steps, num_microbatches, run)
-        return command.build_engine(
+            return train_deepspeed.build_train_engine(
+                self.config, total_steps, num_microbatches, run
+            )
+        return command.build_train_engine(
             self.config, arch, total_steps, run, check_saved=_check_saved_loss(self.config),
             head=self.head, num_scalar_outputs=NUM_OUTPUTS[self.config.loss],
         )  # fmt: skip

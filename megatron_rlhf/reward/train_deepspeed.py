@@ -51,7 +51,7 @@ def config_problems(config) -> list[str]:
     return problems
 
 
-def build_engine(config, total_steps: int, num_microbatches: int, run):
+def build_train_engine(config, total_steps: int, num_microbatches: int, run):
     """(engine, consumed samples): the model from ``model.load``, or everything from the
     checkpoint ``run`` (training/run.py) resumes from."""
     from megatron_rlhf.checkpoint import safe_pickle

@@ -60,7 +60,7 @@ def held_out_split(dataset, fraction: float, seed: int):
     return subset(dataset, train_indices.tolist()), subset(dataset, eval_indices.tolist())
 
 
-def build_engine(config, arch, total_steps: int, run, check_saved=None, **model_kwargs):
+def build_train_engine(config, arch, total_steps: int, run, check_saved=None, **model_kwargs):
     """(engine, consumed samples): the model from ``config.model.load``, or everything from the
     checkpoint ``run`` (training/run.py) resumes from (``check_saved(metadata, directory)``
     may refuse it first). ``model_kwargs``: the head."""

@@ -197,10 +197,10 @@ class Task:
         """Whether the optimizer state is sharded over data-parallel ranks (memory check)."""
         return torch.cuda.is_available()
 
-    def build_engine(self, arch, total_steps, num_microbatches, run):
+    def build_train_engine(self, arch, total_steps, num_microbatches, run):
         """(engine, consumed samples): fresh, or resumed from ``run.resume_from`` (training/
         run.py; ``run.restore`` or ``run.resumed`` sets the step and the guard's count)."""
-        return command.build_engine(self.config, arch, total_steps, run, head=self.head)
+        return command.build_train_engine(self.config, arch, total_steps, run, head=self.head)
 
     def step_metrics(self, metrics: dict, batches) -> dict:
         """A step's metrics as logged (given: averaged over the reporting ranks)."""
@@ -278,7 +278,7 @@ def train(
         max_tokens=max_tokens,
     )  # fmt: skip
     run = Run(task.name, config, overwrite=overwrite, force_config_change=force_config_change)
-    engine, consumed = task.build_engine(arch, total_steps, num_microbatches, run)
+    engine, consumed = task.build_train_engine(arch, total_steps, num_microbatches, run)
     output_dir, step = run.output_dir, run.step
 
     groups = model_groups(engine.module)
