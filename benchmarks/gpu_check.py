@@ -267,15 +267,15 @@ def steps(output: Path) -> list[Step]:
             ],  # fmt: skip
             timeout_s=60,
             planned_s=33,  # torchrun + 4 rows of bloom-560m: 30-50 s
-            compiles="each row's untimed warm-up step (study.py) compiles what its timed one runs",
+            compiles="each row's untimed warm-up step (measure.py) compiles what its timed one runs",
             grace_s=TORCHRUN_GRACE_S,
-            files=["tools/scaling_study.py", "megatron_rlhf/planning/tools/study.py"],
+            files=["tools/scaling_study.py", "megatron_rlhf/planner/measure.py"],
             dry_run=[
                 [PYTHON, "tools/scaling_study.py", "--help"],
                 [
                     PYTHON,
                     "-c",
-                    "import sys; from megatron_rlhf.planning.tools.sweep import build_parser, plan_rows; "
+                    "import sys; from megatron_rlhf.planner.sweep import build_parser, plan_rows; "
                     "rows = plan_rows(build_parser().parse_args(sys.argv[1:])); print(len(rows), 'scaling rows')",
                     *SCALING_ARGS,
                     "--output-dir",

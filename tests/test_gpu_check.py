@@ -82,7 +82,7 @@ def test_gpu_check_dry_run_passes(tmp_path):
     ],
 )
 def test_scaling_study_bad_input(tmp_path, capsys, argv, message):
-    from megatron_rlhf.planning.tools.sweep import main
+    from megatron_rlhf.planner.sweep import main
 
     assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err

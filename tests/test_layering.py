@@ -28,7 +28,7 @@ LAYERS = (
     ("generation", "training"),
     ("reward",),
     ("ppo",),
-    ("study", "planning.tools"),
+    ("study", "planner"),
     ("demo",),
     ("cli",),
     ("__main__",),
@@ -36,7 +36,7 @@ LAYERS = (
 """The package order, bottom first; a package imports only packages on lower lines. A name is a
 package or a top-level module of ``megatron_rlhf``; ``megatron_rlhf`` is its ``__init__`` (which
 also serves ``kernels/`` as ``megatron_rlhf.kernels``). ``planning`` is the pure cost model that
-training/ checks memory with, ``planning.tools`` the planner's tools that build models.
+training/ checks memory with, ``planner`` the planner's command-line tools that build models.
 ``runtime``: locks and process helpers; ``config``: the config-file loader."""
 
 
@@ -192,18 +192,31 @@ def test_the_package_check_sees_a_cycle_and_an_upward_edge():
         "megatron_rlhf.training.loop": {"megatron_rlhf.ppo.config": 12, "megatron_rlhf.utils": 3},
         "megatron_rlhf.ppo.config": {"megatron_rlhf.training.config": 8},
         "megatron_rlhf.training.config": {},
-        "megatron_rlhf.planning.tools.cli": {"megatron_rlhf.planning.memory": 5},
+        "megatron_rlhf.planner.cli": {"megatron_rlhf.planning.memory": 5},
         "megatron_rlhf.planning.memory": {},
     }
     packages = package_graph(graph)
-    assert packages["planning.tools"] == {
-        "planning": "megatron_rlhf.planning.tools.cli:5 imports megatron_rlhf.planning.memory"
+    assert packages["planner"] == {
+        "planning": "megatron_rlhf.planner.cli:5 imports megatron_rlhf.planning.memory"
     }
     assert cycles(packages) == [["ppo", "training"]]
     assert upward_edges(packages) == [
         "training (layer 4) -> ppo (layer 6): "
         "megatron_rlhf.training.loop:12 imports megatron_rlhf.ppo.config"
     ]
+
+
+def test_the_planner_cli_sits_above_training_and_planning_holds_no_tools():
+    """The planner's tools build models and write a train-ppo config: they sit above training
+    and ppo, in their own top-level package; ``planning`` (the pure cost model training/ checks
+    memory with) is a bottom-layer package with no package of tools inside it."""
+    layer = {unit: index for index, names in enumerate(LAYERS) for unit in names}
+    assert layer["planner"] > max(layer["training"], layer["ppo"]), LAYERS
+    assert layer["planning"] < layer["training"], LAYERS
+    planning = REPO / PACKAGE / "planning"
+    nested = [path.parent.name for path in planning.glob("*/__init__.py")]
+    assert not nested, f"planning/ holds packages {nested}: tools go to {PACKAGE}/planner/"
+    assert not [unit for unit in layer if unit.startswith("planning.")], LAYERS
 
 
 @pytest.mark.launch  # launches Python
@@ -213,7 +226,7 @@ def test_config_schemas_import_without_torch():
     import subprocess
     import sys
 
-    schemas = ["ppo.config", "reward.config", "training.config", "planning.tools.cli"]
+    schemas = ["ppo.config", "reward.config", "training.config", "planner.cli"]
     code = "import sys\n" + "".join(f"import {PACKAGE}.{name}\n" for name in schemas)
     code += "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))"
     out = subprocess.run(

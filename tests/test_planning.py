@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from megatron_rlhf.planner.cli import main as plan_main
 from megatron_rlhf.planning import hardware
 from megatron_rlhf.planning.shapes import (
     BLOOM_PRESETS,
@@ -16,7 +17,6 @@ from megatron_rlhf.planning.shapes import (
     model_shape,
     rank_params,
 )
-from megatron_rlhf.planning.tools.cli import main as plan_main
 
 ROLES = ("actor", "reference", "critic", "reward")
 
@@ -59,7 +59,7 @@ def test_rank_params_sum_to_the_model():
 def test_planned_memory_within_15_percent_of_measured_tiny():
     """One tiny model, every stage, one process: the profiler's peak vs the planner."""
     from megatron_rlhf.distributed import destroy, initialize
-    from megatron_rlhf.planning.tools.study import SHAPES, STAGES, StudyWork, run_row
+    from megatron_rlhf.planner.measure import SHAPES, STAGES, StudyWork, run_row
 
     initialize()
     try:
@@ -80,8 +80,8 @@ def test_planned_packed_memory_within_15_percent_of_measured():
 
     from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.distributed.layouts import Layout
+    from megatron_rlhf.planner.measure import SHAPES, StudyWork, run_row
     from megatron_rlhf.planning.memory import Workload, train_memory
-    from megatron_rlhf.planning.tools.study import SHAPES, StudyWork, run_row
 
     work = StudyWork(micro_batch=8, prompt_len=48, response_len=48, packed=True)
     initialize()
@@ -108,9 +108,9 @@ def test_planned_memory_within_15_percent_of_measured_tiny_tp2(tmp_path):
     from torchrun_util import REPO, run_torchrun
 
     rows = [["tiny", 2, 1, stage] for stage in ("actor_train", "critic_train", "score", "generate")]
-    study = REPO / "megatron_rlhf" / "planning" / "tools" / "study.py"
+    measure = REPO / "megatron_rlhf" / "planner" / "measure.py"
     results = run_torchrun(
-        study, 2, tmp_path / "rows.json", "--rows", json.dumps(rows), "--work", "{}"
+        measure, 2, tmp_path / "rows.json", "--rows", json.dumps(rows), "--work", "{}"
     )
     for row in results:
         assert 0.85 <= row["peak_mem_planned_mb"] / row["peak_mem_measured_mb"] <= 1.15, row
@@ -121,7 +121,7 @@ def test_cpu_peak_subtracts_frees_on_other_threads():
     the measured total: the peak is one tensor, not one per iteration."""
     import threading
 
-    from megatron_rlhf.planning.tools.study import _memory_tracker
+    from megatron_rlhf.planner.measure import _memory_tracker
 
     numel = 1 << 16
     with _memory_tracker() as tracker:

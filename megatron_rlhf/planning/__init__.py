@@ -11,6 +11,6 @@
   predicted asynchronous step against the best colocated synchronous plan.
 
 Pure arithmetic, used by training/ to check memory before a run; the tools that build models
-(``tools/``: the CLI, the scaling sweep and the measuring study) sit above training in the
-package order. ``tools/plan_parallelism.py`` answers in well under a second.
+(``megatron_rlhf/planner/``: the CLI, the scaling sweep and the measurements) sit above
+training in the package order. ``tools/plan_parallelism.py`` answers in well under a second.
 """

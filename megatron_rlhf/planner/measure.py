@@ -373,7 +373,7 @@ def worker_main(argv: list[str]) -> int:
     from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.utils import is_rank0, write_json
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_rlhf.planning.tools.study")
+    parser = argparse.ArgumentParser(prog="python -m megatron_rlhf.planner.measure")
     parser.add_argument("--rows", required=True, help="JSON list of [size, tp, pp, stage]")
     parser.add_argument("--work", required=True, help="JSON of StudyWork fields")
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes the rows to")

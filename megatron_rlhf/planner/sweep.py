@@ -4,7 +4,7 @@
     python tools/scaling_study.py --sizes bloom-560m bloom-1b7 --layouts 1x1 --nproc 1 \\
         --output-dir study_gpu/                                           # one GPU, with MFU
 
-Each world size is one torchrun launch (``python -m megatron_rlhf.planning.tools.study``) running
+Each world size is one torchrun launch (``python -m megatron_rlhf.planner.measure``) running
 every row of that size; a layout ``TPxPP`` gets DP = nproc / (TP * PP). Writes
 ``results.csv`` (one row per run: model, params, tp, pp, dp, stage, tokens_per_s,
 peak_mem_measured_mb, peak_mem_planned_mb, mfu, plus step_s and planned/measured), ``table.md``,
@@ -97,7 +97,7 @@ def work_from_args(args) -> dict:
 
 def plan_rows(args) -> list[list]:
     """``[size, tp, pp, stage]`` for every run of the sweep."""
-    from megatron_rlhf.planning.tools.study import study_shape
+    from megatron_rlhf.planner.measure import study_shape
 
     if args.quick:
         return [
@@ -142,7 +142,7 @@ def run_launch(rows: list[list], work: dict, nproc: int) -> list[dict]:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--standalone", "-m", "megatron_rlhf.planning.tools.study",
+            "--standalone", "-m", "megatron_rlhf.planner.measure",
             "--rows", json.dumps(rows), "--work", json.dumps(work), "--out", str(out),
         ]  # fmt: skip
         proc = subprocess.run(cmd, env=env)
