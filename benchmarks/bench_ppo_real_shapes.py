@@ -198,7 +198,6 @@ def ours_command(inputs: dict, output_dir: Path, engine: str = "megatron") -> li
         "ppo": {
             "epochs": 1,
             "num_minibatches": 1,
-            "micro_batch_size": shape.micro_batch,
             "rollout_correction": shape.rollout_correction,
             "kl": {"coef": 0.05, "estimator": "k1"},
         },
@@ -207,6 +206,7 @@ def ours_command(inputs: dict, output_dir: Path, engine: str = "megatron") -> li
         "train": {
             "steps": inputs["steps"],
             "seed": inputs["seed"],
+            "micro_batch_size": shape.micro_batch,
             "output_dir": str(output_dir),
             "save_interval": 10_000,
             "sample_interval": 10_000,
@@ -397,6 +397,11 @@ def main() -> None:
         help="ppo.rollout_correction of our sides (with it on, old_logprobs=auto takes vLLM's "
         "own log-probs instead of recomputing them)",
     )  # fmt: skip
+    parser.add_argument(
+        "--roofline", action="store_true",
+        help="after the runs, time this machine's products and print each side's phases "
+        "beside their floors (benchmarks/roofline.py)",
+    )  # fmt: skip
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -465,7 +470,27 @@ def main() -> None:
         trl = statistics.median(r["step"] for s in args.seeds for r in results["trl"][s])
         print(f"\nTRL step / our step, medians: {trl / ours:.2f}x (per seed: "
               + ", ".join(f"{v:.2f}x" for v in per_seed) + ")")  # fmt: skip
+    if args.roofline:
+        _print_roofline(args, shape, sides, results)
     print(f"inputs and logs: {work}")
+
+
+def _print_roofline(args, shape: StepShape, sides: list[str], results: dict) -> None:
+    """Each side's median phase times beside the floors of the work it must do."""
+    import roofline
+
+    machine = roofline.Machine(args.threads)
+    roofline.print_machine(machine, roofline.SIZES[args.size])
+    for side in sides:
+        every = [r for seed in args.seeds for r in results[side][seed]]
+        measured = {k: statistics.median(r[k] for r in every) for k in PHASES}
+        measured["update"] -= measured["optimizer"]  # the optimizer is its own phase there
+        phases = roofline.step_phases(
+            roofline.SIZES[args.size], shape.prompts_per_step, shape.prompt_tokens,
+            shape.new_tokens, shape.micro_batch, recompute_old=side != "ours",
+        )  # fmt: skip
+        dtype = roofline.DTYPES["bf16" if "bf16" in side else "fp32"]
+        roofline.print_floors(machine, phases, dtype, f"{side}, {args.size}", measured)
 
 
 def _print_ratio(results: dict, seeds, slow: str, fast: str, label: str) -> None:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(BENCHMARKS.glob("*.py"))
@@ -51,3 +52,46 @@ def test_benchmark_imports_and_names_what_exists(path, monkeypatch):
             except ModuleNotFoundError:
                 missing.append(f"{path.name}:{line}: {module_name} has no {attribute}")
     assert not missing, missing
+
+
+def test_roofline_counts_the_flop_a_bloom_forward_does(monkeypatch):
+    """``benchmarks/roofline.py``'s count of a forward (trunk over every token, LM head on every
+    position) equals what torch's FLOP counter sees Hugging Face's BLOOM do, at an awkward
+    shape; its backward is counted as twice the forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import BloomConfig, BloomForCausalLM
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import roofline
+
+    arch = dict(vocab_size=301, hidden_size=48, num_layers=3, num_heads=4)
+    batch, seq = 3, 11
+    hf = BloomForCausalLM(BloomConfig(vocab_size=301, hidden_size=48, n_layer=3, n_head=4)).eval()
+    ids = torch.randint(0, 301, (batch, seq))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        hf(ids)
+    phase = roofline.Phase("forward")
+    roofline.trunk(phase, arch, batch * seq, seq, 1)
+    phase.matmul(batch * seq, arch["hidden_size"], arch["vocab_size"])
+    assert phase.flop == counter.get_total_flops()
+    backward = roofline.Phase("backward")
+    roofline.trunk(backward, arch, batch * seq, seq, 1, backward=True)
+    trunk_only = roofline.Phase("trunk")
+    roofline.trunk(trunk_only, arch, batch * seq, seq, 1)
+    assert backward.flop == 3 * trunk_only.flop
+
+
+def test_roofline_params_are_the_models(monkeypatch):
+    """The optimizer's sweep is sized by ``model_params``: HF BLOOM's parameter count (the LM
+    head tied to the embedding; a scalar head adds a ``hidden -> 1`` score)."""
+    from transformers import BloomConfig, BloomForCausalLM, BloomForSequenceClassification
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import roofline
+
+    config = BloomConfig(vocab_size=301, hidden_size=48, n_layer=3, n_head=4, num_labels=1)
+    arch = dict(vocab_size=301, hidden_size=48, num_layers=3, num_heads=4)
+    lm = sum(p.numel() for p in BloomForCausalLM(config).parameters())
+    scalar = sum(p.numel() for p in BloomForSequenceClassification(config).parameters())
+    assert roofline.model_params(arch, lm=True) == lm
+    assert roofline.model_params(arch, lm=False) == scalar
