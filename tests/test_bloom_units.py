@@ -635,17 +635,21 @@ def test_one_packed_row_runs_thd_attention_with_the_masked_paths_values_and_grad
         assert gap <= 1e-5, (name, float(gap))
 
 
-def test_vocab_projection_in_slices_equals_one_linear():
-    from megatron_rlhf.models.bloom.vocab import VOCAB_CHUNK, vocab_projection
+def test_vocab_projection_of_a_decode_step_equals_one_linear_in_float64():
+    from megatron_rlhf.models.bloom.vocab import LARGE_VOCAB, vocab_projection
 
     generator = torch.Generator().manual_seed(0)
-    vocab = 4 * VOCAB_CHUNK + 123  # sliced, with a ragged last slice
+    vocab = LARGE_VOCAB + 123  # the decode path, an awkward size
     weight = torch.randn(vocab, 32, generator=generator)
-    for shape in ((1, 8, 32), (3, 32), (1, 1, 32), (100, 32)):  # decode, 2-D, 1 row, many
+    reference = weight.double()
+    # decode steps (3-D, 2-D), 1 and 2 rows (F.linear), many rows (F.linear)
+    for shape in ((1, 8, 32), (3, 32), (2, 5, 32), (1, 1, 32), (2, 32), (100, 32)):
         hidden = torch.randn(*shape, generator=generator)
         out = vocab_projection(hidden, weight)
-        assert out.shape == (*shape[:-1], vocab)
-        torch.testing.assert_close(out, hidden @ weight.t(), rtol=1e-6, atol=1e-5)
+        assert out.shape == (*shape[:-1], vocab) and out.is_contiguous()
+        torch.testing.assert_close(out.double(), hidden.double() @ reference.t(), rtol=0, atol=2e-5)
+    bf16 = vocab_projection(torch.randn(8, 32, generator=generator).bfloat16(), weight.bfloat16())
+    assert bf16.dtype == torch.bfloat16
 
 
 def test_output_positions_give_those_columns_logits_and_gradients(single_process, hf_dir):

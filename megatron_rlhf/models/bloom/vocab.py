@@ -127,20 +127,25 @@ class BloomOutputLayer(ColumnParallelLinear):
         return super().forward(input_, weight, runtime_gather_output)
 
 
-VOCAB_CHUNK = 4096
+LARGE_VOCAB = 16_384
 
 
 def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(hidden, weight)`` (..., H) x (V, H) -> (..., V); on a CPU, for a few rows
-    (a decode step) and a large vocabulary, in slices of VOCAB_CHUNK vocabulary rows.
+    (a decode step: 3 to 64) and a large vocabulary, as ``weight @ hidden^T``.
 
-    MKL's sgemm splits a (rows <= 64) x 1024 x 250,880 product badly over the cores: on the
-    2-core machine of the benchmarks one call takes 0.18-0.20 s for 8 rows where 4,096-row
-    slices take 0.12 s together (1 row: 0.063 s either way; 192 rows: no gain), and a
-    BLOOM-560m-sized decode step is mostly this product. Each output element is the same
-    dot product. Elsewhere (GPUs, many rows, small vocabularies) one ``F.linear``."""
+    A decode step's LM head is a (rows x H) x (H x V) product that must read the whole
+    vocabulary matrix (1 GB in fp32 at BLOOM-560m's width) for a few rows: memory-bound.
+    ``F.linear`` hands it to MKL's sgemm as ``hidden @ weight^T``, which splits it badly over
+    the cores: on the 2-core benchmark machine 8 rows take 0.11 s where reading the matrix
+    takes 0.04 s. The same product as ``weight @ hidden^T`` (V x H times H x rows, the
+    matrix streamed row by row) takes 0.06 s (``benchmarks/roofline.py`` times both). Each
+    output is the same dot product summed in another order: equal to rounding. One or two
+    rows already take MKL's matrix-vector path; GPUs, many rows and small vocabularies use one
+    ``F.linear``."""
     rows = hidden.numel() // hidden.shape[-1]
-    vocab = weight.shape[0]
-    if hidden.device.type != "cpu" or not 1 < rows <= 64 or vocab < 4 * VOCAB_CHUNK:
+    if hidden.device.type != "cpu" or not 2 < rows <= 64 or weight.shape[0] < LARGE_VOCAB:
         return F.linear(hidden, weight)
-    return torch.cat([F.linear(hidden, part) for part in weight.split(VOCAB_CHUNK)], dim=-1)
+    flat = hidden.reshape(rows, hidden.shape[-1])
+    logits = torch.matmul(weight, flat.t()).t().contiguous()
+    return logits.reshape(*hidden.shape[:-1], weight.shape[0])
