@@ -74,7 +74,12 @@ def default_group(group):
     group (Megatron-Core's optimizer set-up and dist-checkpoint reads and writes, our
     barriers): train-ppo's training ranks of the disaggregated placement run what only they
     take part in this way, while the rollout ranks go on. Ranks keep their numbers (the
-    group holds ranks ``0..n-1``); None: the world itself."""
+    group holds ranks ``0..n-1``); None: the world itself.
+
+    It swaps torch's private ``distributed_c10d._world.default_pg``, which every collective
+    without a group reads (Megatron-Core takes no group there to pass instead). Known to work
+    on torch 2.11 (the GPU image) and 2.13 (the CPU install); ``tests/test_default_group.py``
+    fails, naming the attribute, on a torch that moves it."""
     from torch.distributed.distributed_c10d import _world
 
     if group is None:
