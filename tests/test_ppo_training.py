@@ -95,28 +95,132 @@ def test_tp2_follows_the_tp1_trajectory(tp1_run, tp2_run):
     assert sum(tp2[s]["reward/mean"] for s in (10, 11, 12)) / 3 > 0.5
 
 
+def _samples_by_step(output_dir: Path) -> dict[int, list[dict]]:
+    by_step: dict[int, list[dict]] = {}
+    for line in (output_dir / "samples.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step.setdefault(record["step"], []).append(record)
+    return by_step
+
+
+def _exported_actor(checkpoint: Path, work: Path):
+    """The checkpoint's actor as an fp32 HF ``BloomForCausalLM`` (megatron-to-hf, in process:
+    any TP reads back whole)."""
+    import torch
+    from transformers import BloomForCausalLM
+
+    from megatron_rlhf.checkpoint.convert import main as convert
+
+    argv = ["megatron-to-hf", "--load", str(checkpoint), "--save", str(work), "--role", "actor"]
+    assert convert(argv) == 0
+    return BloomForCausalLM.from_pretrained(work, torch_dtype=torch.float32).eval()
+
+
+def _redraw(model, record: dict, uniforms):
+    """The sampler's view of one row under ``model``: at each response position t, the token
+    the row's draw ``uniforms[t]`` picks (``decode.choose_tokens``, the engines' own draw, at
+    the fixture's temperature 1 and top-p 1), every token's log-prob (L, V) and the CDF
+    (L, V) the draw searched."""
+    import torch
+
+    from megatron_rlhf.generation.decode import SamplingConfig, choose_tokens
+
+    prompt, response = record["prompt_token_ids"], record["response_token_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    logits = logits[len(prompt) - 1 : len(prompt) - 1 + len(response)]  # (L, V)
+    chosen, _ = choose_tokens(logits, SamplingConfig(), uniforms[: len(response)])
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    return chosen.tolist(), logits.log_softmax(dim=-1), cdf / cdf[:, -1:]
+
+
+def _parity(rows: dict[int, list[dict]], actors: dict, row_seeds: list[int]) -> dict:
+    """Where the two runs' rows of one step part, redrawn under each run's own weights: the
+    sampled tokens that differ, the largest log-prob gap over the common prefixes, and at each
+    divergence point the uniform draw beside the two runs' CDF edges between the candidates."""
+    import torch
+
+    from megatron_rlhf.generation.decode import SamplingConfig, sampling_uniforms
+
+    found = {"rows": 0, "tokens": 0, "differ": 0, "prefix_gap": 0.0, "flips": []}
+    for row, (one, two) in enumerate(zip(rows[1], rows[2], strict=True)):
+        assert one["prompt_token_ids"] == two["prompt_token_ids"], row
+        sampling = SamplingConfig(max_new_tokens=8, row_seeds=(row_seeds[row],))
+        uniforms = sampling_uniforms(sampling, 1, "cpu", 0)[:, 0]
+        drawn = {n: _redraw(actors[n], rec, uniforms) for n, rec in ((1, one), (2, two))}
+        for n, rec in ((1, one), (2, two)):  # the reconstruction draws what each run drew
+            assert drawn[n][0] == rec["response_token_ids"], (n, row)
+        a_ids, b_ids = one["response_token_ids"], two["response_token_ids"]
+        same = next((t for t, (a, b) in enumerate(zip(a_ids, b_ids)) if a != b), None)
+        common = min(len(a_ids), len(b_ids)) if same is None else same
+        if common:
+            prefix = torch.tensor(a_ids[:common])[:, None]
+            gap = drawn[1][1][:common].gather(1, prefix) - drawn[2][1][:common].gather(1, prefix)
+            found["prefix_gap"] = max(found["prefix_gap"], float(gap.abs().max()))
+        found["tokens"] += len(a_ids)
+        width = max(len(a_ids), len(b_ids))
+        pad = [None] * width
+        found["differ"] += sum(a != b for a, b in zip((a_ids + pad)[:width], (b_ids + pad)[:width]))
+        if same is None:
+            continue
+        found["rows"] += 1
+        t, (a, b) = same, (a_ids[same], b_ids[same])
+        edges = [float(drawn[n][2][t, min(a, b)]) for n in (1, 2)]  # right edge of min(a, b)
+        margins = [float(drawn[n][1][t, a] - drawn[n][1][t, b]) for n in (1, 2)]
+        found["flips"].append(
+            {"row": row, "position": t, "tokens": (a, b), "uniform": float(uniforms[t]),
+             "edges": edges, "edge_gap": abs(edges[0] - edges[1]),
+             "logprob_a_gap": float(drawn[1][1][t, a] - drawn[2][1][t, a]),
+             "margins": margins}
+        )  # fmt: skip
+    return found
+
+
 @pytest.mark.e2e(ranks=2)
-def test_seed_2_tp2_samples_equal_tp1_until_rounding_flips_one(setup):
-    """Issue 47, item 6: the gap once kept in tests/ppo_fixtures.py (seed 2, TP=2 differing
-    from TP=1 at step 1: reward 0.023 vs 0.044) no longer holds. Measured (this fixture, CPU):
-    with seed 2 the two runs sample the very same tokens for 6 steps (every reward equal);
-    their other metrics differ by rounding only, growing with the updates (largest relative
-    difference 1e-6 at step 2, 6e-5 at step 4, 3e-4 at step 5: TP=2 sums each matmul in two
-    halves); at step 7 2 of 16 rows first sample another token (response positions 2 and 4),
-    where a row's uniform draw falls between the two layouts' CDF boundaries, and the
-    trajectories part from there (77 of 192 rows by step 12). This pins the first 6 steps:
-    the samples and rewards are identical."""
+def test_seed_2_tp2_samples_equal_tp1_until_rounding_flips_one(setup, tmp_path):
+    """Issue 47, item 6: with seed 2 (the fixture's 12-step schedule) TP=2 samples exactly what
+    TP=1 does for 6 steps; at step 7 2 of 16 rows draw another token, and this pins why.
+
+    Each step's rollout is redrawn under each run's actor before it (its checkpoint exported
+    to HF, every row's own uniforms, the engines' ``choose_tokens``): each run's weights draw
+    that run's tokens. On the rows' common tokens the two policies' log-probs differ by
+    rounding after one update (measured max 9.5e-7; bound 1e-5, some ulps of fp32 log-probs
+    of O(1) through one update of lr 2e-2: TP=2 sums each matmul in two halves), and the gap
+    grows about tenfold an update (3.6e-6, 7.3e-5, 2.1e-4, 3.3e-3, 3.8e-2 after 2-6). At step 7
+    that drift moves the CDF edge between two candidates across a row's uniform draw: row 6,
+    position 2, u = 0.69326 between the edges 0.69110 (TP=1) and 0.69503 (TP=2); row 10,
+    position 4, u = 0.51163 between 0.50105 and 0.51236. 6 of 123 sampled tokens differ; the
+    trajectories part from there. Bounds: a flip's u lies between the two edges, and the
+    step-7 drift stays under 0.1 (measured 0.038)."""
     runs = {}
     for nproc, tp in ((1, "parallel.tp=1"), (2, "parallel.tp=2")):
         output_dir = setup["root"] / f"seed2_tp{nproc}"
-        _run(setup, output_dir, nproc, tp, "train.seed=2", "train.steps=6",
-             "train.sample_interval=1", "train.save_interval=0")  # fmt: skip
-        runs[nproc] = (_rewards(output_dir), (output_dir / "samples.jsonl").read_text())
+        _run(setup, output_dir, nproc, tp, "train.seed=2",
+             "train.sample_interval=1", "train.save_interval=1")  # fmt: skip
+        runs[nproc] = (_rewards(output_dir), _samples_by_step(output_dir))
     (tp1, tp1_samples), (tp2, tp2_samples) = runs[1], runs[2]
-    assert tp2_samples == tp1_samples
-    assert [tp2[s]["reward/mean"] for s in range(1, 7)] == [
-        tp1[s]["reward/mean"] for s in range(1, 7)
-    ]
+    for step in range(1, 7):
+        assert tp2_samples[step] == tp1_samples[step], step
+        assert tp2[step]["reward/mean"] == tp1[step]["reward/mean"], step
+    from megatron_rlhf.ppo.rollout import step_row_seeds
+
+    found = {}
+    for step in range(2, 8):  # step s samples with the actor of checkpoint s - 1 (batch s - 1)
+        actors = {
+            n: _exported_actor(
+                setup["root"] / f"seed2_tp{n}" / f"step_{step - 1:07d}", tmp_path / f"{n}_{step}"
+            )
+            for n in (1, 2)
+        }
+        rows = {1: tp1_samples[step], 2: tp2_samples[step]}
+        found[step] = _parity(rows, actors, step_row_seeds(2, step - 1, len(rows[1])))
+    print(json.dumps(found, indent=1))
+    assert found[2]["prefix_gap"] < 1e-5, found[2]
+    assert all(not found[step]["flips"] for step in range(2, 7)), found
+    assert found[7]["flips"] and found[7]["prefix_gap"] < 0.1, found[7]
+    for flip in found[7]["flips"]:
+        low, high = sorted(flip["edges"])
+        assert low <= flip["uniform"] < high, flip  # the draw sits between the two edges
 
 
 @pytest.mark.e2e
