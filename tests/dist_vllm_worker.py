@@ -230,7 +230,7 @@ def shard_sync_moves_one_tp_share_of_the_bytes(args) -> str:
     rows only; norms and row-parallel biases whole): at TP 2 half the model, give or take
     those replicated tensors. Before/after: the full stream's seconds and bytes beside."""
     from megatron_rlhf.checkpoint.hf_stream import hf_tensor_stream
-    from megatron_rlhf.generation.shard_sync import vllm_vocab_rows
+    from megatron_rlhf.generation.vllm_layout import vllm_vocab_rows
 
     s = _setup(args)
     model, engine, arch = s["model"], s["engine"], s["arch"]
@@ -307,12 +307,13 @@ def shard_plan_moves_slices_between_layouts(args) -> str:
     from megatron_rlhf.checkpoint.hf_names import full_hf_name, hf_names
     from megatron_rlhf.checkpoint.hf_stream import hf_tensor_stream
     from megatron_rlhf.generation import shard_sync as ss
+    from megatron_rlhf.generation.vllm_layout import vllm_plan
 
     s = _setup(args)
     model, arch = s["model"], s["arch"]
     singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
     order = [full_hf_name(n) for n in hf_names(arch.num_layers, "lm")]
-    plan, sources = ss.plan_from_actor(model, singles[dist.get_rank()], 4096, order)
+    plan, sources = vllm_plan(model, singles[dist.get_rank()], 4096, order)
     targets = {}
     for name, spec in plan.specs.items():
         targets[name] = torch.full(ss.rollout_shard_shape(spec, 1), float("nan"))

@@ -1,7 +1,8 @@
-"""The shard-to-shard sync plan (``generation/shard_sync.py``), in process: every rank's plan
-of a simulated world, executed by handing each piece from its source rank's actor shard to its
-destination, against a reference built the way vLLM builds its shards (the full tensor, then
-vLLM's QKV repack, narrow and vocabulary padding)."""
+"""The shard-to-shard sync plan (``generation/shard_sync.py``) with vLLM's rules
+(``generation/vllm_layout.py``), in process: every rank's plan of a simulated world, executed
+by handing each piece from its source rank's actor shard to its destination, against a
+reference built the way vLLM builds its shards (the full tensor, then vLLM's QKV repack,
+narrow and vocabulary padding)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from megatron_rlhf.generation import shard_sync as ss
+from megatron_rlhf.generation.vllm_layout import vllm_target, vllm_vocab_rows
 from megatron_rlhf.models.bloom.config import padded_vocab_size
 
 HIDDEN, HEADS, LAYERS = 16, 4, 2
@@ -123,7 +125,7 @@ def _specs(full):
     specs = []
     for name, (tensor, split, kind) in full.items():
         rows = 3 * HEAD_DIM if kind == "qkv" else 1
-        specs.append(ss.TensorSpec(name, tuple(tensor.shape), split, kind, rows))
+        specs.append(vllm_target(ss.TensorSpec(name, tuple(tensor.shape), split, kind, rows)))
     return specs
 
 
@@ -189,7 +191,7 @@ def test_vllm_vocab_rows_match_vllm():
     vpe = pytest.importorskip("vllm.model_executor.layers.vocab_parallel_embedding")
     for vocab, tp in [(250, 1), (250, 2), (130, 2), (512, 4), (250880, 8)]:
         for rank in range(tp):
-            ours = ss.vllm_vocab_rows(vocab, tp, rank)
+            ours = vllm_vocab_rows(vocab, tp, rank)
             padded = vpe.pad_vocab_size(vocab)
             indices = vpe.VocabParallelEmbedding._get_indices(
                 padded, padded, vocab, vocab, rank, tp

@@ -191,11 +191,11 @@ class VLLMRolloutEngine:
         """The shard-to-shard plan (collective: one all-gather of every rank's layout), or
         the full stream when any rank's vLLM cannot take it."""
         from megatron_rlhf.checkpoint.hf_names import full_hf_name, hf_names
-        from megatron_rlhf.generation.shard_sync import plan_from_actor
+        from megatron_rlhf.generation.vllm_layout import vllm_plan
 
         order = [full_hf_name(name) for name in hf_names(self.actor.arch.num_layers, "lm")]
         try:  # every rank reaches the vote below, whatever fails here
-            plan, _ = plan_from_actor(self.actor, self.groups.tp, self.bucket_bytes, order)
+            plan, _ = vllm_plan(self.actor, self.groups.tp, self.bucket_bytes, order)
             reason = self.generator.check_shards(plan)
         except ValueError as err:  # e.g. a vocabulary vLLM's TP does not split
             plan, reason = None, str(err)

@@ -1,18 +1,13 @@
 """Shard-to-shard weight sync: each rollout-TP rank receives only its own shard of the actor.
 
-vLLM shards a BLOOM by its own rules (``vllm/model_executor/models/bloom.py``):
-
-- ``query_key_value`` (QKVParallelLinear): rank ``r`` of ``T`` holds the heads
-  ``[r H/T, (r+1) H/T)`` laid out ``[q; k; v]`` (each ``H/T x head_dim`` rows); HF and our
-  Megatron-Core ``linear_qkv`` lay the same heads out ``(head, 3, head_dim)`` (MHA: one query
-  group per head). A rank's heads are one contiguous block of HF rows, so its shard is a row
-  range of the HF tensor, permuted ``(h, 3, d) -> (3, h, d)`` as it is written.
-- ``dense_h_to_4h`` (ColumnParallelLinear): rows ``[r N/T, (r+1) N/T)``, bias too;
-  ``dense`` and ``dense_4h_to_h`` (RowParallelLinear): columns, the bias whole on every rank.
-- ``word_embeddings`` (VocabParallelEmbedding, tied to the LM head): the vocabulary padded to
-  a multiple of 64, split in ``T`` equal row blocks; rows past the real vocabulary are zero.
-  Megatron pads its own way (to 128 x TP); real rows are row ``i`` in both.
-- layer norms: whole on every rank.
+The rollout's layout is given per HF tensor by a :class:`TensorSpec`: the dim TP splits (in
+``T`` equal blocks; None: whole on every rank) and its ``kind``: ``plain``; ``qkv``, a fused
+QKV whose target stores a shard's heads ``[q; k; v]`` while HF holds them ``(head, 3,
+head_dim)`` (a rank's heads are one contiguous block of HF rows, permuted as they are
+written); ``vocab``, the vocabulary padded to a multiple of ``vocab_multiple`` rows, split in
+``T`` equal blocks, rows past the real vocabulary zero. Each target says how it shards: vLLM
+in ``generation/vllm_layout.py`` (``vllm_target``), our BLOOM copy here
+(:func:`megatron_target`).
 
 :func:`build_plan` turns the two layouts into, for this rank, a list of buckets. A bucket is a
 run of *units* (a tensor's rollout shard, or a block of its rows) of at most ``bucket_bytes``
@@ -23,7 +18,8 @@ local copy: actor TP = rollout TP on the same ranks moves nothing), else from on
 the same gathered description of the layouts, so sends and receives agree without a
 handshake. :func:`run_plan` then, per bucket, packs each peer's pieces into one buffer and
 exchanges them point-to-point (gloo on CPUs, NCCL on GPUs), and hands every piece to a
-writer. Nothing here knows vLLM: the writer does (``generation/vllm_engine.py``).
+writer. Nothing here knows vLLM: its rules are in ``generation/vllm_layout.py``, its writer in
+``generation/vllm_engine.py``.
 """
 
 from __future__ import annotations
@@ -33,22 +29,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-VLLM_VOCAB_PADDING = (
-    64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
-)
-
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One HF tensor: its full shape (real vocabulary rows only), how TP splits it and how
-    vLLM lays out a shard: ``plain``, ``qkv`` (fused QKV, head-interleaved in HF) or ``vocab``."""
+    """One HF tensor: its full shape (real vocabulary rows only), how TP splits it and how the
+    rollout lays out a shard: ``plain``, ``qkv`` (fused QKV, head-interleaved in HF, ``[q; k;
+    v]`` in the rollout) or ``vocab``."""
 
     name: str
     shape: tuple[int, ...]
     split_dim: int | None
     kind: str = "plain"
     head_rows: int = 1  # qkv: 3 x head_dim rows per head (a unit never splits a head)
-    vocab_multiple: int = VLLM_VOCAB_PADDING  # vocab: the rollout pads the rows to a multiple
+    vocab_multiple: int = 0  # vocab: the rollout pads the rows to a multiple (its target sets it)
 
 
 @dataclass(frozen=True)
@@ -100,13 +93,13 @@ class SyncPlan:
         return sum(p.numel for p in pieces) * self.element_bytes
 
 
-def vllm_vocab_rows(
-    vocab: int, tp: int, rank: int, multiple: int = VLLM_VOCAB_PADDING
-) -> tuple[int, int, int]:
-    """vLLM's vocabulary shard of rank ``rank`` of ``tp``: (first row, end of the real rows,
-    rows in the shard incl. padding), as ``VocabParallelEmbedding._get_indices``; with
-    ``multiple`` = our padded vocabulary (``models/bloom/config.padded_vocab_size``),
-    Megatron-Core's shard, which pads the same way to another multiple."""
+def vocab_rows(vocab: int, tp: int, rank: int, multiple: int) -> tuple[int, int, int]:
+    """The vocabulary shard of rank ``rank`` of ``tp`` when the rows are padded to a multiple of
+    ``multiple`` and split in ``tp`` equal blocks: (first row, end of the real rows, rows in
+    the shard incl. padding). vLLM's (``vllm_layout.vllm_vocab_rows``) and, with ``multiple``
+    = our padded vocabulary (``models/bloom/config.padded_vocab_size``), Megatron-Core's."""
+    if multiple < 1:
+        raise ValueError(f"no vocabulary padding set ({multiple}): give the spec a target")
     padded = -(-vocab // multiple) * multiple
     if padded % tp:
         raise ValueError(
@@ -123,7 +116,7 @@ def rollout_shard(spec: TensorSpec, rank: int, tp: int) -> tuple[tuple[int, int]
     if spec.split_dim is None:
         return tuple(ranges)
     if spec.kind == "vocab":
-        start, end, _ = vllm_vocab_rows(spec.shape[0], tp, rank, spec.vocab_multiple)
+        start, end, _ = vocab_rows(spec.shape[0], tp, rank, spec.vocab_multiple)
         ranges[0] = (min(start, end), end)
         return tuple(ranges)
     size = spec.shape[spec.split_dim]
@@ -139,15 +132,15 @@ def rollout_shard_start(spec: TensorSpec, rank: int, tp: int) -> int:
     if spec.split_dim is None:
         return 0
     if spec.kind == "vocab":
-        return vllm_vocab_rows(spec.shape[0], tp, rank, spec.vocab_multiple)[0]
+        return vocab_rows(spec.shape[0], tp, rank, spec.vocab_multiple)[0]
     return rank * spec.shape[spec.split_dim] // tp
 
 
 def rollout_shard_shape(spec: TensorSpec, tp: int) -> tuple[int, ...]:
-    """The shape of a rollout shard in vLLM's parameter (vocab: with its padding rows)."""
+    """The shape of a rollout shard in the rollout's parameter (vocab: with its padding rows)."""
     shape = list(spec.shape)
     if spec.kind == "vocab":
-        shape[0] = vllm_vocab_rows(spec.shape[0], tp, 0, spec.vocab_multiple)[2]
+        shape[0] = vocab_rows(spec.shape[0], tp, 0, spec.vocab_multiple)[2]
     elif spec.split_dim is not None:
         shape[spec.split_dim] //= tp
     return tuple(shape)
@@ -237,9 +230,9 @@ def build_plan(
     element_bytes: int,
 ) -> SyncPlan:
     """This rank's sends, receives and local copies, bucket by bucket. ``layouts[i]``
-    describes rank ``i``: vLLM's ranks are the world's (every rank receives); in the
-    disaggregated placement the training ranks hold no rollout shard (``rollout_rank`` None)
-    and the rollout ranks no actor shard."""
+    describes rank ``i``: a colocated rollout's ranks are the world's (every rank receives);
+    in the disaggregated placement the training ranks hold no rollout shard (``rollout_rank``
+    None) and the rollout ranks no actor shard."""
     holders = _Holders(layouts)
     missing = [s.name for s in specs if s.name not in holders.by_name]
     if missing:
@@ -312,8 +305,8 @@ def local_ranges(plan: SyncPlan, piece: Piece) -> tuple[tuple[int, int], ...]:
 
 
 def write_piece(target: torch.Tensor, spec: TensorSpec, ranges, data: torch.Tensor) -> None:
-    """Copy ``data`` (HF layout) into ``target`` (one rollout shard in vLLM's layout) at the
-    shard-relative ``ranges``: qkv rows go from ``(head, 3, d)`` to ``(3, head, d)``."""
+    """Copy ``data`` (HF layout) into ``target`` (one rollout shard in the rollout's layout) at
+    the shard-relative ``ranges``: qkv rows go from ``(head, 3, d)`` to ``(3, head, d)``."""
     shape = tuple(b - a for a, b in ranges)
     data = data.reshape(shape)
     if spec.kind == "qkv":
@@ -372,9 +365,9 @@ def run_plan(
 
 
 def zero_padding(target: torch.Tensor, spec: TensorSpec, rank: int, tp: int) -> None:
-    """Zero a vocab shard's rows past the real vocabulary (vLLM's loader does the same)."""
+    """Zero a vocab shard's rows past the real vocabulary (no sync writes them)."""
     if spec.kind == "vocab":
-        start, end, per = vllm_vocab_rows(spec.shape[0], tp, rank, spec.vocab_multiple)
+        start, end, per = vocab_rows(spec.shape[0], tp, rank, spec.vocab_multiple)
         target[max(end - start, 0) :].zero_()
 
 
@@ -384,8 +377,9 @@ def _global(rank: int, group) -> int:
 
 def describe_actor(model, rollout_tp_group) -> tuple[list[TensorSpec], RankLayout, dict]:
     """This rank's view of ``model`` (a ``BloomModel`` with an LM head): the specs of the
-    tensors its stage holds, its ``RankLayout`` in the world, and its local shards by HF name
-    (the tied ``output_layer`` is the word embedding: not sent twice)."""
+    tensors its stage holds (no target yet: see ``retarget`` of :func:`plan_from_actor`), its
+    ``RankLayout`` in the world, and its local shards by HF name (the tied ``output_layer`` is
+    the word embedding: not sent twice)."""
     from megatron_rlhf.checkpoint.hf_io import stage_layer_offset
     from megatron_rlhf.checkpoint.hf_names import full_hf_name, mapping_for
 
@@ -435,16 +429,19 @@ def actor_sources(model) -> dict[str, torch.Tensor]:
     }
 
 
-def plan_from_actor(model, rollout_tp_group, bucket_bytes: int, canonical_order: list[str]):
+def plan_from_actor(
+    model, rollout_tp_group, bucket_bytes: int, canonical_order: list[str], retarget
+):
     """Gather every rank's description (one ``all_gather_object`` over the world, once) and
     build this rank's plan; returns ``(plan, sources)``. ``canonical_order``: the HF names in
-    the order to send them (the specs of every stage, merged)."""
+    the order to send them (the specs of every stage, merged); ``retarget(spec)``: the spec
+    as the rollout shards it (vLLM: ``vllm_layout.vllm_target``)."""
     specs, layout, sources = describe_actor(model, rollout_tp_group)
     dtypes = {tensor.dtype for tensor in sources.values()}
     if len(dtypes) != 1:
         raise ValueError(f"the actor's parameters mix dtypes {sorted(map(str, dtypes))}")
     element_bytes = next(iter(sources.values())).element_size()
-    plan = _gathered_plan(specs, layout, bucket_bytes, element_bytes, canonical_order)
+    plan = _gathered_plan(specs, layout, bucket_bytes, element_bytes, canonical_order, retarget)
     return plan, sources
 
 
@@ -495,8 +492,8 @@ def rollout_targets(model) -> dict[str, torch.Tensor]:
 
 
 def megatron_target(spec: TensorSpec, padded_vocab: int) -> TensorSpec:
-    """``spec`` as our BLOOM shards it over the rollout TP (rather than vLLM): QKV rows as
-    HF's, the vocabulary padded to ``padded_vocab`` rows."""
+    """``spec`` as our BLOOM shards it over the rollout TP: QKV rows as HF's, the vocabulary
+    padded to ``padded_vocab`` rows."""
     from dataclasses import replace
 
     if spec.kind == "qkv":
@@ -506,7 +503,7 @@ def megatron_target(spec: TensorSpec, padded_vocab: int) -> TensorSpec:
     return spec
 
 
-def _gathered_plan(specs, layout, bucket_bytes, element_bytes, canonical_order, retarget=None):
+def _gathered_plan(specs, layout, bucket_bytes, element_bytes, canonical_order, retarget):
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (specs, layout))
@@ -518,7 +515,6 @@ def _gathered_plan(specs, layout, bucket_bytes, element_bytes, canonical_order, 
     if len(ordered) != len(every):
         extra = sorted(set(every) - set(canonical_order))
         raise ValueError(f"tensors outside the canonical order: {extra[:3]}")
-    if retarget is not None:
-        ordered = [retarget(spec) for spec in ordered]
+    ordered = [retarget(spec) for spec in ordered]
     layouts = [lay for _, lay in gathered]
     return build_plan(ordered, layouts, rank, bucket_bytes, element_bytes)

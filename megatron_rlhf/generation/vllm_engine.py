@@ -11,9 +11,10 @@ GPUs. Megatron-Core's own inference engines cannot run BLOOM (it has no ALiBi); 
   pairs (``checkpoint/hf_stream.py``), through vLLM's in-place ``reload_weights`` (the model's
   ``load_weights``, which splits them for vLLM's TP and repacks BLOOM's fused QKV, then each
   layer's post-load processing). No weight file is written, ever. The PPO rollout instead
-  syncs shard to shard (:meth:`VLLMGenerator.load_shards`, ``generation/shard_sync.py``):
-  each rank writes only its own TP shard into vLLM's parameters, in place where vLLM keeps
-  the plain weight (see :func:`_load_shards` for where its CPU backend does not).
+  syncs shard to shard (:meth:`VLLMGenerator.load_shards`, ``generation/shard_sync.py`` with
+  vLLM's rules from ``generation/vllm_layout.py``): each rank writes only its own TP shard
+  into vLLM's parameters, in place where vLLM keeps the plain weight (see
+  :func:`_load_shards` for where its CPU backend does not).
 - **In process.** The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a
   weight sync is a copy, not a serialisation. With more than one rank, vLLM's
   ``external_launcher`` executor joins the existing ``torch.distributed`` world: vLLM's TP
@@ -372,7 +373,7 @@ def _packed_away(module, attribute, param) -> bool:
 
 
 def _shard_mismatch(model, plan) -> str | None:
-    from megatron_rlhf.generation.shard_sync import vllm_vocab_rows
+    from megatron_rlhf.generation.vllm_layout import vllm_vocab_rows
 
     try:
         shard_targets(model, plan)
