@@ -168,13 +168,13 @@ def make_setup(root: Path, args) -> Path:
     setup = make_ppo_setup(root / "setup", hidden_size=args.hidden, num_heads=4)
     config = yaml.safe_load(setup["config"].read_text())
     config["rollout"] |= {"prompts_per_step": args.prompts, "max_new_tokens": args.max_new_tokens}
-    config["ppo"] |= {
-        "epochs": args.epochs,
-        "num_minibatches": 1,
-        "micro_batch_size": args.micro_batch,
-    }
+    config["ppo"] |= {"epochs": args.epochs, "num_minibatches": 1}
     config["actor_optim"]["lr"] = args.lr
-    config["train"] |= {"save_interval": 10_000, "sample_interval": 10_000}
+    config["train"] |= {
+        "micro_batch_size": args.micro_batch,
+        "save_interval": 10_000,
+        "sample_interval": 10_000,
+    }
     path = root / "overlap.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

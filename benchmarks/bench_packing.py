@@ -29,7 +29,7 @@ issue's 30-50 %) of the rows end before ``--new-tokens``. tokens/s = generated t
 
 scoring: ``ppo/scoring.score`` of the reference policy and a 2-output Advantage Model over one
 step's experience (B=8 at real width, 16 tiny), padded micro-batches of 4 rows against packed
-micro-batches of at most 4 x the padded width tokens (``ppo.packing``). Prompt lengths are
+micro-batches of at most 4 x the padded width tokens (``train.packing``). Prompt lengths are
 log-normal (median 16 tokens, clipped to 1..48), response lengths geometric with mean 24,
 clipped to 1..64: a stand-in for a preference dataset's skew (not fitted to one). Log-probs and
 scores are compared (rel 1e-5). tokens/s = real (prompt + response) tokens / s.
@@ -441,7 +441,7 @@ def hh_rlhf_experience(seed: int, batch: int, vocab: int, scale: float, longest:
 
 def update_part(size: str, args) -> dict:
     """``ppo/update.ppo_update`` (actor and critic, one minibatch) over one step's experience,
-    packed (``ppo.packing``: budget micro_batch_size 4 x the padded width, as train-ppo's
+    packed (``train.packing``: budget micro_batch_size 4 x the padded width, as train-ppo's
     default) against padded micro-batches of 4 rows; lr 0, so every repetition computes the
     same losses."""
     from megatron_rlhf.checkpoint import load_bloom
@@ -452,8 +452,8 @@ def update_part(size: str, args) -> dict:
     from megatron_rlhf.training import OptimConfig, TrainEngine
 
     batch, scale, longest = (8, 0.25, 256) if size == "real" else (32, 1.0, 512)
-    ppo = SimpleNamespace(epochs=1, num_minibatches=1, micro_batch_size=4, clip_ratio=0.2,
-                          value_clip=0.2)  # fmt: skip
+    ppo = SimpleNamespace(epochs=1, num_minibatches=1, clip_ratio=0.2, value_clip=0.2)
+    micro_batch_size = 4
     rates = {True: [], False: []}
     per_seed, fill = {}, []
     for seed in args.seeds:
@@ -467,9 +467,10 @@ def update_part(size: str, args) -> dict:
         experience = hh_rlhf_experience(seed, batch, SIZES[size]["vocab_size"], scale, longest)
         tokens = int(experience.attention_mask.sum())
         fill.append(tokens / experience.attention_mask.numel())
-        budget = ppo.micro_batch_size * experience.sequences.shape[1]
+        budget = micro_batch_size * experience.sequences.shape[1]
 
-        run = partial(ppo_update, experience, roles["actor"], roles["critic"], ppo, 1.0)
+        actor, critic = roles["actor"], roles["critic"]
+        run = partial(ppo_update, experience, actor, critic, ppo, micro_batch_size, 1.0)
         for packed in (True, False):  # untimed: the first step allocates buffers and state
             run(torch.Generator().manual_seed(seed), max_tokens=budget if packed else None)
         seconds, metrics = {True: [], False: []}, {}

@@ -4,8 +4,11 @@ A config file (YAML or JSON) mirrors a tree of ``@dataclass`` configs; ``section
 overrides any leaf from the command line (values parsed as YAML scalars: ``lr=1e-5``,
 ``rehearsal.enabled=false``). An unknown key, a wrong type or a missing required value raises
 :class:`~megatron_rlhf.utils.InputError` naming the file and the dotted key, with the closest
-valid key (or, for a key listed in its section's ``MOVED_KEYS`` class attribute, the dotted key
-that replaced it). ``to_dict`` gives the resolved config that is saved beside every checkpoint.
+valid key. A key listed in its section's ``MOVED_KEYS`` class attribute (old key -> the dotted
+key that replaced it) still loads, at its new key, with one warning per key on stderr (rank 0);
+the old and the new key given with different values are refused (:func:`move_keys`, also
+applied to a run's saved config when it resumes). ``to_dict`` gives the resolved config that is
+saved beside every checkpoint.
 A field whose key is a Python keyword is named with a trailing underscore and carries its key in
 its metadata: ``async_: AsyncConfig = field(..., metadata={"key": "async"})`` is the section
 ``async`` of files, overrides (``async.max_staleness=1``), ``to_dict`` and ``--print-config``.
@@ -23,6 +26,8 @@ import dataclasses
 import difflib
 import inspect
 import json
+import os
+import sys
 import textwrap
 import types
 import typing
@@ -35,6 +40,7 @@ from megatron_rlhf.utils import InputError
 
 def load_config(cls, path: str | Path | None, overrides: list[str] = ()):
     """Build ``cls`` from the file at ``path`` (may be None) and ``key=value`` overrides."""
+    moved = moved_keys(cls)
     raw: dict = {}
     source = "command line"
     if path is not None:
@@ -48,12 +54,60 @@ def load_config(cls, path: str | Path | None, overrides: list[str] = ()):
             raise InputError(f"{path}: cannot parse config ({err})") from None
         if not isinstance(raw, dict):
             raise InputError(f"{path}: the config must be a mapping of keys to values")
+        move_keys(raw, moved, source)
+    given, written = {}, []  # the overrides, moved among themselves, then set over the file's
     for item in overrides:
         if "=" not in item:
             raise InputError(f"override {item!r}: expected key=value (e.g. optim.lr=1e-5)")
         key, value = item.split("=", 1)
-        _set_dotted(raw, key.strip(), yaml.safe_load(value))
+        _set_dotted(given, key.strip(), yaml.safe_load(value))
+        written.append(key.strip())
+    written += [new for old, new in moved.items() if _get_dotted(given, old)[0]]
+    move_keys(given, moved, "command line")
+    for key in dict.fromkeys(written):
+        found, value = _get_dotted(given, key)
+        if found:
+            _set_dotted(raw, key, value)
     return _build(cls, raw, prefix="", source=source)
+
+
+def moved_keys(cls, prefix: str = "") -> dict[str, str]:
+    """{old dotted key: new dotted key} of every section's ``MOVED_KEYS`` in the tree ``cls``."""
+    moved = {prefix + old: new for old, new in getattr(cls, "MOVED_KEYS", {}).items()}
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[field.name]):
+            moved |= moved_keys(hints[field.name], prefix + key_of(field) + ".")
+    return moved
+
+
+def move_keys(raw: dict, moved: dict[str, str], source: str, warn: bool = True) -> dict:
+    """Move each old key of ``moved`` ({old: new} dotted keys) found in the nested ``raw`` to
+    its new key, in place, with one warning per old key (``warn``: on stderr, rank 0, once per
+    process); both keys given with different values are an InputError naming both."""
+    for old, new in moved.items():
+        found, value = _pop_dotted(raw, old)
+        if not found:
+            continue
+        present, current = _get_dotted(raw, new)
+        if present and current != value:
+            raise InputError(
+                f"{source}: config keys {old}={json.dumps(value)} and {new}={json.dumps(current)} "
+                f"are one setting ({old} has moved to {new}); keep only {new}"
+            )
+        _set_dotted(raw, new, value)
+        if warn and old not in _WARNED and os.environ.get("RANK", "0") == "0":
+            _WARNED.add(old)
+            print(
+                f"warning: {source}: config key {old} has moved to {new}; write "
+                f"{new}={json.dumps(value)} instead",
+                file=sys.stderr,
+            )
+    return raw
+
+
+_WARNED: set[str] = set()
+"""Old keys warned about in this process (one warning each)."""
 
 
 def to_dict(config) -> dict:
@@ -175,6 +229,22 @@ def _type_name(hint) -> str:
     return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
+def _get_dotted(tree: dict, dotted: str) -> tuple[bool, object]:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return False, None
+        tree = tree[part]
+    return True, tree
+
+
+def _pop_dotted(tree: dict, dotted: str) -> tuple[bool, object]:
+    *parents, leaf = dotted.split(".")
+    found, parent = _get_dotted(tree, ".".join(parents)) if parents else (True, tree)
+    if not found or not isinstance(parent, dict) or leaf not in parent:
+        return False, None
+    return True, parent.pop(leaf)
+
+
 def _set_dotted(tree: dict, dotted: str, value) -> None:
     *parents, leaf = dotted.split(".")
     for part in parents:
@@ -190,12 +260,6 @@ def _build(cls, raw: dict, prefix: str, source: str):
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         key = unknown[0]
-        moved = getattr(cls, "MOVED_KEYS", {}).get(key)
-        if moved is not None:
-            raise InputError(
-                f"{source}: config key {prefix}{key} has moved to {moved}; write "
-                f"{moved}={json.dumps(raw[key])} instead"
-            )
         close = difflib.get_close_matches(key, list(fields), n=1)
         hint = f"; did you mean {prefix}{close[0]}?" if close else ""
         raise InputError(

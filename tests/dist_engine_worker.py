@@ -113,14 +113,14 @@ def sft_command(args) -> None:
     (losses and gradient norms, rel 1e-5); its first loss equals transformers'."""
     from megatron_rlhf.distributed.layouts import LayoutConfig
     from megatron_rlhf.training.config import ModelConfig, OptimConfig
-    from megatron_rlhf.training.sft import DataConfig, SFTConfig, TrainConfig, run
+    from megatron_rlhf.training.sft import SFTConfig, SFTDataConfig, TrainConfig, run
 
     runs = {}
     for tp, pp, packing in ((1, 1, True), (1, 1, False), (2, 1, True), (1, 2, True)):
         config = SFTConfig(
             model=ModelConfig(load=args.hf),
             parallel=LayoutConfig(tp=tp, pp=pp),
-            data=DataConfig(
+            data=SFTDataConfig(
                 train=f"{args.sft_data}/train",
                 eval=f"{args.sft_data}/eval",
                 max_length=SFT_MAX_LENGTH,

@@ -58,7 +58,7 @@ def train(args, output_dir: Path, *extra: str):
 def zero_stages(args) -> None:
     for stage in STAGES:
         # ZeRO-1 with transformers' gradient checkpointing: recomputation must not change a loss
-        extra = ["model.recompute_activations=true"] if stage == 1 else []
+        extra = ["train.recompute_activations=true"] if stage == 1 else []
         result = train(args, args.work / f"zero{stage}", f"deepspeed.zero_stage={stage}", *extra)
         losses = [m["loss"] for m in result["history"]]
         harness.record(

@@ -40,9 +40,9 @@ harness.parser.add_argument("--work", type=Path, required=True)
 def config_for(args, loss: str, tp: int, pp: int, output_dir: Path, **train):
     from megatron_rlhf.reward.train import (
         AMConfig,
-        DataConfig,
         LayoutConfig,
         ModelConfig,
+        RewardDataConfig,
         RewardTrainConfig,
         TrainConfig,
     )
@@ -64,7 +64,7 @@ def config_for(args, loss: str, tp: int, pp: int, output_dir: Path, **train):
         loss=loss,
         model=ModelConfig(load=getattr(args, f"hf_{loss}")),
         parallel=LayoutConfig(tp=tp, pp=pp),
-        data=DataConfig(train=args.data, eval_fraction=eval_fraction),
+        data=RewardDataConfig(train=args.data, eval_fraction=eval_fraction),
         am=AMConfig(margin=1.5),
         optim=OptimConfig(lr=3e-3, warmup_fraction=0.0, weight_decay=0.01),
         train=TrainConfig(**settings),

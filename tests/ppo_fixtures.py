@@ -42,7 +42,7 @@ def make_ppo_setup(
         },
         "data": {"prompts": str(root / "prompts")},
         "rollout": {"prompts_per_step": 16, "max_new_tokens": 8},
-        "ppo": {"micro_batch_size": 4, "num_minibatches": 2, "epochs": 2, "kl": {"coef": 0.01}},
+        "ppo": {"num_minibatches": 2, "epochs": 2, "kl": {"coef": 0.01}},
         "actor_optim": {"lr": 2.0e-2, "warmup_fraction": 0.0},
         "critic_optim": {"lr": 3.0e-3, "warmup_fraction": 0.0},
         # Seed 1: since sampling draws one uniform per (step, row) (fe42945) the 12-step outcome
@@ -50,7 +50,13 @@ def make_ppo_setup(
         # 1234 / 1 / 2 / 3 (every seed rises from ~0.02). The tests' bounds are unchanged. With
         # seed 2, TP=2 samples what TP=1 does for 6 steps, then rounding flips a token
         # (tests/test_ppo_training.py test_seed_2_tp2_samples_equal_tp1_until_rounding_flips_one).
-        "train": {"steps": 12, "save_interval": 4, "sample_interval": 4, "seed": 1},
+        "train": {
+            "steps": 12,
+            "save_interval": 4,
+            "sample_interval": 4,
+            "seed": 1,
+            "micro_batch_size": 4,
+        },
     }
     (root / "ppo.yaml").write_text(yaml.safe_dump(config))
     return {"root": root, "config": root / "ppo.yaml", "arch": arch}

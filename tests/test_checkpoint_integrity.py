@@ -55,7 +55,7 @@ PPO_SHORT = [
     "rollout.prompts_per_step=8",
     "ppo.epochs=1",
     "ppo.num_minibatches=1",
-    "ppo.micro_batch_size=8",
+    "train.micro_batch_size=8",
     "train.save_interval=1",
 ]
 

@@ -145,7 +145,7 @@ def test_the_176b_example_is_a_valid_per_role_layout():
     check_global_batch(config.rollout.prompts_per_step, "rollout.prompts_per_step", layouts)
     minibatch = config.rollout.prompts_per_step // config.ppo.num_minibatches
     for role in ("actor", "critic"):
-        assert (minibatch // layouts[role].dp) % config.ppo.micro_batch_size == 0
+        assert (minibatch // layouts[role].dp) % config.train.micro_batch_size == 0
 
 
 # ---------------------------------------------------------------- the flag dialect

@@ -52,7 +52,7 @@ def _overrides(root: Path, output_dir: Path, steps: int) -> list[str]:
         f"models.reference={root / 'reference'}",
         "models.reward_fn=null", "rehearsal.enabled=true", f"rehearsal.dataset={root / 'rehearsal'}",
         f"train.steps={steps}", "train.save_interval=1", "rollout.prompts_per_step=8",
-        "ppo.micro_batch_size=2", "ppo.num_minibatches=2", "ppo.epochs=1",
+        "train.micro_batch_size=2", "ppo.num_minibatches=2", "ppo.epochs=1",
         f"train.output_dir={output_dir}",
         # constant LR: the 4-rank run stops at step 1 and the single process runs 2 steps, so a
         # cosine schedule over train.steps would give them different step-1 learning rates

@@ -114,7 +114,7 @@ def test_sft_packed_equals_padded(tmp_path):
 
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom, tiny_architecture
     from megatron_rlhf.training.config import ModelConfig, OptimConfig
-    from megatron_rlhf.training.sft import DataConfig, SFTConfig, TrainConfig, run
+    from megatron_rlhf.training.sft import SFTConfig, SFTDataConfig, TrainConfig, run
 
     save_random_hf_bloom(tmp_path / "hf", tiny_architecture(vocab_size=250, num_layers=2), seed=3)
     write_sft_data(tmp_path / "train", 40, seed=0)
@@ -124,7 +124,7 @@ def test_sft_packed_equals_padded(tmp_path):
         return run(
             SFTConfig(
                 model=ModelConfig(load=str(tmp_path / "hf")),
-                data=DataConfig(
+                data=SFTDataConfig(
                     train=str(tmp_path / "train"), eval=str(tmp_path / "eval"), max_length=12
                 ),
                 optim=OptimConfig(lr=1e-2, warmup_fraction=0.0),
@@ -151,8 +151,8 @@ def test_reward_packed_equals_padded(tmp_path, loss):
 
     from megatron_rlhf.reward.train import (
         AMConfig,
-        DataConfig,
         ModelConfig,
+        RewardDataConfig,
         RewardTrainConfig,
         TrainConfig,
         train,
@@ -167,7 +167,7 @@ def test_reward_packed_equals_padded(tmp_path, loss):
             RewardTrainConfig(
                 loss=loss,
                 model=ModelConfig(load=str(hf)),
-                data=DataConfig(train=str(data), eval_fraction=0.1),
+                data=RewardDataConfig(train=str(data), eval_fraction=0.1),
                 am=AMConfig(margin=1.5),
                 optim=OptimConfig(lr=3e-3, warmup_fraction=0.0, weight_decay=0.01),
                 train=TrainConfig(
@@ -204,7 +204,7 @@ def test_ppo_update_packed_equals_padded(tmp_path):
             [
                 sys.executable, "-m", "megatron_rlhf", "train-ppo", "--config",
                 str(setup["config"]), f"train.output_dir={output_dir}", "train.steps=2",
-                f"ppo.packing={packing}", "ppo.max_tokens_per_micro_batch=24",
+                f"train.packing={packing}", "train.max_tokens_per_micro_batch=24",
                 "rehearsal.enabled=true", f"rehearsal.dataset={tmp_path / 'rehearsal'}",
                 "rehearsal.gamma=0.5",
             ],

@@ -77,7 +77,7 @@ def test_old_logprobs_auto_reuses_the_rollouts_only_where_they_agree():
     def config(choice, temperature=1.0, bf16=False, top_p=1.0):
         return ppo.TrainPPOConfig(
             models=ppo.ModelsConfig(actor="a", critic="c"),
-            data=ppo.DataConfig(prompts="p"),
+            data=ppo.PromptDataConfig(prompts="p"),
             rollout=ppo.RolloutConfig(temperature=temperature, top_p=top_p),
             ppo=ppo.PPOConfig(old_logprobs=choice),
             train=ppo.TrainSection(bf16=bf16),
@@ -152,7 +152,7 @@ def test_old_logprobs_auto_with_a_rollout_correction_takes_any_engines_logprobs(
     def config(correction, engine="vllm", temperature=1.0, choice="auto", top_p=1.0):
         return ppo.TrainPPOConfig(
             models=ppo.ModelsConfig(actor="a", critic="c"),
-            data=ppo.DataConfig(prompts="p"),
+            data=ppo.PromptDataConfig(prompts="p"),
             rollout=ppo.RolloutConfig(temperature=temperature, engine=engine, top_p=top_p),
             ppo=ppo.PPOConfig(old_logprobs=choice, rollout_correction=correction),
             train=ppo.TrainSection(bf16=False),

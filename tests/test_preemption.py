@@ -298,7 +298,7 @@ def test_async_train_ppo_per_role_layouts_on_4_ranks_sigterm_sigkill_resume_is_b
     setup, steps = make_ppo_setup(tmp_path / "setup"), 5
     args = [
         "train-ppo", "--config", str(setup["config"]), f"train.steps={steps}",
-        "train.save_interval=100", "rollout.prompts_per_step=8", "ppo.micro_batch_size=2",
+        "train.save_interval=100", "rollout.prompts_per_step=8", "train.micro_batch_size=2",
         "ppo.num_minibatches=2", "ppo.epochs=1", "train.sample_interval=100", *PPO_LAYOUTS,
         *ASYNC,
     ]  # fmt: skip

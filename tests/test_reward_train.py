@@ -467,7 +467,7 @@ def test_example_configs_load_with_the_paper_settings():
     assert paper.optim.lr == 5e-6 and paper.optim.warmup_fraction == 0.1
     assert paper.optim.min_lr_ratio == 0.1 and paper.train.global_batch_size == 180
     tiny = load_config(RewardTrainConfig, REPO / "examples/reward/tiny_cpu.yaml")
-    assert tiny.model.bf16 == "auto"
+    assert tiny.train.bf16 == "auto"
 
 
 def test_pure_helpers_read_the_right_positions():

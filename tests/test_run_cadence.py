@@ -54,7 +54,7 @@ def test_train_ppo_saves_only_at_the_end_and_logs_every_other_step(tmp_path):
     argv = ["--config", str(setup["config"]), f"train.output_dir={run}", *CADENCE]
     short = ["rollout.prompts_per_step=8", "ppo.epochs=1", "ppo.num_minibatches=1"]
     with launcher_env_kept():
-        assert main([*argv, *short, "ppo.micro_batch_size=8", "train.sample_interval=0"]) == 0
+        assert main([*argv, *short, "train.micro_batch_size=8", "train.sample_interval=0"]) == 0
     assert checkpoints(run) == ["step_0000003"]
     assert logged_steps(run, "reward/mean") == [2, 3]
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]

@@ -217,4 +217,4 @@ def test_example_config_loads():
     from megatron_rlhf.training.sft import SFTConfig
 
     config = load_config(SFTConfig, REPO / "examples/sft/tiny_cpu.yaml")
-    assert config.model.bf16 == "auto" and config.train.global_batch_size % 16 == 0
+    assert config.train.bf16 == "auto" and config.train.global_batch_size % 16 == 0

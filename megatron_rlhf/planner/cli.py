@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-tokens-per-micro-batch",
         type=int,
-        help="plan packed scoring/update micro-batches of this many tokens (ppo.packing)",
+        help="plan packed scoring/update micro-batches of this many tokens (train.packing)",
     )
     parser.add_argument(
         "--gpu", default="H100", help="hardware for the time estimate (H200, H100, A100, ...)"
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reserve-gb", type=float, default=2.0, help="held back per GPU")
     parser.add_argument(
         "--attention-backend", default="torch", choices=["torch", "te", "triton"],
-        help="the roles' attention (models.attention_backend): triton keeps O(s) memory; "
+        help="the roles' attention (train.attention_backend): triton keeps O(s) memory; "
         "torch and te store (s x s) scores (default torch until the GPU check has measured triton)",
     )  # fmt: skip
     parser.add_argument(
@@ -245,7 +245,7 @@ def write_config(plan, request, args, split=None) -> None:
     staleness instead of the colocated plan's layouts."""
     import yaml
 
-    from megatron_rlhf.config import load_config
+    from megatron_rlhf.config import load_config, move_keys, moved_keys
     from megatron_rlhf.distributed.layouts import layouts_to_dict
     from megatron_rlhf.ppo.config import TrainPPOConfig
     from megatron_rlhf.utils import atomic_output, check_output_path
@@ -254,6 +254,7 @@ def write_config(plan, request, args, split=None) -> None:
     if args.base_config:
         load_config(TrainPPOConfig, args.base_config)  # names a bad key before we build on it
         config = yaml.safe_load(Path(args.base_config).read_text())
+        move_keys(config, moved_keys(TrainPPOConfig), args.base_config, warn=False)
     else:
         config = {
             "models": {
@@ -276,11 +277,12 @@ def write_config(plan, request, args, split=None) -> None:
         prompts_per_step=request.rollout_sequences, max_new_tokens=request.response
     )
     config.setdefault("data", {})["max_prompt_length"] = request.prompt
-    config.setdefault("ppo", {})["micro_batch_size"] = request.micro_batch
+    train = config.setdefault("train", {})
+    train["micro_batch_size"] = request.micro_batch
     if request.max_tokens_per_micro_batch is not None:
-        config["ppo"]["max_tokens_per_micro_batch"] = request.max_tokens_per_micro_batch
-    config.setdefault("train", {})["bf16"] = True
-    config["train"].setdefault("recompute_activations", plan.recompute)
+        train["max_tokens_per_micro_batch"] = request.max_tokens_per_micro_batch
+    train["bf16"] = True
+    train.setdefault("recompute_activations", plan.recompute)
     with atomic_output(out) as tmp:
         header = f"# written by tools/plan_parallelism.py: {request.gpus} x {request.gpu_memory_gb:g} GB, est. {plan.total_bytes / 1e9:.1f} GB/GPU, {plan.step_seconds:.1f} s/step{'' if plan.fits else ' (DOES NOT FIT)'}\n"
         if split is not None:

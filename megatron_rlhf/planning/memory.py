@@ -68,7 +68,7 @@ class Workload:
     are never stored, only the fp32 log-sum-exp per query; False: the PyTorch core attention or
     TransformerEngine's (unfused with ALiBi), O(s^2). Set it with :func:`fused_attention`."""
     packed_sequence_len: int | None = None
-    """Packed micro-batches (``train.packing`` / ``ppo.packing``): ``micro_batch`` 1 row of
+    """Packed micro-batches (``train.packing``): ``micro_batch`` 1 row of
     ``seq_len`` tokens (the budget) holding sequences of at most this many tokens, each
     attended alone (the THD path), so a layer's scores are at most ``seq_len`` x this per head,
     not ``seq_len``²; None: padded rows, or a pack under the block-diagonal mask (sequence

@@ -69,14 +69,14 @@ class PlanRequest:
     micro_batch: int = 1
     """Sequences per training/scoring micro-batch."""
     max_tokens_per_micro_batch: int | None = None
-    """Packed scoring/update micro-batches (``ppo.packing``) of this many tokens instead of
+    """Packed scoring/update micro-batches (``train.packing``) of this many tokens instead of
     ``micro_batch`` padded rows."""
     reserve_gb: float = 2.0
     """Held back per GPU for the CUDA context, NCCL buffers and fragmentation."""
     gpu: hardware.GPU = field(default_factory=lambda: hardware.DEFAULT_GPU)
     """Hardware for the time estimate."""
     attention_backend: str = "torch"
-    """The roles' core attention (``models.attention_backend``): ``triton`` keeps O(s)
+    """The roles' core attention (``train.attention_backend``): ``triton`` keeps O(s)
     attention memory, ``torch`` and ``te`` (unfused with ALiBi) store the (s x s) scores.
     Planned as ``torch`` by default until the GPU check has measured the fused kernel."""
 

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from megatron_rlhf.distributed.layouts import ParallelSection
-from megatron_rlhf.training.config import OptimConfig
+from megatron_rlhf.training.config import OptimConfig, RunConfig
 
 
 @dataclass(kw_only=True)
 class ModelsConfig:
     """Where each of the four roles comes from: HF BLOOM dirs, megatron-rlhf checkpoints, or a
-    training run directory (its latest checkpoint is used)."""
+    training run directory (its latest checkpoint is used). How every role is built (bf16,
+    recompute, attention): ``train``, as in every command."""
+
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"attention_backend": "train.attention_backend"}
+    """Keys this section once had, and where they are now (they load with a warning)."""
 
     actor: str
     """The SFT policy to optimise (LM head)."""
@@ -31,15 +35,10 @@ class ModelsConfig:
     """am: score = a = r - e_tau(x) (AM-PPO); rm: score = r (RM-PPO)."""
     tokenizer: str | None = None
     """Tokenizer directory (for sample dumps); default: the actor's checkpoint directory."""
-    attention_backend: Literal["auto", "triton", "te", "torch"] = "auto"
-    """Every role's core attention: triton (the fused ALiBi kernel, O(s) memory; CUDA), te
-    (TransformerEngine, unfused with ALiBi), torch (O(s^2)); auto: triton on a GPU where it
-    compiles, else te where it imports, else torch. Decoding with a KV cache always takes the
-    PyTorch path."""
 
 
 @dataclass(kw_only=True)
-class DataConfig:
+class PromptDataConfig:
     """The PPO prompts."""
 
     prompts: str
@@ -113,7 +112,15 @@ class KLConfig:
 
 @dataclass(kw_only=True)
 class PPOConfig:
-    """The policy/value update (and its rejection-sampling alternative)."""
+    """The policy/value update (and its rejection-sampling alternative); its micro-batches and
+    packing are every pass's, in ``train``."""
+
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "micro_batch_size": "train.micro_batch_size",
+        "packing": "train.packing",
+        "max_tokens_per_micro_batch": "train.max_tokens_per_micro_batch",
+    }
+    """Keys this section once had, and where they are now (they load with a warning)."""
 
     algorithm: Literal["ppo", "rejection_sampling"] = "ppo"
     """ppo: clipped PPO with a critic; rejection_sampling: fine-tune on the best of several
@@ -122,18 +129,6 @@ class PPOConfig:
     """PPO epochs over each rollout batch."""
     num_minibatches: int = 1
     """Optimizer steps per epoch (each over 1/num_minibatches of the rollout batch)."""
-    micro_batch_size: int = 4
-    """Sequences per forward/backward pass of every role (per data-parallel rank)."""
-    packing: bool = True
-    """Score (reference/old log-probs, values, rewards) and update (actor, critic, rehearsal
-    rows) packed micro-batches: the rows' real tokens back to back, no padding computed, each
-    minibatch balanced by tokens over the data-parallel ranks; exact (scores equal to the
-    padded pass on every response token; losses the same token means, so steps equal up to
-    rounding)."""
-    max_tokens_per_micro_batch: int | None = None
-    """Token budget of a packed micro-batch (None: ``micro_batch_size`` x the step's padded
-    row width, the tokens a padded micro-batch holds). Rehearsal rows ride on the update's
-    packs beyond it, spread by tokens, as they ride on padded micro-batches."""
     old_logprobs: Literal["auto", "rollout", "recompute"] = "auto"
     """Where log pi_old (the PPO ratio's denominator and the KL term's policy side) comes from.
     rollout: the log-probs the rollout computed for the tokens it sampled (same weights, at
@@ -179,13 +174,6 @@ class PPOConfig:
     """Rejection sampling (Eqs. 3-4): responses drawn per prompt."""
     rejection_threshold: float | None = None
     """Keep the best response of each prompt if its score >= this (None: always keep it)."""
-
-    def token_budget(self, width: int) -> int | None:
-        """Tokens per packed scoring and update micro-batch for a batch ``width`` tokens wide
-        (None: padded micro-batches)."""
-        if not self.packing:
-            return None
-        return self.max_tokens_per_micro_batch or self.micro_batch_size * width
 
 
 @dataclass(kw_only=True)
@@ -255,15 +243,17 @@ class RehearsalSection:
 
 
 @dataclass(kw_only=True)
-class TrainSection:
-    """Steps, seeds, checkpoints and logs of the run."""
+class TrainSection(RunConfig):
+    """The run (``train``, as in every command: training/config.py ``RunConfig``, how every
+    role is built and batched included): its steps, samples and train-ppo's defaults."""
 
     steps: int = 100
     """PPO steps (the paper: 100 actor steps)."""
-    seed: int = 1234
-    """Seeds sampling, minibatch order and the model-parallel RNG."""
     output_dir: str = "runs/ppo"
     """Checkpoints (step_N), metrics.jsonl, samples.jsonl and TensorBoard logs go here."""
+    micro_batch_size: int = 4
+    """Sequences per scoring and update forward/backward pass of every role (per data-parallel
+    rank)."""
     save_interval: int = 50
     """Checkpoint every this many steps and at the end (0: only at the end)."""
     log_interval: int = 1
@@ -272,21 +262,6 @@ class TrainSection:
     sample_interval: int = 10
     """Dump (prompt, response, score) samples to samples.jsonl every this many steps and at the
     end (0: only at the end)."""
-    resume: bool = True
-    """Continue from output_dir's latest checkpoint when there is one."""
-    max_nonfinite_skips: int = 0
-    """PPO steps with a non-finite loss or gradient norm skipped (no update, KL controller and
-    reward normaliser unchanged) before the run stops with an error; 0: the first one stops it."""
-    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
-    """Signals that make the run finish its step, save a checkpoint and exit with code 75
-    (training/signals.py); ask Slurm for one ahead of the time limit (``--signal``)."""
-    bf16: bool | Literal["auto"] = "auto"
-    """bf16 parameters of every role; "auto" = bf16 on GPU (what the planner assumes), fp32 on
-    CPU (true without a GPU is an error)."""
-    recompute_activations: bool = False
-    """Recompute the actor's and critic's layers in the backward pass (full, one layer at a
-    time) instead of keeping their activations: what makes a 176B PPO step fit (see
-    examples/ppo/bloomz_176b_am_ppo_sr.yaml)."""
 
     def problems(self) -> list[str]:
         """What is wrong with the section's counts. The intervals follow training/run.py's
@@ -306,7 +281,7 @@ class TrainPPOConfig:
 
     models: ModelsConfig
     parallel: ParallelSection = field(default_factory=ParallelSection)
-    data: DataConfig
+    data: PromptDataConfig
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     rehearsal: RehearsalSection = field(default_factory=RehearsalSection)

@@ -74,11 +74,11 @@ def build_roles(plan: PPOPlan, role_groups: dict, seed: int) -> Roles:
     )
 
     config, checkpoints, layouts = plan.config, plan.checkpoints, plan.layouts
-    dtype = torch.bfloat16 if use_bf16(config.train.bf16, "train.bf16") else torch.float32
+    dtype = torch.bfloat16 if use_bf16(config.train.bf16) else torch.float32
     common = dict(
         params_dtype=dtype,
         sequence_parallel=config.parallel.sequence_parallel,
-        attention_backend=config.models.attention_backend,
+        attention_backend=config.train.attention_backend,
     )
 
     def build_copy(rollout_groups):
@@ -223,7 +223,7 @@ def reuses_rollout_logprobs(config) -> bool:
         # the update corrects for mu != pi_old: no recompute is needed to be consistent
         return untruncated
     if choice == "auto":
-        fp32 = not use_bf16(config.train.bf16, "train.bf16")
+        fp32 = not use_bf16(config.train.bf16)
         ours = config.rollout.engine == "megatron"
         return ours and fp32 and untruncated
     return choice == "rollout"

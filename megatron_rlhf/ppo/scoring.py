@@ -2,7 +2,7 @@
 
 Four forward passes over the same (prompt + response) sequences, run across the pipeline and
 broadcast from its last stage so every rank holds the full :class:`Experience`. With a token
-budget (``ppo.packing``) the rows' real tokens are packed back to back into micro-batches of at
+budget (``train.packing``) the rows' real tokens are packed back to back into micro-batches of at
 most that many tokens (``data/packing.py``: no padding computed; every value equals the padded
 pass's on the response tokens, 0 on padding), else ``micro_batch_size`` padded rows at a time:
 one :class:`~megatron_rlhf.ppo.microbatch.MicroBatch` type, read once whatever its layout.
@@ -209,16 +209,16 @@ def _micro_batch_rows(experience: Experience, micro_batch_size: int, max_tokens:
 def score_in_layouts(experience: Experience, roles: dict, config, reward_fn=None) -> Experience:
     """:func:`score` with every role in its own layout, on the global batch held by every rank;
     ``config``: the run's (``models.reward_kind``, ``rollout.temperature`` and ``top_p``,
-    ``ppo.micro_batch_size`` and its token budget), ``reward_fn``: scores from a function.
+    ``train.micro_batch_size`` and its token budget), ``reward_fn``: scores from a function.
 
     ``roles``: {Experience field: :class:`~megatron_rlhf.ppo.roles.Role`}. Each role's DP rank
     scores its rows of the batch and the field is gathered back over the role's DP group
     (:func:`~megatron_rlhf.distributed.handoff.for_each_dp_shard`), so every rank of the world
     ends with the global fields.
     """
-    reward_kind, micro_batch_size = config.models.reward_kind, config.ppo.micro_batch_size
+    reward_kind, micro_batch_size = config.models.reward_kind, config.train.micro_batch_size
     temperature, top_p = config.rollout.temperature, config.rollout.top_p
-    max_tokens = config.ppo.token_budget(experience.sequences.shape[1])
+    max_tokens = config.train.token_budget(experience.sequences.shape[1])
     for field, role in roles.items():
 
         def score_rows(rows, field=field, role=role):

@@ -64,9 +64,9 @@ def validate_config(config: TrainPPOConfig, world_size: int) -> PPOPlan:
     problems = config.train.problems()
     problems += optim_problems(config.actor_optim, "actor_optim")
     problems += optim_problems(config.critic_optim, "critic_optim")
-    budget = config.ppo.max_tokens_per_micro_batch
+    budget = config.train.max_tokens_per_micro_batch
     if budget is not None and budget < 1:
-        problems.append(f"ppo.max_tokens_per_micro_batch={budget} must be >= 1 (or null)")
+        problems.append(f"train.max_tokens_per_micro_batch={budget} must be >= 1 (or null)")
     if config.ppo.old_logprobs == "rollout" and config.rollout.top_p < 1.0:
         problems.append(
             f"ppo.old_logprobs=rollout needs rollout.top_p=1 (it is {config.rollout.top_p}): "
@@ -221,16 +221,17 @@ def check_decode_slots(config: TrainPPOConfig, layouts: dict) -> None:
 
 def check_batches(config: TrainPPOConfig, layouts: dict) -> None:
     """The global batch splits over every role's DP ranks, then into the PPO minibatches."""
-    global_batch, ppo = config.rollout.prompts_per_step, config.ppo
+    global_batch, minibatches = config.rollout.prompts_per_step, config.ppo.num_minibatches
+    micro_batch_size = config.train.micro_batch_size
     check_global_batch(global_batch, "rollout.prompts_per_step", layouts)
     for role in ("actor", "critic"):
         rows = global_batch // layouts[role].dp
-        if rows % (ppo.num_minibatches * ppo.micro_batch_size):
+        if rows % (minibatches * micro_batch_size):
             raise InputError(
                 f"rollout.prompts_per_step={global_batch} gives {rows} rows per {role} "
                 f"data-parallel rank (dp={layouts[role].dp}), not divisible by "
-                f"ppo.num_minibatches * ppo.micro_batch_size = "
-                f"{ppo.num_minibatches} * {ppo.micro_batch_size}"
+                f"ppo.num_minibatches * train.micro_batch_size = "
+                f"{minibatches} * {micro_batch_size}"
             )
 
 

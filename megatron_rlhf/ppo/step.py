@@ -54,13 +54,14 @@ class PPOStep:
             self.roles.actor,
             self.roles.critic,
             config.ppo,
+            config.train.micro_batch_size,
             config.rollout.temperature,
             torch.Generator().manual_seed(config.train.seed * 100003 + step),
             self.rehearsal_minibatches(),
             config.rehearsal.gamma,
             self.data.pad_id,
             config.rehearsal.nll_reduction,
-            max_tokens=config.ppo.token_budget(experience.sequences.shape[1]),
+            max_tokens=config.train.token_budget(experience.sequences.shape[1]),
         )
         timings["update"] = time.time() - t0
         self.kl.update(*observed_kl(experience, is_stale(experience, step)))
@@ -78,8 +79,9 @@ class PPOStep:
         """The rehearsal microbatches of each global PPO minibatch (one per actor microbatch)."""
         if not self.config.rehearsal.enabled:
             return None
-        ppo, batch = self.config.ppo, self.config.rollout.prompts_per_step
-        return self.data.rehearsal_minibatches(batch // ppo.num_minibatches // ppo.micro_batch_size)
+        config = self.config
+        minibatch = config.rollout.prompts_per_step // config.ppo.num_minibatches
+        return self.data.rehearsal_minibatches(minibatch // config.train.micro_batch_size)
 
 
 class RejectionStep:
@@ -96,13 +98,13 @@ class RejectionStep:
         scorers = {"scores": roles.reward} if roles.reward is not None else {}
         experience = score_in_layouts(rollout.experience, scorers, config, self.reward_fn)
         timings["score"], t0 = time.time() - t0, time.time()
-        ppo, dp = config.ppo, roles.actor.pg.dp
+        ppo, dp, micro_batch_size = config.ppo, roles.actor.pg.dp, config.train.micro_batch_size
         kept = select_best(
             experience.scores, ppo.rejection_samples_per_prompt, ppo.rejection_threshold
         )
-        usable = len(kept) - len(kept) % (ppo.micro_batch_size * dp.size())
+        usable = len(kept) - len(kept) % (micro_batch_size * dp.size())
         mine = dp_shard(kept[:usable], dp)
-        metrics = rejection_update(experience.select(mine), roles.actor, ppo.micro_batch_size)
+        metrics = rejection_update(experience.select(mine), roles.actor, micro_batch_size)
         timings["update"] = time.time() - t0
         metrics |= self.report.rollout(experience, timings, step, self.old_logprobs.gap(experience))
         return metrics | rollout.sync

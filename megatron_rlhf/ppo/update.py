@@ -99,6 +99,7 @@ def ppo_update(
     actor,
     critic,
     ppo,
+    micro_batch_size: int,
     temperature: float,
     generator: torch.Generator,
     rehearsal_minibatches: Iterator[list[dict]] | None = None,
@@ -115,7 +116,7 @@ def ppo_update(
     minibatch, so any mix of layouts takes the single-process step. With rehearsal,
     ``rehearsal_minibatches`` yields the global minibatch's rehearsal microbatches (one per
     global actor microbatch). ``max_tokens``: packed microbatches of at most that many tokens
-    (:func:`_packed_rows`) instead of ``ppo.micro_batch_size`` padded rows; the losses are the
+    (:func:`_packed_rows`) instead of ``micro_batch_size`` padded rows; the losses are the
     same token means. Returns metrics averaged over minibatches, summed over the DP ranks
     (every rank gets them).
     """
@@ -129,7 +130,7 @@ def ppo_update(
             rehearsal = next(rehearsal_minibatches) if rehearsal_minibatches else None
             counts = {"tokens": float(experience.response_mask[rows].sum())}
             counts |= _rehearsal_counts(rehearsal)
-            shapes = dict(micro_batch_size=ppo.micro_batch_size, max_tokens=max_tokens)
+            shapes = dict(micro_batch_size=micro_batch_size, max_tokens=max_tokens)
             actor_mbs = _microbatches(
                 experience, rows, actor.pg, counts, rehearsal, pad_id, **shapes
             )

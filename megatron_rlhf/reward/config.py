@@ -26,7 +26,7 @@ DEFAULT_MARGIN = 2.5
 
 
 @dataclass(kw_only=True)
-class DataConfig(shared.DataConfig):
+class RewardDataConfig(shared.TrainEvalDataConfig):
     """Preference data: prefixes written by ``tools/preprocess_data.py --kind preference``."""
 
     max_length: int | None = None
@@ -68,7 +68,7 @@ class RewardTrainConfig:
     model: ModelConfig
     parallel: LayoutConfig = field(default_factory=LayoutConfig)
     """The model's TP/PP layout (data parallel over the rest of the launch)."""
-    data: DataConfig
+    data: RewardDataConfig
     am: AMConfig = field(default_factory=AMConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig

@@ -62,7 +62,7 @@ def build_train_engine(config, total_steps: int, num_microbatches: int, run):
     from megatron_rlhf.training.deepspeed_engine import DeepSpeedTrainEngine
 
     num_outputs = NUM_OUTPUTS[config.loss]
-    bf16 = use_bf16(config.model.bf16)
+    bf16 = use_bf16(config.train.bf16)
     resume_from = run.resume_from
     if resume_from is not None:
         require_contained(resume_from)  # DeepSpeed's own files too: no symlink out of the run
@@ -83,7 +83,7 @@ def build_train_engine(config, total_steps: int, num_microbatches: int, run):
         micro_batch_size=config.train.micro_batch_size,
         num_microbatches=num_microbatches,
         bf16=bf16,
-        activation_checkpointing=config.model.recompute_activations,
+        activation_checkpointing=config.train.recompute_activations,
     )
     if resume_from is None:
         return engine, 0

@@ -168,7 +168,7 @@ def train_sft_policy(sft_prefix: Path, out: Path, *, hidden: int, layers: int, h
         f"optim.lr={lr}", "optim.warmup_fraction=0.05", f"train.output_dir={run_dir}",
         f"train.steps={steps}", f"train.global_batch_size={batch_size}",
         f"train.micro_batch_size={batch_size}", "train.eval_interval=0", "train.save_interval=0",
-        "train.log_interval=10", f"train.seed={seed}", f"model.seed={seed}",
+        "train.log_interval=10", f"train.seed={seed}",
     ])  # fmt: skip
     losses = [record["train/loss"] for _, record in read_jsonl(run_dir / "metrics.jsonl")
               if "train/loss" in record]  # fmt: skip
@@ -191,8 +191,7 @@ def train_reward_model(*, loss: str, sft: Path, train_prefix: Path, out: Path, e
             f"optim.lr={lr}", f"train.output_dir={out}", f"train.epochs={epochs}",
             f"train.global_batch_size={global_batch_size}",
             f"train.micro_batch_size={min(global_batch_size, 16)}", "train.eval_interval=0",
-            "train.save_interval=0", "train.log_interval=1000", f"train.seed={seed}",
-            f"model.seed={seed}"]  # fmt: skip
+            "train.save_interval=0", "train.log_interval=1000", f"train.seed={seed}"]  # fmt: skip
     if margin is not None:
         argv.append(f"am.margin={margin}")
     run_command(train_reward, argv)
@@ -316,7 +315,7 @@ def train_policy(*, out: Path, sft: Path, reward: Path, reward_kind: str, prompt
             f"ppo.algorithm={algorithm}", f"ppo.reward_normalization={normalization}",
             f"rollout.prompts_per_step={settings['prompts_per_step']}",
             f"rollout.max_new_tokens={settings['max_new_tokens']}",
-            f"ppo.micro_batch_size={settings['micro_batch_size']}",
+            f"train.micro_batch_size={settings['micro_batch_size']}",
             f"ppo.num_minibatches={settings['num_minibatches']}",
             f"ppo.kl.coef={settings['kl_coef']}", f"actor_optim.lr={settings['actor_lr']}",
             f"critic_optim.lr={settings['critic_lr']}", "actor_optim.warmup_fraction=0.0",

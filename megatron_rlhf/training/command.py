@@ -70,10 +70,10 @@ def build_train_engine(config, arch, total_steps: int, run, check_saved=None, **
     from megatron_rlhf.training import TrainEngine
 
     model_kwargs.update(
-        params_dtype=torch.bfloat16 if use_bf16(config.model.bf16) else torch.float32,
+        params_dtype=torch.bfloat16 if use_bf16(config.train.bf16) else torch.float32,
         sequence_parallel=config.parallel.sequence_parallel,
-        recompute_activations=config.model.recompute_activations,
-        attention_backend=config.model.attention_backend,
+        recompute_activations=config.train.recompute_activations,
+        attention_backend=config.train.attention_backend,
     )
     if run.resume_from is None:
         model = load_bloom(config.model.load, **model_kwargs)
@@ -86,7 +86,7 @@ def build_train_engine(config, arch, total_steps: int, run, check_saved=None, **
     return engine, state.get("consumed_samples", 0)
 
 
-def use_bf16(setting, key: str = "model.bf16") -> bool:
+def use_bf16(setting, key: str = "train.bf16") -> bool:
     """A ``bf16`` setting (true, false or "auto") resolved for this machine."""
     if setting == "auto":
         return torch.cuda.is_available()

@@ -1,7 +1,9 @@
-"""The configuration schemas of training: the optimizer (``OptimConfig``, every trainer's) and
-the ``model``, ``data`` and ``train`` sections the single-model commands (``train-sft``,
-``train-reward``) share, with the checks of their values. Their ``parallel`` section is
-``distributed.layouts.LayoutConfig``, beside train-ppo's and the layout validator.
+"""The configuration schemas of training: the optimizer (``OptimConfig``, every trainer's), the
+run (``RunConfig``: the ``train`` section of every command, train-ppo's included, and the one
+place for how the run builds and executes its models) and the ``model``, ``data`` and ``train``
+sections the single-model commands (``train-sft``, ``train-reward``) share, with the checks of
+their values. Their ``parallel`` section is ``distributed.layouts.LayoutConfig``, beside
+train-ppo's and the layout validator.
 
 Pure dataclasses: nothing here imports torch or megatron-core, so a command's config (and
 ``--help``, and the planner that writes a ``train-ppo`` config) loads in milliseconds.
@@ -76,31 +78,26 @@ def optim_problems(optim: OptimConfig, section: str) -> list[str]:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """Where the model comes from and how it is built (its layout: the ``parallel`` section)."""
+    """Where the model comes from (how it is built: ``train``; its layout: ``parallel``)."""
 
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         "tp": "parallel.tp",
         "pp": "parallel.pp",
         "sequence_parallel": "parallel.sequence_parallel",
+        "bf16": "train.bf16",
+        "recompute_activations": "train.recompute_activations",
+        "attention_backend": "train.attention_backend",
+        "seed": "train.seed",
     }
-    """Layout keys this section once had, and where they are now (train-ppo's dialect)."""
+    """Keys this section once had, and where they are now: an old key loads at its new place
+    with a warning (megatron_rlhf/config.py)."""
 
     load: str
     """Hugging Face BLOOM directory or megatron-rlhf checkpoint with the same head."""
-    bf16: bool | Literal["auto"] = "auto"
-    """bf16 parameters; "auto" = bf16 on GPU, fp32 on CPU (bf16 needs a GPU)."""
-    recompute_activations: bool = False
-    """Recompute each layer's activations in the backward pass (saves memory)."""
-    seed: int = 1234
-    """Model-parallel RNG seed."""
-    attention_backend: Literal["auto", "triton", "te", "torch"] = "auto"
-    """BLOOM's core attention: triton (the fused ALiBi kernel, O(s) memory; CUDA), te
-    (TransformerEngine, unfused with ALiBi), torch (O(s^2), every device); auto: triton on a GPU
-    where it compiles, else te where it imports, else torch."""
 
 
 @dataclass(kw_only=True)
-class DataConfig:
+class TrainEvalDataConfig:
     """Training and held-out examples: ``tools/preprocess_data.py`` output prefixes (each
     command's subclass adds ``max_length``)."""
 
@@ -113,50 +110,89 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
-    """Batching, evaluation, checkpointing and logging. An example is a preference pair for
-    ``train-reward`` (two sequences) and a sequence for ``train-sft``."""
+class RunConfig:
+    """The ``train`` section of every command (train-sft, train-reward, train-ppo): the run.
+
+    One key for one setting, by one rule: ``model`` (``models`` in train-ppo) says only where
+    the weights come from and ``parallel`` how they are laid out; everything about how the run
+    builds, batches and executes every one of its models (precision, recompute, attention
+    kernel, micro-batches, packing, the seed) and its checkpoints and logs is here, under the
+    same key in every command. Each command's section adds its own keys (steps, batch sizes,
+    intervals) and may change a default."""
 
     output_dir: str
     """Checkpoints, TensorBoard logs, metrics.jsonl and the resolved config go here."""
+    seed: int = 1234
+    """The run's one seed: data order and held-out split (train-sft, train-reward), sampling
+    and minibatch order (train-ppo), and the model-parallel RNG of every model."""
+    bf16: bool | Literal["auto"] = "auto"
+    """bf16 parameters of every model of the run; "auto" = bf16 on GPU (what the planner
+    assumes), fp32 on CPU (true without a GPU is an error)."""
+    recompute_activations: bool = False
+    """Recompute each trained model's layers in the backward pass (full, one layer at a time)
+    instead of keeping their activations: saves memory (train-ppo: the actor and critic; what
+    makes a 176B PPO step fit, see examples/ppo/bloomz_176b_am_ppo_sr.yaml)."""
+    attention_backend: Literal["auto", "triton", "te", "torch"] = "auto"
+    """Every model's core attention: triton (the fused ALiBi kernel, O(s) memory; CUDA), te
+    (TransformerEngine, unfused with ALiBi), torch (O(s^2), every device); auto: triton on a GPU
+    where it compiles, else te where it imports, else torch. Decoding with a KV cache always
+    takes the PyTorch path."""
+    micro_batch_size: int = 1
+    """Rows per forward/backward pass of every model (per data-parallel rank): examples for
+    train-sft and train-reward (global = micro × microbatches × dp), sequences for train-ppo's
+    scoring and update passes."""
+    packing: bool = True
+    """Pack the real tokens of several rows back to back into each micro-batch (no padding
+    computed; attention stays within each row, data/packing.py) instead of padding
+    ``micro_batch_size`` rows to the longest; each (mini)batch is balanced by tokens over the
+    data-parallel ranks. Exact: losses are the same token (pair) means, so steps equal the
+    padded path's up to rounding; the number of micro-batches then varies by step. train-ppo
+    packs its scoring (reference/old log-probs, values, rewards) and update (actor, critic,
+    rehearsal rows) passes; ``train-reward``'s DeepSpeed backend always pads."""
+    max_tokens_per_micro_batch: int | None = None
+    """Packing's token budget per micro-batch (None: ``micro_batch_size`` × the longest a row
+    may be: ``data.max_length`` examples, or train-ppo's padded row width of the step, so a pack
+    is never longer than the padded micro-batch). The PyTorch attention path runs each packed
+    sequence's attention alone; with TE layers or sequence parallelism a pack falls back to one
+    T×T mask, so there keep it near one BLOOM context with ``micro_batch_size: 1``. train-ppo's
+    rehearsal rows ride on the update's packs beyond it."""
+    save_interval: int = 500
+    """Checkpoint every this many steps and at the end (0: only at the end)."""
+    log_interval: int = 10
+    """Print, write TensorBoard scalars and metrics.jsonl every this many steps and at the
+    end."""
+    resume: bool = True
+    """Continue from ``output_dir``'s latest checkpoint when there is one."""
+    max_nonfinite_skips: int = 0
+    """Steps with a non-finite loss or gradient norm skipped (no update; train-ppo also leaves
+    its KL controller and reward normaliser unchanged) before the run stops with an error; 0:
+    the first one stops it (training/guards.py)."""
+    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that make the run finish its step, save a checkpoint and exit with code 75
+    (training/signals.py); ask Slurm for one ahead of the time limit (``--signal``)."""
+
+    def token_budget(self, width: int) -> int | None:
+        """Tokens per packed micro-batch whose rows are at most ``width`` tokens long (None:
+        padded micro-batches)."""
+        if not self.packing:
+            return None
+        return self.max_tokens_per_micro_batch or self.micro_batch_size * width
+
+
+@dataclass(kw_only=True)
+class TrainConfig(RunConfig):
+    """The run of a single-model trainer: batching, evaluation, checkpointing and logging. An
+    example is a preference pair for ``train-reward`` (two sequences) and a sequence for
+    ``train-sft``."""
+
     global_batch_size: int = 64
     """Examples per optimizer step."""
-    micro_batch_size: int = 1
-    """Examples per forward pass; global = micro × microbatches × dp."""
-    packing: bool = True
-    """Pack the real tokens of several examples back to back into each micro-batch (no
-    padding computed; attention stays within each example, data/packing.py) instead of padding
-    ``micro_batch_size`` examples to the longest. The global batch is the same examples either
-    way, balanced by tokens over the data-parallel ranks, and the loss the same token (pair)
-    mean, so losses, gradients and weights equal the padded path's up to rounding. The number
-    of micro-batches then varies by step. ``train-reward``'s DeepSpeed backend always pads."""
-    max_tokens_per_micro_batch: int | None = None
-    """Packing's token budget per micro-batch (None: ``micro_batch_size`` × the longest an
-    example may be, so a pack is never longer than the padded micro-batch's worst case). The
-    PyTorch attention path runs each packed sequence's attention alone; with TE layers or
-    sequence parallelism a pack falls back to one T×T mask, so there keep it near
-    ``data.max_length`` (one BLOOM context) with ``micro_batch_size: 1``."""
     epochs: float = 1.0
     """Passes over the training examples; ignored when ``steps`` is set."""
     steps: int | None = None
     """Optimizer steps (None: from ``epochs``)."""
     eval_interval: int = 100
     """Evaluate every this many steps and at the end (0: only at the end)."""
-    save_interval: int = 500
-    """Checkpoint every this many steps and at the end (0: only at the end)."""
-    log_interval: int = 10
-    """Print, write TensorBoard scalars and metrics.jsonl every this many steps and at the
-    end."""
-    seed: int = 1234
-    """Data order and held-out split."""
-    resume: bool = True
-    """Continue from ``output_dir``'s latest checkpoint when there is one."""
-    max_nonfinite_skips: int = 0
-    """Steps with a non-finite loss or gradient norm skipped (no update) before the run stops
-    with an error; 0: the first one stops it (training/guards.py)."""
-    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
-    """Signals that make the run finish its step, save a checkpoint and exit with code 75
-    (training/signals.py); ask Slurm for one ahead of the time limit (``--signal``)."""
 
 
 RESUMABLE_CHANGES = tuple(

@@ -181,9 +181,7 @@ class Task:
         else ``micro_batch_size`` examples of the longest length allowed."""
         if not self.packs():
             return None
-        train = self.config.train
-        longest = self.rows_per_example * max_length
-        return train.max_tokens_per_micro_batch or train.micro_batch_size * longest
+        return self.config.train.token_budget(self.rows_per_example * max_length)
 
     def loss_fn(self, groups):
         """``loss_fn(output, microbatch) -> (loss, metrics)`` for ``engine.step``."""
@@ -265,7 +263,7 @@ def train(
         parallel.pp,
         sequence_parallel=parallel.sequence_parallel,
         arch=arch,
-        seed=config.model.seed,
+        seed=config.train.seed,
     )
     num_microbatches = microbatches_per_step(config.train, layout.dp)
     data = task.open_data(arch)
@@ -274,7 +272,7 @@ def train(
     max_tokens = task.token_budget(max_length)
     check_trainer(
         arch, config, layout, max_length, task.rows_per_example, task.head,
-        command.use_bf16(config.model.bf16), task.sharded_optimizer(), skip_memory_check,
+        command.use_bf16(config.train.bf16), task.sharded_optimizer(), skip_memory_check,
         max_tokens=max_tokens,
     )  # fmt: skip
     run = Run(task.name, config, overwrite=overwrite, force_config_change=force_config_change)

@@ -77,13 +77,13 @@ def check_trainer(
 ) -> None:
     """:func:`check_fits` for one trained model (``train-sft``, ``train-reward``) in ``layout``
     (the ``distributed.layouts.Layout`` that ``initialize`` returned): ``config`` has
-    ``model`` (recompute) and ``train`` (batch sizes); ``rows_per_example``: 2 for a
+    ``train`` (recompute, batch sizes); ``rows_per_example``: 2 for a
     preference pair; ``max_tokens``: packed micro-batches of this many tokens (one row) instead
     of ``micro_batch_size`` padded examples."""
     from megatron_rlhf.planning.memory import Workload, train_memory
     from megatron_rlhf.planning.shapes import shape_of
 
-    model, train, dp = config.model, config.train, layout.dp
+    train, dp = config.train, layout.dp
     rows, width, sequence = train.micro_batch_size * rows_per_example, seq_len, None
     if max_tokens is not None:  # one row; each sequence attended alone unless under SP
         rows, width = 1, max_tokens
@@ -94,17 +94,17 @@ def check_trainer(
         response_len=width,
         num_microbatches=max(1, train.global_batch_size // (train.micro_batch_size * dp)),
         element_bytes=2 if bf16 else 4,
-        recompute=model.recompute_activations,
+        recompute=train.recompute_activations,
         sequence_parallel=layout.sequence_parallel,
         distributed_optimizer=sharded_optimizer,
         packed_sequence_len=sequence,
     )
     per_rank_rows = -(-train.global_batch_size // dp) * rows_per_example
-    batch_keys = "train.micro_batch_size, data.max_length or model.recompute_activations=true"
+    batch_keys = "train.micro_batch_size, data.max_length or train.recompute_activations=true"
     if max_tokens is not None:
         batch_keys = (
             "train.micro_batch_size or train.max_tokens_per_micro_batch (the packed micro-batch's "
-            "budget), data.max_length or model.recompute_activations=true"
+            "budget), data.max_length or train.recompute_activations=true"
         )
     keys = _term_keys(
         layout="parallel.tp or parallel.pp (or more ranks)",
@@ -132,14 +132,14 @@ def check_ppo(config, archs: dict, layouts: dict, skip: bool = False) -> None:
     from megatron_rlhf.training.command import use_bf16
 
     cuda = torch.cuda.is_available()
-    e = 2 if use_bf16(config.train.bf16, "train.bf16") else 4
+    e = 2 if use_bf16(config.train.bf16) else 4
     new_tokens = config.rollout.max_new_tokens
     seq = config.data.max_prompt_length + new_tokens
     rows = config.rollout.prompts_per_step
     if config.ppo.algorithm == "rejection_sampling":
         rows *= config.ppo.rejection_samples_per_prompt
     work = Workload(
-        micro_batch=config.ppo.micro_batch_size,
+        micro_batch=config.train.micro_batch_size,
         seq_len=seq,
         response_len=new_tokens,
         element_bytes=e,
@@ -169,7 +169,7 @@ def check_ppo(config, archs: dict, layouts: dict, skip: bool = False) -> None:
         memory, busiest = max((_rank_memory(side) for side in sides), key=lambda m: m[0].total)
     else:
         memory, busiest = _rank_memory(roles)
-    pass_keys = "ppo.micro_batch_size or train.recompute_activations=true"
+    pass_keys = "train.micro_batch_size or train.recompute_activations=true"
     if busiest == "rollout":  # generation passes every rollout row of the replica at once
         pass_keys = "rollout.prompts_per_step or parallel.rollout.tp/pp"
     keys = _term_keys(

@@ -52,7 +52,7 @@ class Run:
         allowed: tuple[str, ...] = RESUMABLE_CHANGES,
         lr_key: str = "optim.lr",
     ):
-        from megatron_rlhf.config import config_defaults, to_dict
+        from megatron_rlhf.config import config_defaults, moved_keys, to_dict
         from megatron_rlhf.training.guards import NonFiniteGuard
         from megatron_rlhf.training.run_dir import open_run
 
@@ -67,6 +67,7 @@ class Run:
             force_config_change=force_config_change,
             allowed=allowed,
             defaults=config_defaults(type(config)),
+            moved=moved_keys(type(config)),
         )
         """The checkpoint to resume from; None: a fresh run."""
         self.step = 0

@@ -38,14 +38,17 @@ def open_run(
     force_config_change: bool,
     allowed: tuple[str, ...],
     defaults: dict | None = None,
+    moved: dict[str, str] | None = None,
 ) -> Path | None:
     """The checkpoint to resume from (None: a fresh run); see the module docstring.
 
     ``config`` is the resolved config as a dict; ``allowed`` holds dotted keys (or prefixes
     ending in ".") that may change on resume; ``defaults`` ({dotted key: default}): a key the
     checkpoint's config lacks (added since it was written) is no change while it holds its
-    default. Collective: call on every rank."""
+    default; ``moved`` ({old dotted key: new}): a checkpoint's config written with an old key
+    is compared at the new one. Collective: call on every rank."""
     from megatron_rlhf.checkpoint.dist import read_metadata
+    from megatron_rlhf.config import move_keys
     from megatron_rlhf.runtime import locks
     from megatron_rlhf.training.checkpointing import latest_checkpoint, resume_checkpoint
 
@@ -65,6 +68,7 @@ def open_run(
     if checkpoint is not None:
         saved = read_metadata(checkpoint).get("config")
         if saved is not None:
+            move_keys(saved, moved or {}, str(checkpoint), warn=False)
             _check_changes(
                 output_dir, checkpoint, saved, config, allowed, force_config_change, defaults or {}
             )

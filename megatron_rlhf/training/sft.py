@@ -58,7 +58,7 @@ COMMAND = "train-sft"
 
 
 @dataclass(kw_only=True)
-class DataConfig(shared.DataConfig):
+class SFTDataConfig(shared.TrainEvalDataConfig):
     """SFT data: prefixes written by ``tools/preprocess_data.py --kind sft`` (sequences:
     prompt + response, the loss on the response)."""
 
@@ -74,7 +74,7 @@ class SFTConfig:
     """The initial policy (HF BLOOM or LM checkpoint)."""
     parallel: LayoutConfig = field(default_factory=LayoutConfig)
     """Its TP/PP layout (data parallel over the rest of the launch)."""
-    data: DataConfig
+    data: SFTDataConfig
     """Training and held-out SFT sequences."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Adam, warm-up then cosine, gradient clipping."""
