@@ -675,18 +675,10 @@ def test_output_positions_give_those_columns_logits_and_gradients(single_process
         torch.testing.assert_close(grads[1][name], full, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("head", ["lm", "scalar"])
-def test_vocabulary_gradients_into_main_grad_equal_megatrons_path(single_process, hf_dir, head):
-    """The embedding and tied LM head write their weight gradients into DDP's ``main_grad``
-    (models/bloom/vocab.py); one optimizer step equals the same step through Megatron-Core's
-    own layers (the opt-in removed): loss, gradient norm and every updated weight."""
-    from unittest import mock
-
-    from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.models.bloom import vocab
-    from megatron_rlhf.models.bloom.vocab import OPT_IN
-    from megatron_rlhf.training import OptimConfig, TrainEngine
-
+def regression_step(head: str) -> tuple[list[dict], object]:
+    """Two ragged micro-batches and a squared-error loss on every output (the logits of an LM
+    head, the value of a scalar head) against fixed random targets: one training step's
+    inputs for :meth:`TrainEngine.step`."""
     ids, mask = left_padded_batch(ARCH_A.vocab_size, [9, 5, 7, 3], seed=5)
     microbatches = [
         {"input_ids": ids[:2], "padding_mask": mask[:2]},
@@ -700,9 +692,25 @@ def test_vocabulary_gradients_into_main_grad_equal_megatrons_path(single_process
         rows = 0 if microbatch["input_ids"] is ids[:2] else 1
         valid = output[..., : ARCH_A.vocab_size] if head == "lm" else output
         target = targets[rows, :, : valid.shape[-1]]
-        loss = ((valid - target).pow(2) * microbatch["padding_mask"][..., None]).mean()
-        return loss, {}
+        error = (valid.float() - target).pow(2) * microbatch["padding_mask"][..., None]
+        return error.mean(), {}
 
+    return microbatches, loss_fn
+
+
+@pytest.mark.parametrize("head", ["lm", "scalar"])
+def test_vocabulary_gradients_into_main_grad_equal_megatrons_path(single_process, hf_dir, head):
+    """The embedding and tied LM head write their weight gradients into DDP's ``main_grad``
+    (models/bloom/vocab.py); one optimizer step equals the same step through Megatron-Core's
+    own layers (the opt-in removed): loss, gradient norm and every updated weight."""
+    from unittest import mock
+
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.models.bloom import vocab
+    from megatron_rlhf.models.bloom.vocab import OPT_IN
+    from megatron_rlhf.training import OptimConfig, TrainEngine
+
+    microbatches, loss_fn = regression_step(head)
     results = []
     for fused in (True, False):
         model = load_bloom(hf_dir, head=head)

@@ -46,6 +46,7 @@ from megatron_rlhf.generation.decode import (
 )
 from megatron_rlhf.generation.pipelined import generate_pipelined
 from megatron_rlhf.generation.refill import generate_refill
+from megatron_rlhf.models.precision import compute_precision
 
 
 @torch.no_grad()
@@ -55,6 +56,13 @@ def generate(
     prompt_mask: torch.Tensor,  # (B, P) 1 on prompt tokens
     sampling: SamplingConfig,
 ) -> GenerationOutput:
+    # a bf16 run's fp32 actor on a CPU: every step's products in bf16, each weight cast once
+    # for the whole generation (models/precision.py)
+    with compute_precision(model):
+        return _generate(model, prompt_ids, prompt_mask, sampling)
+
+
+def _generate(model, prompt_ids, prompt_mask, sampling: SamplingConfig) -> GenerationOutput:
     was_training = model.training
     model.eval()
     batch, prompt_length = prompt_ids.shape

@@ -32,6 +32,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_rlhf.models.bloom import vocab as vocab_layers
+from megatron_rlhf.models.precision import compute_precision
 from megatron_rlhf.training.config import OptimConfig
 from megatron_rlhf.training.guards import UPDATE_SKIPPED, step_is_finite
 from megatron_rlhf.training.optimizer_state import (
@@ -123,17 +124,18 @@ class TrainEngine:
         batch, seq = microbatches[0]["input_ids"].shape
         groups = self.groups
         forward_backward = get_forward_backward_func(pp_size=groups.pp.size())
-        losses = forward_backward(
-            forward_step_func=partial(_forward_step, loss_fn),
-            data_iterator=iter(microbatches),
-            model=[self.model],
-            num_microbatches=len(microbatches),
-            seq_length=seq,
-            micro_batch_size=batch,
-            forward_only=forward_only,
-            p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=self.module.config),
-            pg_collection=groups,
-        )
+        with compute_precision(self.module):  # bf16 products on a CPU; never the update
+            losses = forward_backward(
+                forward_step_func=partial(_forward_step, loss_fn),
+                data_iterator=iter(microbatches),
+                model=[self.model],
+                num_microbatches=len(microbatches),
+                seq_length=seq,
+                micro_batch_size=batch,
+                forward_only=forward_only,
+                p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=self.module.config),
+                pg_collection=groups,
+            )
         metrics = average_metrics(losses, groups)
         if not forward_only:
             start = time.perf_counter()

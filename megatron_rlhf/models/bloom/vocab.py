@@ -69,8 +69,14 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (ids,) = ctx.saved_tensors
         main_grad = ctx.weight.main_grad
-        main_grad.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]))
+        rows = grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype)
+        main_grad.index_add_(0, ids.reshape(-1), rows)
         return None, None
+
+
+VOCAB_SLICE = 16_384
+"""Vocabulary rows of a bf16 weight gradient formed at a time before their fp32 add (32 MB at
+BLOOM's width, where the whole gradient in bf16 would be a fresh 0.5 GB)."""
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
@@ -82,9 +88,16 @@ class _LinearIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         hidden, weight = ctx.saved_tensors
-        grad_input = grad.matmul(weight)
+        grad_input = grad.matmul(weight)  # under autocast (models/precision.py): bf16
         flat_grad = grad.reshape(-1, grad.shape[-1])
-        weight.main_grad.addmm_(flat_grad.t(), hidden.reshape(-1, hidden.shape[-1]))
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+        main_grad = weight.main_grad
+        if flat_grad.dtype == main_grad.dtype:
+            main_grad.addmm_(flat_grad.t(), flat_hidden.to(main_grad.dtype))
+        else:  # bf16 products into the fp32 buffer, a vocabulary slice at a time
+            flat_hidden = flat_hidden.to(flat_grad.dtype)
+            for rows, grads in zip(main_grad.split(VOCAB_SLICE), flat_grad.t().split(VOCAB_SLICE)):
+                rows.add_(grads @ flat_hidden)
         return grad_input, None
 
 
