@@ -217,7 +217,10 @@ def test_async_section_is_the_config_key_async():
     )
     assert config.async_.max_staleness == 1 and config.async_.value_targets == "gae"
     saved = to_dict(config)
-    assert saved["async"] == {"max_staleness": 1, "value_targets": "gae", "is_cap": 2.0}
+    assert saved["async"] == {
+        "max_staleness": 1, "value_targets": "gae", "is_cap": 2.0, "is_mode": "clip",
+        "suffix_cap": 5.0, "min_ess": 0.1,
+    }  # fmt: skip
     assert "async_" not in saved and saved["ppo"]["kl"]["estimator"] == "k1"
     assert "async.is_cap = 2.0" in describe_config(TrainPPOConfig)
 

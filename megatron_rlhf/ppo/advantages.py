@@ -1,10 +1,12 @@
-"""Stage 3, advantages: score normalisation, KL-shaped rewards (Eq. 2), GAE or V-trace,
-whitening.
+"""Stage 3, advantages: score normalisation, KL-shaped rewards (Eq. 2), the actor's GAE
+advantages and whitening; and the estimators of the critic's targets that ppo/correction.py's
+critic-target objects call: GAE's returns, :func:`vtrace` and :func:`suffix_is_targets`.
 
-The per-token math of the synchronous step runs in the fused kernels; :func:`vtrace` (the
-critic's targets on stale samples, ``async.value_targets=vtrace``) is plain PyTorch. ``train-ppo``
-holds the global batch on every rank, so :func:`compute_advantages`' statistics are global;
-the reductions (:func:`global_moments`) take a data-parallel group for a batch split over one.
+The per-token math of the synchronous step runs in the fused kernels; :func:`vtrace` and
+:func:`suffix_is_targets` (the critic's targets on stale samples, ``async.value_targets``) are
+plain PyTorch. ``train-ppo`` holds the global batch on every rank, so the statistics here are
+global; the reductions (:func:`global_moments`) take a data-parallel group for a batch split
+over one.
 """
 
 from __future__ import annotations
@@ -40,38 +42,69 @@ def global_moments(x: torch.Tensor, group) -> tuple[float, float, int]:
 
 
 def compute_advantages(
-    experience: Experience,
-    kl_controller: KLController,
-    normalizer: RewardNormalizer,
-    ppo,
-    vtrace_cap: float | None = None,
+    experience: Experience, kl_controller: KLController, normalizer: RewardNormalizer, ppo
 ) -> Experience:
-    """Fill kl, rewards, advantages and returns of the global batch (every rank holds it), by
-    the ``ppo`` section's ``kl.estimator``, ``gamma``, ``lam`` and ``whiten_advantages``.
-    ``vtrace_cap`` (``AsyncConfig.vtrace_cap``): V-trace targets and advantages
-    (:func:`vtrace`, rho_bar = ``vtrace_cap``, c_bar = 1) toward pi_old
-    (``experience.logprobs``) from the behaviour policy (``experience.rollout_logprobs``)
-    instead of GAE. c_bar = 1 is IMPALA's choice: the traces c_t only shrink, so their
-    products over a response cannot blow up the variance; the fixed point (the value of
-    pi_rho_bar) depends on rho_bar alone."""
-    gamma, lam = ppo.gamma, ppo.lam
+    """Fill kl, rewards and the actor's advantages of the global batch (every rank holds it),
+    by the ``ppo`` section's ``kl.estimator``, ``gamma``, ``lam`` and ``whiten_advantages``:
+    GAE(gamma, lam) with the current critic's values, on whichever policy's samples (the
+    behaviour policy mu's when stale: the policy term's weight pi_old/mu corrects the action,
+    ``losses.behaviour_correction``). The critic's targets (``returns``) are the critic-target
+    object's (ppo/correction.py), filled after this."""
     shift, scale = normalizer(*global_mean_var(experience.scores, None))
     scores = (experience.scores - shift) / scale  # (B,)
     mask = experience.response_mask
     kl = kl_penalty(experience.logprobs, experience.ref_logprobs, ppo.kl.estimator) * mask  # (B, N)
     rewards = shaped_rewards(scores, kl, mask, kl_controller.coef)  # (B, N)
-    if vtrace_cap is None:
-        advantages, returns = gae(rewards, experience.values, mask, gamma, lam)
-    else:
-        log_ratio = experience.behaviour_log_ratio()  # log pi_old / mu
-        advantages, returns = vtrace(
-            rewards, experience.values, mask, log_ratio, gamma, lam, rho_bar=vtrace_cap, c_bar=1.0
-        )
+    advantages, _ = gae(rewards, experience.values, mask, ppo.gamma, ppo.lam)
     if ppo.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
-    experience.kl, experience.rewards = kl, rewards
-    experience.advantages, experience.returns = advantages, returns
+    experience.kl, experience.rewards, experience.advantages = kl, rewards, advantages
     return experience
+
+
+def suffix_is_targets(
+    rewards: torch.Tensor,  # (B, T) r_t
+    mask: torch.Tensor,  # (B, T) response mask, each row 0..0 1..1 0..0
+    log_ratio: torch.Tensor,  # (B, T) log pi(a_t|x_t) - log mu(a_t|x_t) of the sampled tokens
+    gamma: float,
+    cap: float,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Monte-Carlo returns of actions sampled by a behaviour policy mu and the weights that
+    make a weighted least-squares fit of them estimate the target policy pi's value:
+    ``(returns, weights, ess)``.
+
+    - ``returns``: ``G_t = sum_{k>=t} gamma^(k-t) r_k`` to the end of the response (lambda 1,
+      no bootstrap).
+    - ``weights``: ``w_t = min(prod_{k=t}^{T-1} pi(a_k|x_k)/mu(a_k|x_k), cap)``, times one
+      constant that makes their mean over the batch's response tokens 1. The product starts at
+      t itself: V^pi(x_t) = E_pi[G_t | x_t] and every action from a_t on was drawn by mu, so
+      E_mu[prod_{k>=t} (pi/mu)_k G_t | x_t] = V^pi(x_t) (importance sampling of the return
+      over the suffix; per-decision IS, Precup et al. 2000, would weigh r_k by the product to k
+      only, the same for the response's final score, which is most of G). The minimiser of
+      ``sum w_t (V(x_t) - G_t)^2`` at a state is the self-normalised estimate ``sum w G /
+      sum w`` over its visits, which any constant factor leaves as it is: normalising over all
+      tokens (not per position, whose factor would differ between the visits of a state met
+      at several positions) only keeps the weighted loss on the scale of the unweighted one.
+      ``cap`` bounds the variance at the cost of a bias toward mu where the product passes it.
+    - ``ess``: the weights' effective sample size per token, ``(sum w)^2 / (N sum w^2)`` over
+      the N response tokens (1: all equal; 1.0 on an empty batch).
+
+    At pi = mu the weights are exactly 1 and ``returns`` the plain Monte-Carlo returns. Both
+    are 0 where the mask is 0; the weights are float64 products (exp of a float64 sum, so no
+    product overflows before the cap).
+    """
+    if cap <= 0:
+        raise ValueError(f"suffix_is_targets: cap must be > 0, got {cap}")
+    m = (mask != 0).double()
+    returns = gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[1]  # values 0: G_t
+    log_suffix = (log_ratio.double() * m).flip(1).cumsum(1).flip(1)  # sum_{k>=t} log(pi/mu)_k
+    weights = log_suffix.exp().clamp(max=cap) * m
+    count, total = float(m.sum()), float(weights.sum())
+    if count == 0:
+        return returns, weights.to(returns.dtype), 1.0
+    ess = total * total / (count * float(weights.square().sum())) if total > 0 else 0.0
+    scale = count / total if total > 0 else 0.0
+    return returns, (weights * scale).to(returns.dtype), ess
 
 
 def importance_weighted_kl(

@@ -25,7 +25,24 @@ def async_problems(config: TrainPPOConfig) -> list[str]:
             "async.value_targets=vtrace truncates its ratios at async.is_cap, which is 0 (the "
             "correction off); set async.is_cap >= 1 or async.value_targets=gae"
         )
+    elif cap == 0 and section.value_targets == "suffix_is" and section.min_ess > 0:
+        problems.append(
+            f"async.value_targets=suffix_is falls back to V-trace targets below "
+            f"async.min_ess={section.min_ess}, whose ratios async.is_cap truncates, which is 0 "
+            "(the correction off); set async.is_cap >= 1 or async.min_ess=0"
+        )
+    elif cap == 0 and section.is_mode == "mask":
+        problems.append(
+            "async.is_mode=mask drops the tokens whose weight is above async.is_cap, which is 0 "
+            "(the weight off); set async.is_cap >= 1 or async.is_mode=clip"
+        )
+    problems += _critic_target_problems(config)
     if staleness <= 0:
+        if section.is_mode == "mask":
+            problems.append(
+                "async.is_mode=mask applies to the weights of stale rollouts "
+                "(async.max_staleness >= 1); set async.is_mode=clip or async.max_staleness >= 1"
+            )
         return problems
     if ppo.algorithm == "rejection_sampling":
         problems.append(
@@ -48,6 +65,26 @@ def async_problems(config: TrainPPOConfig) -> list[str]:
             f"with async.max_staleness={staleness} the weight min(pi_old/mu, cap) is capped by "
             f"async.is_cap={cap}, not ppo.rollout_correction_cap={ppo.rollout_correction_cap}; "
             "set both to the same value"
+        )
+    return problems
+
+
+def _critic_target_problems(config: TrainPPOConfig) -> list[str]:
+    """What is wrong with the keys of the critic's targets (``async.value_targets``)."""
+    section, lam, problems = config.async_, config.ppo.lam_critic, []
+    if lam is not None and not 0 <= lam <= 1:
+        problems.append(
+            f"ppo.lam_critic={lam} must lie in [0, 1] (VC-PPO's choice: 1), or null for ppo.lam"
+        )
+    if not (math.isfinite(section.suffix_cap) and section.suffix_cap > 0):
+        problems.append(
+            f"async.suffix_cap={section.suffix_cap} must be a finite number > 0 (the truncation "
+            "of value_targets=suffix_is's weights; e.g. 5)"
+        )
+    if not 0 <= section.min_ess <= 1:
+        problems.append(
+            f"async.min_ess={section.min_ess} must lie in [0, 1] (an effective sample size per "
+            "token; 0: never fall back to V-trace targets)"
         )
     return problems
 

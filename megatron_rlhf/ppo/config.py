@@ -163,6 +163,13 @@ class PPOConfig:
     """Discount of the per-token rewards in GAE."""
     lam: float = 0.95
     """lambda of GAE (bias/variance trade-off of the advantage)."""
+    lam_critic: float | None = None
+    """lambda of the critic's targets (``async.value_targets`` gae and vtrace; suffix_is
+    regresses on Monte-Carlo returns, lambda 1, and takes it for its V-trace fallback), in
+    [0, 1]; None: ``lam``, so the critic regresses on the returns of the actor's GAE. VC-PPO
+    (arXiv:2503.01491) and VAPO (arXiv:2504.05118) argue for 1.0: with lambda < 1 a long
+    response's terminal reward reaches the early tokens' targets only through a critic still
+    biased by its initialisation. None keeps a run's targets what they were before the key."""
     whiten_advantages: bool = True
     """Normalise advantages to mean 0, std 1 over the whole data-parallel batch."""
     reward_normalization: Literal["none", "moving_average"] = "none"
@@ -202,22 +209,37 @@ class AsyncConfig:
     max_staleness: int = 0
     """Largest s (>= 0): 0 is the synchronous step (generate, then train on it); 1 is
     one-step-off; N keeps N rollouts in flight, generated N steps ahead of their update."""
-    value_targets: Literal["gae", "vtrace"] = "gae"
-    """Critic targets and policy advantages on stale samples. gae: GAE(gamma, lambda) as if the
-    samples were on-policy (the critic then learns the value of the behaviour policy); vtrace:
-    V-trace truncated-importance-sampling targets (ppo/advantages.py: vtrace), equal to GAE
-    when the behaviour policy is the current one. Needs is_cap >= 1."""
+    value_targets: Literal["gae", "vtrace", "suffix_is"] = "gae"
+    """What the critic regresses on (ppo/correction.py's critic targets; the actor's
+    advantages are GAE(gamma, ppo.lam) on the rollout's samples whichever): gae: GAE(gamma,
+    ppo.lam_critic)'s returns, as if the samples were pi_old's (on stale samples the critic then
+    learns the value of the behaviour policy mu); vtrace: V-trace's targets (rho_bar = is_cap,
+    c_bar = 1, lambda = ppo.lam_critic; ppo/advantages.py: vtrace), whose fixed point is the
+    value of pi_old where pi_old/mu <= is_cap; suffix_is: each state's Monte-Carlo return
+    (gamma, lambda 1) in a weighted MSE, weighted by min(prod of pi_old/mu over the rest of
+    the response, its own token included, suffix_cap) self-normalised over the batch's tokens
+    (ppo/advantages.py: suffix_is_targets), toward the value of pi_old; below min_ess it falls
+    back to vtrace for the batch. When mu is pi_old, vtrace's targets are gae's (to rounding)
+    and suffix_is's the plain Monte-Carlo returns, unweighted. vtrace, and suffix_is with
+    min_ess > 0, need is_cap >= 1."""
     is_cap: float = 2.0
-    """With max_staleness >= 1: the cap of the truncated importance weight min(pi_old/mu,
-    is_cap) on the policy term (pi_old: the current actor, recomputed; mu: the rollout's
-    behaviour log-probs), and V-trace's rho_bar (its c_bar is 1); >= 1, or 0 for no weight
-    (the correction off: PPO clipped around the current actor as if the samples were its
-    own)."""
-
-    @property
-    def vtrace_cap(self) -> float | None:
-        """V-trace's rho_bar (``value_targets=vtrace``; its c_bar is 1), or None for GAE."""
-        return self.is_cap if self.value_targets == "vtrace" else None
+    """With max_staleness >= 1: the cap of the importance weight pi_old/mu on the policy term
+    (pi_old: the current actor, recomputed; mu: the rollout's behaviour log-probs), see
+    is_mode, and V-trace's rho_bar (its c_bar is 1); >= 1, or 0 for no weight (the correction
+    off: PPO clipped around the current actor as if the samples were its own)."""
+    is_mode: Literal["clip", "mask"] = "clip"
+    """What a token whose weight pi_old/mu is above is_cap gets (per sequence with
+    ppo.rollout_correction=seq_tis): clip: the weight is_cap (truncated importance sampling,
+    TIS); mask: 0, the token leaves the policy term (AReaL's behaviour mask; it still counts
+    in the token mean's denominator)."""
+    suffix_cap: float = 5.0
+    """value_targets=suffix_is: the truncation C of a state's weight min(prod pi_old/mu, C)
+    (> 0)."""
+    min_ess: float = 0.1
+    """value_targets=suffix_is: when the effective sample size of the batch's weights,
+    (sum w)^2 / (N sum w^2) over its N response tokens, is below this (in [0, 1]; 0: never),
+    the critic regresses on V-trace's targets for that batch instead (logged:
+    critic/suffix_ess, critic/vtrace_fallback 0 or 1)."""
 
 
 @dataclass(kw_only=True)

@@ -33,9 +33,10 @@ class Experience:
     scores: torch.Tensor | None = None  # (B,) AM advantage a(x, y) or RM reward r(x, y)
     rewards: torch.Tensor | None = None  # (B, N) KL-shaped per-token rewards (Eq. 2)
     advantages: torch.Tensor | None = None  # (B, N) whitened GAE advantages
-    returns: torch.Tensor | None = None  # (B, N) GAE returns (critic targets)
+    returns: torch.Tensor | None = None  # (B, N) the critic's targets (ppo/correction.py)
     kl: torch.Tensor | None = None  # (B, N) per-token KL estimate
     is_weights: torch.Tensor | None = None  # (B, N) truncated pi_old / mu (rollout correction)
+    value_weights: torch.Tensor | None = None  # (B, N) weights of the critic's targets, or None
     policy_version: torch.Tensor | None = None  # (B,) the step of the actor that generated it
     generate_s: float | None = None  # seconds the rollout ranks took (disaggregated placement)
 

@@ -57,6 +57,7 @@ def policy_loss(
 
 
 ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_tis")
+IS_MODES = ("clip", "mask")
 
 
 def behaviour_correction(
@@ -65,6 +66,7 @@ def behaviour_correction(
     mask: torch.Tensor,  # (B, N) response mask
     mode: str,
     cap: float,
+    above_cap: str = "clip",
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
     """Truncated importance weights toward the behaviour policy, and what they did.
 
@@ -74,6 +76,9 @@ def behaviour_correction(
     ``min(pi_old/mu, cap)``; ``seq_tis``: per sequence, ``min(prod_t pi_old/mu, cap)`` on
     every token of it (exact for sequence-level rewards, higher variance). Truncation bounds the
     variance at the cost of a bias where the ratio exceeds the cap. ``none``: no weights.
+    ``above_cap``: what a ratio above ``cap`` becomes: ``clip``, the cap (TIS); ``mask``, 0
+    (the token, or with ``seq_tis`` the sequence, leaves the policy term: AReaL's behaviour
+    mask).
     Metrics (token means over ``mask``): the weights' mean, max and capped fraction, and
     ``kl_behaviour_old`` = KL(mu || pi_old) by Schulman's k3 on mu's samples."""
     valid = mask.bool()
@@ -86,7 +91,9 @@ def behaviour_correction(
         raw = log_ratio.sum(dim=1, keepdim=True).exp().expand_as(log_ratio)
     else:
         raise ValueError(f"rollout correction must be one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
-    weights = raw.clamp(max=cap)
+    if above_cap not in IS_MODES:
+        raise ValueError(f"above_cap must be one of {IS_MODES}, got {above_cap!r}")
+    weights = raw.clamp(max=cap) if above_cap == "clip" else raw.masked_fill(raw > cap, 0.0)
     token_ratio = log_ratio.exp()
     k3 = token_ratio - 1 - log_ratio  # KL(mu || pi_old) on samples from mu
     count = valid.sum().clamp(min=1)
@@ -106,13 +113,19 @@ def value_loss(
     mask: torch.Tensor,  # (B, N)
     clip_range: float = 0.2,
     count=None,
+    weights: torch.Tensor | None = None,  # (B, N) per-token weights of the targets, see below
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)``, a token
-    mean over ``mask`` (or divided by ``count``)."""
+    mean over ``mask`` (or divided by ``count``); with ``weights`` (constants, e.g. the
+    importance weights of ``advantages.suffix_is_targets``, mean 1) each token's term times
+    its weight: a weighted least-squares fit of the targets."""
     clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
     unclipped_error = (values - returns).square()
     clipped_error = (clipped_values - returns).square()
-    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask, count)
+    error = torch.maximum(unclipped_error, clipped_error)
+    if weights is not None:
+        error = error * weights
+    loss = 0.5 * masked_mean(error, mask, count)
     with torch.no_grad():
         # clipped: outside the band and worse for it; inside it, old + (V - old) is V up to
         # rounding, which must not count (a tie broken by the last bit)

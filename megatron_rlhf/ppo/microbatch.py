@@ -46,6 +46,7 @@ class MicroBatch:
     advantages: torch.Tensor | None = None
     old_values: torch.Tensor | None = None  # V_old(s_t)
     returns: torch.Tensor | None = None
+    value_weights: torch.Tensor | None = None  # the critic targets' weights (None: unweighted)
     tokens: float = 1.0  # response tokens of the global minibatch
     rehearsal_tokens: float = 0.0  # rehearsal target tokens of the global minibatch
     rehearsal_rows: int = 0  # rehearsal rows of the global minibatch
@@ -160,6 +161,7 @@ def microbatch(
         advantages=experience.advantages,
         old_values=experience.values,
         returns=experience.returns,
+        value_weights=experience.value_weights,
     )
 
 

@@ -7,8 +7,9 @@ chosen once, as an object the trainer holds and never asks about.
   rollout source that side makes (ppo/rollouts.py), over the rollouts in flight
   (``async.max_staleness``, ppo/staleness.py);
 - the step (``ppo.algorithm``: :class:`~megatron_rlhf.ppo.step.PPOStep` or
-  :class:`~megatron_rlhf.ppo.step.RejectionStep`), with log pi_old's source and the
-  correction toward the behaviour policy (ppo/correction.py): :func:`build_modes`.
+  :class:`~megatron_rlhf.ppo.step.RejectionStep`), with log pi_old's source, the
+  correction toward the behaviour policy and the critic's targets (``async.value_targets``,
+  :func:`critic_targets`; all three ppo/correction.py): :func:`build_modes`.
 
 A new mode is a new object and a line here; the trainer (ppo/train.py) and the step do not
 change.
@@ -198,8 +199,25 @@ def build_modes(config, roles: Roles, data, controls: tuple, reward_fn, report) 
             correction = StaleCorrection(ppo, config.async_)
         else:
             correction = RolloutCorrection(ppo, old_logprobs)
-        step = PPOStep(config, roles, data, controls, old_logprobs, correction, reward_fn, report)
+        corrections = (correction, critic_targets(config))
+        step = PPOStep(config, roles, data, controls, old_logprobs, corrections, reward_fn, report)
     return roles.world.rollouts(roles.rollout, queue, data, config, expand), step
+
+
+def critic_targets(config):
+    """What the critic regresses on (``async.value_targets``), with its lambda
+    (``ppo.lam_critic``, None: ``ppo.lam``): ppo/correction.py's GAETargets, VTraceTargets or
+    SuffixISTargets (falling back to the V-trace targets below ``async.min_ess``)."""
+    from megatron_rlhf.ppo.correction import GAETargets, SuffixISTargets, VTraceTargets
+
+    ppo, section = config.ppo, config.async_
+    lam = ppo.lam if ppo.lam_critic is None else ppo.lam_critic
+    vtrace = VTraceTargets(ppo.gamma, lam, rho_bar=section.is_cap)
+    if section.value_targets == "vtrace":
+        return vtrace
+    if section.value_targets == "suffix_is":
+        return SuffixISTargets(ppo.gamma, section.suffix_cap, section.min_ess, fallback=vtrace)
+    return GAETargets(ppo.gamma, lam)
 
 
 def _same(prompts: dict) -> dict:

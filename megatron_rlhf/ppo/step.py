@@ -3,7 +3,8 @@
   score       (scoring.py)     reference log-probs (and old ones if recomputed), values,
                                AM/RM scores
   correct     (correction.py)  log pi_old's source, the weights toward the behaviour policy
-  advantages  (advantages.py)  -beta*KL shaped rewards (Eq. 2), GAE or V-trace, whitening
+  advantages  (advantages.py)  -beta*KL shaped rewards (Eq. 2), GAE, whitening; then the
+                               critic's targets (correction.py: GAE, V-trace or suffix IS)
   update      (update.py)      PPO epochs; with rehearsal, L_PPO + gamma*NLL(D_R) (Eq. 9)
 
 :class:`PPOStep` and :class:`RejectionStep` (best-of-K then SFT, rejection.py) share one
@@ -27,13 +28,14 @@ from megatron_rlhf.ppo.update import ppo_update
 
 
 class PPOStep:
-    """Score → correct → advantages → update on a rollout of the actor's (``correction``:
-    :mod:`~megatron_rlhf.ppo.correction`'s choice for the run)."""
+    """Score → correct → advantages → update on a rollout of the actor's (``correction`` and
+    ``critic_targets``: :mod:`~megatron_rlhf.ppo.correction`'s choices for the run)."""
 
-    def __init__(self, config, roles, data, controls, old_logprobs, correction, reward_fn, report):
+    def __init__(self, config, roles, data, controls, old_logprobs, corrections, reward_fn, report):
         self.config, self.roles, self.data = config, roles, data
         self.kl, self.normalizer = controls
-        self.old_logprobs, self.correction = old_logprobs, correction
+        self.old_logprobs = old_logprobs
+        self.correction, self.critic_targets = corrections
         self.reward_fn, self.report = reward_fn, report
 
     def step(self, rollout, step: int) -> dict:
@@ -45,9 +47,8 @@ class PPOStep:
         experience = score_in_layouts(rollout.experience, self.scorers(), config, self.reward_fn)
         timings["score"], t0 = time.time() - t0, time.time()
         experience.is_weights, correction = self.correction(experience, step)
-        experience = compute_advantages(
-            experience, self.kl, self.normalizer, config.ppo, config.async_.vtrace_cap
-        )
+        experience = compute_advantages(experience, self.kl, self.normalizer, config.ppo)
+        correction |= self.critic_targets(experience)
         timings["advantages"], t0 = time.time() - t0, time.time()
         metrics = ppo_update(
             experience,

@@ -77,7 +77,8 @@ def actor_loss(
 
 def critic_loss(value_clip: float, values: torch.Tensor, mb: MicroBatch):
     """The critic's clipped value loss from its (R, S, 1) outputs, normalised as
-    :class:`MicroBatch` states."""
+    :class:`MicroBatch` states; weighted by ``mb.value_weights`` where the critic's targets
+    come with weights (``async.value_targets=suffix_is``)."""
     loss, metrics = value_loss(
         values_of(mb, values),  # (k, N) V(s_t)
         mb.old_values,
@@ -85,6 +86,7 @@ def critic_loss(value_clip: float, values: torch.Tensor, mb: MicroBatch):
         mb.response_mask,
         value_clip,
         count=mb.tokens,
+        weights=mb.value_weights,
     )
     metrics["value_loss"] = loss.detach()
     return loss * mb.loss_scale, metrics
