@@ -4,7 +4,7 @@ Against the fp32 step (itself equal to float64 to ~1e-6, test_bloom_units.py), o
 step of a marked model stays within bf16's rounding (relative gradient error a few 1e-3) and
 differs from it by more than fp32's (so the products did run in bf16), through both of our
 vocabulary paths (the gradient into ``main_grad``) and Megatron-Core's own layers; the weights
-stay fp32; a frozen model's bf16 parameters and a marked model's logits agree to bf16 rounding.
+stay fp32; a marked model's logits agree with fp32's to bf16 rounding, in every region.
 """
 
 from __future__ import annotations
@@ -56,13 +56,11 @@ def test_a_bf16_step_on_the_cpu_is_the_fp32_step_to_bf16_rounding(hf_dir, head, 
     assert float((num / den).sqrt()) < 0.2
 
 
-def test_marked_and_bf16_models_give_the_fp32_logits_to_bf16_rounding(hf_dir):
+def test_a_marked_models_logits_are_the_fp32_logits_to_bf16_rounding(hf_dir):
     from megatron_rlhf.checkpoint import load_bloom
-    from megatron_rlhf.models.precision import compute_precision, mark_cpu_bf16, params_dtypes
+    from megatron_rlhf.models.precision import compute_precision, mark_cpu_bf16, params_dtype
 
-    frozen, trained = params_dtypes(True)
-    assert (frozen, trained) == (torch.bfloat16, torch.float32)  # this machine has no GPU
-    assert params_dtypes(False) == (torch.float32, torch.float32)
+    assert params_dtype(True) == params_dtype(False) == torch.float32  # this machine: no GPU
     ids, mask = left_padded_batch(ARCH_A.vocab_size, [9, 4, 7], seed=8)
     with torch.no_grad():
         reference = load_bloom(hf_dir).eval()(ids, mask).double()
@@ -73,14 +71,10 @@ def test_marked_and_bf16_models_give_the_fp32_logits_to_bf16_rounding(hf_dir):
             assert torch.is_autocast_enabled("cpu")
             assert torch.equal(marked(ids, mask), autocast)
         unmarked = load_bloom(hf_dir).eval()(ids, mask)
-        frozen_model = load_bloom(hf_dir, params_dtype=torch.bfloat16).eval()
-        bf16 = frozen_model(ids, mask)
     assert autocast.dtype == torch.bfloat16 and unmarked.dtype == torch.float32
     assert not torch.is_autocast_enabled("cpu")
-    assert all(p.dtype == torch.bfloat16 for p in frozen_model.parameters())
-    for logits in (autocast, bf16):
-        error = float((logits.double() - reference).abs().max() / scale)
-        assert 1e-4 < error < 3e-2, error
+    error = float((autocast.double() - reference).abs().max() / scale)
+    assert 1e-4 < error < 3e-2, error
     assert float((unmarked.double() - reference).abs().max() / scale) < 1e-5
     with compute_precision(load_bloom(hf_dir)):  # an unmarked model: no region
         assert not torch.is_autocast_enabled("cpu")

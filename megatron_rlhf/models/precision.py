@@ -1,19 +1,21 @@
 """bf16 on a CPU as on a GPU: where the weights live in fp32 and the products run in bf16.
 
-On a GPU ``bf16: true`` builds every model with bf16 parameters, and Megatron-Core's optimizer
-keeps fp32 master copies of the trained ones. Megatron-Core's mixed-precision optimizers take
+On a GPU ``train.bf16: true`` builds every model with bf16 parameters, and Megatron-Core's
+optimizer keeps fp32 master copies of the trained ones. Its mixed-precision optimizers take
 CUDA tensors only (``Float16OptimizerWithFloat16Params`` refuses a CPU ``BFloat16Tensor``), so
 on a CPU with bf16 matrix units (AMX, AVX-512-bf16: ~5x fp32's rate at BLOOM-560m's shapes on
-the 2-core benchmark machine) the same split is made the other way round:
+the 2-core benchmark machine) the split is made the other way round: every model keeps fp32
+parameters (a trained model's are its master weights) and its forward and backward run under
+``torch.autocast("cpu", torch.bfloat16)``. Each matrix product takes bf16 copies of its
+operands (a weight is cast once per autocast region, and reused by every micro-batch and decode
+step inside it), accumulates in fp32, and a weight's gradient reaches the fp32 gradient buffer;
+layer norms, softmax and the losses stay fp32 (autocast's CPU lists).
 
-- a model that is never trained (the reference, the reward model) is built with bf16
-  parameters, as on a GPU;
-- a trained model keeps fp32 parameters, which are its master weights, and its forward and
-  backward run under ``torch.autocast("cpu", torch.bfloat16)``: each matrix product takes bf16
-  copies of its operands (a weight is cast once per autocast region and reused by every
-  micro-batch and decode step inside it), accumulates in fp32, and the weight's gradient
-  reaches the fp32 gradient buffer. Layer norms, softmax and the losses stay fp32 (autocast's
-  CPU lists).
+The frozen models (reference, reward) run the same way, not in bf16 parameters: at step 1 the
+actor and the reference then compute the same numbers and the KL penalty starts at 0, as on a
+GPU where both hold the same bf16 weights. (bf16 parameters for the reference and autocast for
+the actor gave a KL of 5e-4 nats a token at step 1 on the tiny PPO fixture: a bias as large as
+a KL target spread over a few dozen tokens.)
 
 :func:`mark_cpu_bf16` makes every forward of the model an autocast region;
 :func:`compute_precision` opens a wider one: ``TrainEngine.step`` around the forward-backward
@@ -35,13 +37,9 @@ CPU_BF16 = "cpu_bf16_compute"
 """The attribute that marks a model whose products run in bf16 on a CPU."""
 
 
-def params_dtypes(bf16: bool) -> tuple[torch.dtype, torch.dtype]:
-    """(frozen models', trained models') parameter dtype for a resolved ``bf16`` setting."""
-    if not bf16:
-        return torch.float32, torch.float32
-    if torch.cuda.is_available():
-        return torch.bfloat16, torch.bfloat16
-    return torch.bfloat16, torch.float32
+def params_dtype(bf16: bool) -> torch.dtype:
+    """The parameter dtype of every model of a run with this resolved ``bf16`` setting."""
+    return torch.bfloat16 if bf16 and torch.cuda.is_available() else torch.float32
 
 
 def mark_cpu_bf16(model: torch.nn.Module, bf16: bool) -> torch.nn.Module:

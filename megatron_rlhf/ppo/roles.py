@@ -23,6 +23,7 @@ from functools import partial
 import torch
 
 from megatron_rlhf.checkpoint import load_bloom
+from megatron_rlhf.models.precision import mark_cpu_bf16, params_dtype
 from megatron_rlhf.ppo.setup import PPOPlan
 from megatron_rlhf.training.command import use_bf16
 
@@ -75,9 +76,9 @@ def build_roles(plan: PPOPlan, role_groups: dict, seed: int) -> Roles:
     )
 
     config, checkpoints, layouts = plan.config, plan.checkpoints, plan.layouts
-    dtype = torch.bfloat16 if use_bf16(config.train.bf16) else torch.float32
-    common = dict(
-        params_dtype=dtype,
+    bf16 = use_bf16(config.train.bf16)
+    common = dict(  # a CPU's bf16: fp32 weights, bf16 products (models/precision.py)
+        params_dtype=params_dtype(bf16),
         sequence_parallel=config.parallel.sequence_parallel,
         attention_backend=config.train.attention_backend,
     )
@@ -86,12 +87,15 @@ def build_roles(plan: PPOPlan, role_groups: dict, seed: int) -> Roles:
         from megatron_rlhf.models.bloom import BloomModel
 
         seed_layout(rollout_groups, seed)
-        return BloomModel(
-            checkpoints["actor"].arch,
-            head="lm",
-            init_weights=False,
-            pg_collection=rollout_groups.pg_collection,
-            **common,
+        return mark_cpu_bf16(
+            BloomModel(
+                checkpoints["actor"].arch,
+                head="lm",
+                init_weights=False,
+                pg_collection=rollout_groups.pg_collection,
+                **common,
+            ),
+            bf16,
         )
 
     if config.placement.mode == "disaggregated":
@@ -132,12 +136,14 @@ def _training_roles(plan: PPOPlan, role_groups: dict, seed: int, common: dict) -
     from megatron_rlhf.training import TrainEngine
 
     config, checkpoints = plan.config, plan.checkpoints
+    bf16 = use_bf16(config.train.bf16)
     trained = dict(common, recompute_activations=config.train.recompute_activations)
 
     def load(role: str, **kwargs):
         seed_layout(role_groups[role], seed)
         pg = role_groups[role].pg_collection
-        return load_bloom(checkpoints[role], pg_collection=pg, **kwargs), pg
+        model = load_bloom(checkpoints[role], pg_collection=pg, **kwargs)
+        return mark_cpu_bf16(model, bf16), pg
 
     updates = config.train.steps * config.ppo.epochs * config.ppo.num_minibatches
     actor_model, actor_pg = load("actor", head="lm", init_weights=False, **trained)

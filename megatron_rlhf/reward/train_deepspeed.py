@@ -63,6 +63,11 @@ def build_train_engine(config, total_steps: int, num_microbatches: int, run):
 
     num_outputs = NUM_OUTPUTS[config.loss]
     bf16 = use_bf16(config.train.bf16)
+    if bf16 and not torch.cuda.is_available():
+        raise InputError(
+            "train.bf16=true with train.backend=deepspeed needs a GPU (DeepSpeed's bf16 is "
+            "CUDA's); use train.bf16=auto, or the megatron backend for bf16 on a CPU"
+        )
     resume_from = run.resume_from
     if resume_from is not None:
         require_contained(resume_from)  # DeepSpeed's own files too: no symlink out of the run

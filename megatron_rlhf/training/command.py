@@ -67,32 +67,42 @@ def build_train_engine(config, arch, total_steps: int, run, check_saved=None, **
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.checkpoint.dist import read_metadata
     from megatron_rlhf.models.bloom import BloomModel
+    from megatron_rlhf.models.precision import mark_cpu_bf16, params_dtype
     from megatron_rlhf.training import TrainEngine
 
+    bf16 = use_bf16(config.train.bf16)
     model_kwargs.update(
-        params_dtype=torch.bfloat16 if use_bf16(config.train.bf16) else torch.float32,
+        params_dtype=params_dtype(bf16),  # on a CPU fp32 master weights, bf16 products
         sequence_parallel=config.parallel.sequence_parallel,
         recompute_activations=config.train.recompute_activations,
         attention_backend=config.train.attention_backend,
     )
     if run.resume_from is None:
-        model = load_bloom(config.model.load, **model_kwargs)
+        model = mark_cpu_bf16(load_bloom(config.model.load, **model_kwargs), bf16)
         return TrainEngine(model, config.optim, total_steps), 0
     if check_saved is not None:
         check_saved(read_metadata(run.resume_from), run.resume_from)
     model = BloomModel(arch, init_weights=False, **model_kwargs)  # weights from the checkpoint
+    mark_cpu_bf16(model, bf16)
     engine = TrainEngine(model, config.optim, total_steps)
     state = run.restore({"model": engine})
     return engine, state.get("consumed_samples", 0)
 
 
-def use_bf16(setting, key: str = "train.bf16") -> bool:
-    """A ``bf16`` setting (true, false or "auto") resolved for this machine."""
+def use_bf16(setting) -> bool:
+    """A ``bf16`` setting (true, false or "auto") resolved for this machine: "auto" is bf16 on
+    a GPU and fp32 on a CPU; true on a CPU is bf16 products with fp32 master weights
+    (models/precision.py)."""
     if setting == "auto":
         return torch.cuda.is_available()
-    if setting and not torch.cuda.is_available():
-        raise InputError(f"{key}=true needs a GPU; use {key}=auto (fp32 on CPU)")
     return bool(setting)
+
+
+def element_bytes(bf16: bool) -> int:
+    """Bytes of a trained model's weight and activation element, for the memory check: 2 in
+    bf16 on a GPU; 4 on a CPU, bf16 or not (fp32 master weights; the bf16 copies autocast makes
+    are not modelled)."""
+    return 2 if bf16 and torch.cuda.is_available() else 4
 
 
 def reduce_metrics(metrics: dict) -> dict:

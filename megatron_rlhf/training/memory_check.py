@@ -129,10 +129,10 @@ def check_ppo(config, archs: dict, layouts: dict, skip: bool = False) -> None:
         train_memory,
     )
     from megatron_rlhf.planning.shapes import shape_of
-    from megatron_rlhf.training.command import use_bf16
+    from megatron_rlhf.training.command import element_bytes, use_bf16
 
     cuda = torch.cuda.is_available()
-    e = 2 if use_bf16(config.train.bf16) else 4
+    e = element_bytes(use_bf16(config.train.bf16))
     new_tokens = config.rollout.max_new_tokens
     seq = config.data.max_prompt_length + new_tokens
     rows = config.rollout.prompts_per_step

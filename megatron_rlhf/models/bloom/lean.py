@@ -45,7 +45,13 @@ class BloomColumnParallelLinear(ColumnParallelLinear):
         )
         if not lean:
             return super().forward(input_, weight, runtime_gather_output)
-        output = F.linear(input_, self.weight, None if self.skip_bias_add else self.bias)
+        bias = None if self.skip_bias_add else self.bias
+        if bias is not None and torch.is_autocast_enabled(input_.device.type):
+            # Megatron-Core's training path adds the fp32 bias to the bf16 product (an fp32
+            # sum); F.linear would round product + bias to bf16 (models/precision.py)
+            output = F.linear(input_, self.weight) + bias
+        else:
+            output = F.linear(input_, self.weight, bias)
         return output, (self.bias if self.skip_bias_add else None)
 
 
@@ -117,6 +123,15 @@ class BloomTransformerLayer(TransformerLayer):
             attention_bias=kwargs.get("attention_bias"),
             packed_seq_params=kwargs.get("packed_seq_params"),  # set: Megatron-Core's path
         )
-        hidden = hidden + (output if bias is None else output + bias)
+        hidden = _residual_add(hidden, output, bias)
         output, bias = self.mlp(self.pre_mlp_layernorm(hidden))
-        return hidden + (output if bias is None else output + bias), None
+        return _residual_add(hidden, output, bias), None
+
+
+def _residual_add(residual: torch.Tensor, output: torch.Tensor, bias) -> torch.Tensor:
+    """``residual + (output + bias)`` as Megatron-Core's bias-dropout-add forms it: under
+    autocast (bf16 products, fp32 residual) the residual is first rounded to the product's
+    dtype, so inference and training compute the same numbers (models/precision.py)."""
+    if residual.dtype != output.dtype:
+        residual = residual.to(output.dtype)
+    return residual + (output if bias is None else output + bias)
