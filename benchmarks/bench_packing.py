@@ -232,6 +232,8 @@ def scoring_part(size: str, args) -> dict:
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.models.bloom.config import BloomArchitecture
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
+    from megatron_rlhf.ppo.config import RolloutConfig
+    from megatron_rlhf.ppo.microbatch import Batching
     from megatron_rlhf.ppo.scoring import score
 
     batch = 8 if size == "real" else 16
@@ -253,10 +255,12 @@ def scoring_part(size: str, args) -> dict:
         for _ in range(args.reps):
             for packed in (True, False):
                 start = time.perf_counter()
+                batching = Batching(
+                    micro_batch_size=4, max_tokens=budget if packed else None, pad_id=PAD
+                )
                 outputs[packed] = score(
-                    replace(experience), models, "am", 1.0, micro_batch_size=4,
-                    max_tokens=budget if packed else None,
-                )  # fmt: skip
+                    replace(experience), models, "am", RolloutConfig(), batching
+                )
                 seconds[packed].append(time.perf_counter() - start)
         real = experience.response_mask.bool()
         a, b = outputs[True], outputs[False]
@@ -447,12 +451,15 @@ def update_part(size: str, args) -> dict:
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.models.bloom.config import BloomArchitecture
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
-    from megatron_rlhf.ppo.roles import Role
+    from megatron_rlhf.ppo.config import RehearsalSection, RolloutConfig
+    from megatron_rlhf.ppo.microbatch import Batching
+    from megatron_rlhf.ppo.roles import Role, Roles
     from megatron_rlhf.ppo.update import ppo_update
     from megatron_rlhf.training import OptimConfig, TrainEngine
 
     batch, scale, longest = (8, 0.25, 256) if size == "real" else (32, 1.0, 512)
     ppo = SimpleNamespace(epochs=1, num_minibatches=1, clip_ratio=0.2, value_clip=0.2)
+    config = SimpleNamespace(ppo=ppo, rollout=RolloutConfig(), rehearsal=RehearsalSection())
     micro_batch_size = 4
     rates = {True: [], False: []}
     per_seed, fill = {}, []
@@ -469,17 +476,24 @@ def update_part(size: str, args) -> dict:
         fill.append(tokens / experience.attention_mask.numel())
         budget = micro_batch_size * experience.sequences.shape[1]
 
-        actor, critic = roles["actor"], roles["critic"]
-        run = partial(ppo_update, experience, actor, critic, ppo, micro_batch_size, 1.0)
+        trained = Roles(
+            actor=roles["actor"], reference=None, critic=roles["critic"], reward=None,
+            rollout=None, world=None,
+        )  # fmt: skip
+        run = partial(ppo_update, experience, trained, config)
+        shapes = {
+            packed: Batching(
+                micro_batch_size=micro_batch_size, max_tokens=budget if packed else None, pad_id=PAD
+            )
+            for packed in (True, False)
+        }
         for packed in (True, False):  # untimed: the first step allocates buffers and state
-            run(torch.Generator().manual_seed(seed), max_tokens=budget if packed else None)
+            run(shapes[packed], torch.Generator().manual_seed(seed), None)
         seconds, metrics = {True: [], False: []}, {}
         for _ in range(args.reps):
             for packed in (True, False):
                 start = time.perf_counter()
-                metrics[packed] = run(
-                    torch.Generator().manual_seed(seed), max_tokens=budget if packed else None
-                )
+                metrics[packed] = run(shapes[packed], torch.Generator().manual_seed(seed), None)
                 seconds[packed].append(time.perf_counter() - start)
         for packed in (True, False):
             rates[packed] += [tokens / t for t in seconds[packed]]

@@ -7,6 +7,9 @@
   The checks that refuse a combination of settings (ppo/checks.py, the sections of
   ppo/config.py) are not branches of a run and are not counted.
 - No module under ppo/ is over 350 lines.
+- The stages take their config sections and typed inputs (issue 47, "stages take sections"):
+  ``score``, ``compute_advantages`` and ``ppo_update`` each at most 6 parameters, and no
+  function under ppo/ has a ``pad_id`` with a default (the pad id is the tokenizer's).
 """
 
 from __future__ import annotations
@@ -105,3 +108,49 @@ def test_the_check_sees_a_branch():
 def test_no_ppo_module_is_over_350_lines():
     sizes = {p.name: len(p.read_text().splitlines()) for p in PPO.glob("*.py")}
     assert {name: lines for name, lines in sizes.items() if lines > 350} == {}
+
+
+STAGES = {"scoring.py": "score", "advantages.py": "compute_advantages", "update.py": "ppo_update"}
+"""The stage functions and their modules."""
+
+
+def parameters(function: ast.FunctionDef) -> list[str]:
+    args = function.args
+    every = args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg]
+    return [arg.arg for arg in every if arg is not None]
+
+
+@pytest.mark.parametrize("module, name", sorted(STAGES.items()))
+def test_stages_take_at_most_six_parameters(module, name):
+    tree = ast.parse((PPO / module).read_text())
+    function = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    assert len(parameters(function)) <= 6, parameters(function)
+
+
+def pad_id_defaults(tree: ast.AST) -> list[str]:
+    """The functions of ``tree`` whose ``pad_id`` parameter has a default."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        args = node.args
+        positional = args.posonlyargs + args.args
+        with_default = positional[len(positional) - len(args.defaults) :]
+        with_default += [a for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+        if any(arg.arg == "pad_id" for arg in with_default):
+            found.append(getattr(node, "name", "lambda"))
+    return found
+
+
+def test_no_pad_id_default_under_ppo():
+    found = {
+        path.name: names
+        for path in sorted(PPO.glob("*.py"))
+        if (names := pad_id_defaults(ast.parse(path.read_text())))
+    }
+    assert found == {}
+
+
+def test_the_pad_id_scan_sees_a_default():
+    source = "def f(x, pad_id: int = 3):\n    pass\ndef g(x, *, pad_id=3):\n    pass\n"
+    assert pad_id_defaults(ast.parse(source)) == ["f", "g"]

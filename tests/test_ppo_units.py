@@ -175,7 +175,9 @@ def test_packed_scoring_equals_padded_scoring(tmp_path, budget):
     from megatron_rlhf.checkpoint import load_bloom
     from megatron_rlhf.distributed import destroy, initialize
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
+    from megatron_rlhf.ppo.config import RolloutConfig
     from megatron_rlhf.ppo.experience import Experience
+    from megatron_rlhf.ppo.microbatch import Batching
     from megatron_rlhf.ppo.scoring import score
 
     save_random_hf_bloom(tmp_path / "lm", ARCH_A, seed=4)
@@ -205,8 +207,9 @@ def test_packed_scoring_equals_padded_scoring(tmp_path, budget):
                 prompt_length=p,
             )  # fmt: skip
 
-        padded = score(experience(), models, "am", 0.8, micro_batch_size=4)
-        packed = score(experience(), models, "am", 0.8, micro_batch_size=4, max_tokens=budget)
+        sampling, rows = RolloutConfig(temperature=0.8), dict(micro_batch_size=4, pad_id=3)
+        padded = score(experience(), models, "am", sampling, Batching(**rows, max_tokens=None))
+        packed = score(experience(), models, "am", sampling, Batching(**rows, max_tokens=budget))
     finally:
         destroy()
     real = mask[:, p:].bool()
@@ -333,7 +336,7 @@ def test_microbatch_index_maps_read_what_padded_slicing_read():
     )  # fmt: skip
     real = mask[:, p:].bool()
     output = torch.randn(3, p + n, 2, generator=g)  # a scalar head's full-grid output
-    padded = microbatch(experience, packed=False)
+    padded = microbatch(experience, False, None, 3)
     at = padded.at
     assert torch.equal(at(output, padded.predicting)[real], output[:, p - 1 : p - 1 + n][real])
     assert torch.equal(at(output, padded.last), output[range(3), last_token_positions(mask)])
@@ -343,9 +346,9 @@ def test_microbatch_index_maps_read_what_padded_slicing_read():
     for mb in (
         padded,
         padded.padded_to(p + n + 3, 3),
-        microbatch(experience, packed=True),
-        microbatch(experience, packed=True, rehearsal=rehearsal),
-        microbatch(experience, packed=False, rehearsal=rehearsal).padded_to(20, 3),
+        microbatch(experience, True, None, 3),
+        microbatch(experience, True, rehearsal, 3),
+        microbatch(experience, False, rehearsal, 3).padded_to(20, 3),
     ):
         assert torch.equal(mb.targets(mb.response_positions())[0], targets)
         grid = mb.input_ids.flatten()
@@ -395,7 +398,9 @@ def test_behaviour_logprobs_are_the_distribution_sampled_and_pi_old_matches(
     from megatron_rlhf.generation import SamplingConfig, generate
     from megatron_rlhf.models.bloom.tiny import save_random_hf_bloom
     from megatron_rlhf.ppo import scoring
+    from megatron_rlhf.ppo.config import RolloutConfig
     from megatron_rlhf.ppo.losses import behaviour_correction
+    from megatron_rlhf.ppo.microbatch import Batching
     from megatron_rlhf.ppo.rollout import experience_of
 
     temperature, top_p, new = 0.7, 0.9, 8
@@ -424,8 +429,9 @@ def test_behaviour_logprobs_are_the_distribution_sampled_and_pi_old_matches(
             prompts, out.response_ids, out.response_mask, out.response_logprobs
         )
         scored = scoring.score(
-            experience, {"logprobs": model}, "am", temperature, micro_batch_size=4,
-            max_tokens=23 if packed else None, top_p=top_p,
+            experience, {"logprobs": model}, "am",
+            RolloutConfig(temperature=temperature, top_p=top_p),
+            Batching(micro_batch_size=4, max_tokens=23 if packed else None, pad_id=3),
         )  # fmt: skip
         with torch.no_grad():
             logits = model(scored.sequences, scored.attention_mask)  # (B, P + N, V)

@@ -43,6 +43,7 @@ from megatron_rlhf.generation.prompts import (
     add_generation_arguments,
     sampling_from_args,
 )
+from megatron_rlhf.ppo.config import RolloutConfig
 from megatron_rlhf.ppo.evaluate_inputs import ROLES, validate_inputs
 from megatron_rlhf.ppo.evaluate_report import (
     SET_NAMES,
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # torch loads when a function needs it, so --help stays fast
     import torch
 
 POLICY_ROLE = "actor"  # the role prefix of the policy inside a train-ppo checkpoint
+JUDGE_SAMPLING = RolloutConfig()  # the judge reads a scalar head: temperature 1, no top-p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,23 +161,22 @@ def generate_sets(engine, batches: dict, sampling, desc: str) -> dict:
     return out
 
 
-def score_sets(experiences: dict, judge, judge_kind: str, reward_fn, batch_size: int) -> dict:
-    """Fill ``scores`` of every Experience with the judge model or the score function."""
+def score_sets(experiences: dict, judge, judge_kind: str, reward_fn, batching) -> dict:
+    """Fill ``scores`` of every Experience with the judge model or the score function, in
+    ``batching``'s micro-batches (a ``ppo.microbatch.Batching``)."""
     from megatron_rlhf.ppo.scoring import score
 
     models = {} if judge is None else {"scores": judge}
     for batches in experiences.values():
         for experience in batches:
-            score(experience, models, judge_kind, 1.0, batch_size, reward_fn)
+            score(experience, models, judge_kind, JUDGE_SAMPLING, batching, reward_fn)
     return experiences
 
 
 # ---------------------------------------------------------------- run
 
 
-def score_in_judge_layout(
-    outputs: list[dict], judge, judge_kind: str, batch_size: int, policy_groups
-):
+def score_in_judge_layout(outputs: list[dict], judge, judge_kind: str, batching, policy_groups):
     """Fill ``scores`` of every generated batch (``outputs``: this policy replica's
     ``generate_sets`` results) with the judge in its own layout: every batch of every policy
     replica is handed to every rank, each data-parallel rank of the judge scores its share of
@@ -196,7 +197,8 @@ def score_in_judge_layout(
 
     def score_batches(items):
         return [
-            score(b, {"scores": judge}, judge_kind, 1.0, batch_size).scores.cpu() for _, b in items
+            score(b, {"scores": judge}, judge_kind, JUDGE_SAMPLING, batching).scores.cpu()
+            for _, b in items
         ]
 
     scores = for_each_dp_shard(judge.pg_collection.dp, every_batch, score_batches)
@@ -228,6 +230,7 @@ def run(args, plan: dict) -> int:
     from megatron_rlhf.distributed import destroy, initialize_layouts
     from megatron_rlhf.distributed.groups import seed_layout
     from megatron_rlhf.generation.prompts import engine_from_args
+    from megatron_rlhf.ppo.microbatch import Batching
 
     start = time.time()
     tokenizer, prompt_sets = plan["tokenizer"], plan["prompt_sets"]
@@ -258,16 +261,19 @@ def run(args, plan: dict) -> int:
         engine.close()  # before destroy(): vLLM's teardown takes torch.distributed with it
         del sft
         engine = None
+        batching = Batching(
+            micro_batch_size=args.batch_size, max_tokens=None, pad_id=sampling.pad_id
+        )
         if args.judge is None:
             for out in (policy_out, sft_out):
-                score_sets(out, None, args.judge_kind, plan["reward_fn"], args.batch_size)
+                score_sets(out, None, args.judge_kind, plan["reward_fn"], batching)
         else:
             judge = load_bloom(
                 args.judge, head="scalar", num_scalar_outputs=2 if args.judge_kind == "am" else 1,
                 params_dtype=dtype, init_weights=False, pg_collection=groups["judge"].pg_collection,
             ).eval()  # fmt: skip
             score_in_judge_layout(
-                [policy_out, sft_out], judge, args.judge_kind, args.batch_size, policy_groups
+                [policy_out, sft_out], judge, args.judge_kind, batching, policy_groups
             )
             del judge
         samples = sample_records(prompt_sets, policy_out, sft_out, tokenizer, args.tie_margin)

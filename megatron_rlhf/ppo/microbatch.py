@@ -113,12 +113,32 @@ class MicroBatch:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Batching:
+    """How a stage cuts its rows into micro-batches: the ``train`` section's keys at one
+    step's row width, and the tokenizer's pad id."""
+
+    micro_batch_size: int  # rows of a padded micro-batch
+    max_tokens: int | None  # tokens of a packed micro-batch (``train.packing``); None: padded
+    pad_id: int  # fills a padded grid's columns past a row's end (attention never sees them)
+
+    @classmethod
+    def of(cls, train, width: int, pad_id: int) -> Batching:
+        """``train`` (a ``RunConfig``)'s micro-batches of rows at most ``width`` tokens long."""
+        return cls(
+            micro_batch_size=train.micro_batch_size,
+            max_tokens=train.token_budget(width),
+            pad_id=pad_id,
+        )
+
+
 def microbatch(
-    experience: Experience, packed: bool, rehearsal: list[tuple] | None = None, pad_id: int = 3
+    experience: Experience, packed: bool, rehearsal: list[tuple] | None, pad_id: int
 ) -> MicroBatch:
     """The micro-batch of ``experience``'s rows (padded or packed), then ``rehearsal``'s
     (token ids, loss mask) rows (1-D, real tokens only; an empty list: rehearsal on, no row
-    here), with the update's fields."""
+    here; None: rehearsal off), with the update's fields; ``pad_id`` (the tokenizer's) fills
+    a padded grid's rows past their end."""
     k, p = experience.sequences.shape[0], experience.prompt_length
     real = experience.attention_mask.bool()  # (k, P + N)
     device = experience.sequences.device

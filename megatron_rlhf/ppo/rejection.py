@@ -13,7 +13,13 @@ import torch
 from megatron_rlhf.distributed.parallel import vocab_group
 from megatron_rlhf.ppo.experience import Experience
 from megatron_rlhf.ppo.losses import sft_nll
-from megatron_rlhf.ppo.microbatch import MicroBatch, microbatch, response_logprobs_of, train_step
+from megatron_rlhf.ppo.microbatch import (
+    Batching,
+    MicroBatch,
+    microbatch,
+    response_logprobs_of,
+    train_step,
+)
 
 
 def repeat_prompts(prompts: dict, times: int) -> dict:
@@ -38,15 +44,19 @@ def nll_loss(temperature: float, tp_group, logits: torch.Tensor, mb: MicroBatch)
     return loss, {"nll": loss.detach()}
 
 
-def rejection_update(experience: Experience, actor, micro_batch_size: int) -> dict:
+def rejection_update(experience: Experience, actor, batching: Batching) -> dict:
     """One optimizer step of NLL on the selected responses (Eq. 4); ``actor`` is the actor's
-    :class:`~megatron_rlhf.ppo.roles.Role` and ``experience`` this DP rank's rows."""
+    :class:`~megatron_rlhf.ppo.roles.Role`, ``experience`` this DP rank's rows, cut into
+    ``batching.micro_batch_size`` padded rows."""
+    micro_batch_size = batching.micro_batch_size
     batch = experience.sequences.shape[0]
     usable = batch - batch % micro_batch_size
     if usable == 0:
         return {"kept": 0.0}
     microbatches = [
-        microbatch(experience.select(torch.arange(i, i + micro_batch_size)), packed=False)
+        microbatch(
+            experience.select(torch.arange(i, i + micro_batch_size)), False, None, batching.pad_id
+        )
         for i in range(0, usable, micro_batch_size)
     ]
     loss_fn = partial(nll_loss, 1.0, vocab_group(actor.pg))

@@ -198,7 +198,7 @@ def build_modes(config, roles: Roles, data, controls: tuple, reward_fn, report) 
     old_logprobs = OldLogprobs(reuses_rollout_logprobs(config))
     if ppo.algorithm == "rejection_sampling":
         expand = partial(repeat_prompts, times=ppo.rejection_samples_per_prompt)
-        step = RejectionStep(config, roles, old_logprobs, reward_fn, report)
+        step = RejectionStep(config, roles, data, old_logprobs, reward_fn, report)
     else:
         expand = _same
         if config.async_.max_staleness > 0:

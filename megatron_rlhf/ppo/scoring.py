@@ -28,7 +28,13 @@ from megatron_rlhf.distributed.pipeline import (
 from megatron_rlhf.generation import decode
 from megatron_rlhf.kernels import token_logprobs
 from megatron_rlhf.ppo.experience import Experience
-from megatron_rlhf.ppo.microbatch import MicroBatch, microbatch, response_logprobs_of, values_of
+from megatron_rlhf.ppo.microbatch import (
+    Batching,
+    MicroBatch,
+    microbatch,
+    response_logprobs_of,
+    values_of,
+)
 from megatron_rlhf.reward.model import NUM_OUTPUTS, advantage_scores, read_packed_scalars
 
 
@@ -114,31 +120,32 @@ def score(
     experience: Experience,
     models: dict,
     reward_kind: str,
-    temperature: float,
-    micro_batch_size: int,
+    sampling,
+    batching: Batching,
     reward_fn=None,
-    max_tokens: int | None = None,
-    top_p: float = 1.0,
 ) -> Experience:
-    """Fill the Experience fields the given models provide, ``micro_batch_size`` padded rows
-    at a time, or, with ``max_tokens``, packed micro-batches of at most that many real tokens
-    (each row's real tokens back to back; every value equals the padded pass's on the
-    response tokens, 0 elsewhere).
+    """Fill the Experience fields the given models provide, ``batching.micro_batch_size``
+    padded rows at a time, or, with ``batching.max_tokens``, packed micro-batches of at most
+    that many real tokens (each row's real tokens back to back; every value equals the padded
+    pass's on the response tokens, 0 elsewhere).
 
     ``models`` maps the field each fills to its model; what a model gives is read by its head
-    (:func:`reading`): an LM head log-probs (``logprobs``, ``ref_logprobs``), a scalar head
-    values (``values``) or the reward/advantage score (``scores``). With ``reward_fn`` (a
-    callable ``(prompt_ids, response_ids) -> float``) scores come from it instead. With
-    ``top_p`` < 1 the model filling ``logprobs`` (pi_old) also fills ``old_sampler_logprobs``
-    from the same forward: pi_old under the rollout sampler's transform, the numerator of the
-    importance weight pi_old/mu.
+    (:func:`reading`): an LM head log-probs (``logprobs``, ``ref_logprobs``) at
+    ``sampling.temperature`` (``sampling``: the run's ``rollout`` section,
+    :class:`~megatron_rlhf.ppo.config.RolloutConfig`), a scalar head values (``values``) or the
+    ``reward_kind`` score (``scores``). With ``reward_fn`` (a callable ``(prompt_ids,
+    response_ids) -> float``) scores come from it instead. With ``sampling.top_p`` < 1 the
+    model filling ``logprobs`` (pi_old) also fills ``old_sampler_logprobs`` from the same
+    forward: pi_old under the rollout sampler's transform, the numerator of the importance
+    weight pi_old/mu.
     """
+    temperature, max_tokens = sampling.temperature, batching.max_tokens
     parts: dict[str, list[torch.Tensor]] = {}
     n = experience.response_mask.shape[1]
-    for rows in _micro_batch_rows(experience, micro_batch_size, max_tokens):
-        mb = microbatch(experience.select(rows), packed=max_tokens is not None)
+    for rows in _micro_batch_rows(experience, batching):
+        mb = microbatch(experience.select(rows), max_tokens is not None, None, batching.pad_id)
         for field, model in models.items():
-            read, per_token = reading(model, field, reward_kind, top_p)
+            read, per_token = reading(model, field, reward_kind, sampling.top_p)
             pg = model_groups(model)
             output = pipeline_forward(model, **mb.forward_inputs(lm_head=model.head == "lm"))
             value = None
@@ -195,10 +202,11 @@ def reading(model, field: str, reward_kind: str, top_p: float = 1.0):
     return lambda mb, output, *_: values_of(mb, output), 1
 
 
-def _micro_batch_rows(experience: Experience, micro_batch_size: int, max_tokens: int | None):
+def _micro_batch_rows(experience: Experience, batching: Batching):
     """Row indices of each scoring micro-batch: ``micro_batch_size`` rows, or consecutive rows
     of at most ``max_tokens`` real tokens."""
     device, batch = experience.sequences.device, experience.sequences.shape[0]
+    micro_batch_size, max_tokens = batching.micro_batch_size, batching.max_tokens
     if max_tokens is None:
         starts = range(0, batch, micro_batch_size)
         return [torch.arange(s, min(s + micro_batch_size, batch), device=device) for s in starts]
@@ -206,26 +214,25 @@ def _micro_batch_rows(experience: Experience, micro_batch_size: int, max_tokens:
     return [torch.tensor(rows, device=device) for rows in pack_by_budget(lengths, max_tokens)]
 
 
-def score_in_layouts(experience: Experience, roles: dict, config, reward_fn=None) -> Experience:
+def score_in_layouts(
+    experience: Experience, roles: dict, config, batching: Batching, reward_fn=None
+) -> Experience:
     """:func:`score` with every role in its own layout, on the global batch held by every rank;
-    ``config``: the run's (``models.reward_kind``, ``rollout.temperature`` and ``top_p``,
-    ``train.micro_batch_size`` and its token budget), ``reward_fn``: scores from a function.
+    ``config``: the run's (``models.reward_kind``, the ``rollout`` section's temperature and
+    top_p), ``batching``: the step's micro-batches, ``reward_fn``: scores from a function.
 
     ``roles``: {Experience field: :class:`~megatron_rlhf.ppo.roles.Role`}. Each role's DP rank
     scores its rows of the batch and the field is gathered back over the role's DP group
     (:func:`~megatron_rlhf.distributed.handoff.for_each_dp_shard`), so every rank of the world
     ends with the global fields.
     """
-    reward_kind, micro_batch_size = config.models.reward_kind, config.train.micro_batch_size
-    temperature, top_p = config.rollout.temperature, config.rollout.top_p
-    max_tokens = config.train.token_budget(experience.sequences.shape[1])
+    reward_kind, sampling = config.models.reward_kind, config.rollout
     for field, role in roles.items():
 
         def score_rows(rows, field=field, role=role):
             part = score(
-                experience.select(rows), {field: role.model}, reward_kind, temperature,
-                micro_batch_size, max_tokens=max_tokens, top_p=top_p,
-            )  # fmt: skip
+                experience.select(rows), {field: role.model}, reward_kind, sampling, batching
+            )
             filled = {field: getattr(part, field)}
             if part.old_sampler_logprobs is not None:
                 filled["old_sampler_logprobs"] = part.old_sampler_logprobs

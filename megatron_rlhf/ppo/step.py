@@ -22,6 +22,7 @@ import torch
 from megatron_rlhf.distributed.handoff import dp_shard
 from megatron_rlhf.ppo.advantages import compute_advantages
 from megatron_rlhf.ppo.metrics import is_stale, observed_kl
+from megatron_rlhf.ppo.microbatch import Batching
 from megatron_rlhf.ppo.rejection import rejection_update, select_best
 from megatron_rlhf.ppo.scoring import score_in_layouts
 from megatron_rlhf.ppo.update import ppo_update
@@ -43,26 +44,21 @@ class PPOStep:
         its metrics."""
         config, timings = self.config, rollout.timings
         self.old_logprobs.take_from_rollout(rollout.experience)
+        batching = Batching.of(
+            config.train, rollout.experience.sequences.shape[1], self.data.pad_id
+        )
         t0 = time.time()
-        experience = score_in_layouts(rollout.experience, self.scorers(), config, self.reward_fn)
+        experience = score_in_layouts(
+            rollout.experience, self.scorers(), config, batching, self.reward_fn
+        )
         timings["score"], t0 = time.time() - t0, time.time()
         experience.is_weights, correction = self.correction(experience, step)
         experience = compute_advantages(experience, self.kl, self.normalizer, config.ppo)
         correction |= self.critic_targets(experience)
         timings["advantages"], t0 = time.time() - t0, time.time()
+        order = torch.Generator().manual_seed(config.train.seed * 100003 + step)
         metrics = ppo_update(
-            experience,
-            self.roles.actor,
-            self.roles.critic,
-            config.ppo,
-            config.train.micro_batch_size,
-            config.rollout.temperature,
-            torch.Generator().manual_seed(config.train.seed * 100003 + step),
-            self.rehearsal_minibatches(),
-            config.rehearsal.gamma,
-            self.data.pad_id,
-            config.rehearsal.nll_reduction,
-            max_tokens=config.train.token_budget(experience.sequences.shape[1]),
+            experience, self.roles, config, batching, order, self.rehearsal_minibatches()
         )
         timings["update"] = time.time() - t0
         self.kl.update(*observed_kl(experience, is_stale(experience, step)))
@@ -89,15 +85,18 @@ class RejectionStep:
     """Rejection sampling (paper Eqs. 3-4): score the K samples of each prompt, keep the best
     above ``ppo.rejection_threshold``, one NLL step on them."""
 
-    def __init__(self, config, roles, old_logprobs, reward_fn, report):
-        self.config, self.roles = config, roles
+    def __init__(self, config, roles, data, old_logprobs, reward_fn, report):
+        self.config, self.roles, self.data = config, roles, data
         self.old_logprobs, self.reward_fn, self.report = old_logprobs, reward_fn, report
 
     def step(self, rollout, step: int) -> dict:
         config, timings, roles = self.config, rollout.timings, self.roles
+        batching = Batching.of(
+            config.train, rollout.experience.sequences.shape[1], self.data.pad_id
+        )
         t0 = time.time()
         scorers = {"scores": roles.reward} if roles.reward is not None else {}
-        experience = score_in_layouts(rollout.experience, scorers, config, self.reward_fn)
+        experience = score_in_layouts(rollout.experience, scorers, config, batching, self.reward_fn)
         timings["score"], t0 = time.time() - t0, time.time()
         ppo, dp, micro_batch_size = config.ppo, roles.actor.pg.dp, config.train.micro_batch_size
         kept = select_best(
@@ -105,7 +104,7 @@ class RejectionStep:
         )
         usable = len(kept) - len(kept) % (micro_batch_size * dp.size())
         mine = dp_shard(kept[:usable], dp)
-        metrics = rejection_update(experience.select(mine), roles.actor, micro_batch_size)
+        metrics = rejection_update(experience.select(mine), roles.actor, batching)
         timings["update"] = time.time() - t0
         metrics |= self.report.rollout(experience, timings, step, self.old_logprobs.gap(experience))
         return metrics | rollout.sync

@@ -25,6 +25,7 @@ from megatron_rlhf.kernels import token_logprobs
 from megatron_rlhf.ppo.experience import Experience
 from megatron_rlhf.ppo.losses import masked_mean, policy_loss, ppo_sr_loss, sft_nll, value_loss
 from megatron_rlhf.ppo.microbatch import (
+    Batching,
     MicroBatch,
     microbatch,
     response_logprobs_of,
@@ -98,58 +99,53 @@ CRITIC_METRICS = ("value_loss", "value_clip_fraction")
 
 def ppo_update(
     experience: Experience,
-    actor,
-    critic,
-    ppo,
-    micro_batch_size: int,
-    temperature: float,
+    roles,
+    config,
+    batching: Batching,
     generator: torch.Generator,
-    rehearsal_minibatches: Iterator[list[dict]] | None = None,
-    rehearsal_gamma: float = 0.0,
-    pad_id: int = 3,
-    rehearsal_nll_reduction: str = "sum",
-    max_tokens: int | None = None,
+    rehearsal: Iterator[list[dict]] | None,
 ) -> dict:
-    """``ppo.epochs`` epochs of ``ppo.num_minibatches`` optimizer steps over the global batch.
+    """``ppo.epochs`` epochs of ``ppo.num_minibatches`` optimizer steps over the global batch,
+    in an order drawn from ``generator``.
 
-    ``experience`` is the global batch (every rank holds it); ``actor`` and ``critic`` are
-    :class:`~megatron_rlhf.ppo.roles.Role` values. Each global minibatch is split over each
-    role's data-parallel ranks (``handoff.dp_shard``); losses are token means over the global
-    minibatch, so any mix of layouts takes the single-process step. With rehearsal,
-    ``rehearsal_minibatches`` yields the global minibatch's rehearsal microbatches (one per
-    global actor microbatch). ``max_tokens``: packed microbatches of at most that many tokens
-    (:func:`_packed_rows`) instead of ``micro_batch_size`` padded rows; the losses are the
-    same token means. Returns metrics averaged over minibatches, summed over the DP ranks
-    (every rank gets them).
+    ``experience`` is the global batch (every rank holds it); ``roles`` the run's
+    :class:`~megatron_rlhf.ppo.roles.Roles` (its ``actor`` and ``critic`` are trained);
+    ``config`` the run's :class:`~megatron_rlhf.ppo.config.TrainPPOConfig` (its ``ppo``
+    section, the log-probs' ``rollout.temperature``, and ``rehearsal.gamma`` and
+    ``nll_reduction``). Each global minibatch is split over each role's data-parallel ranks
+    (``handoff.dp_shard``); losses are token means over the global minibatch, so any mix of
+    layouts takes the single-process step. ``rehearsal`` (None: off) yields each global
+    minibatch's rehearsal microbatches (one per global actor microbatch). ``batching``: packed
+    microbatches of at most ``max_tokens`` tokens (:func:`_packed_rows`) or
+    ``micro_batch_size`` padded rows; the losses are the same token means. Returns metrics
+    averaged over minibatches, summed over the DP ranks (every rank gets them).
     """
+    actor, critic, ppo = roles.actor, roles.critic, config.ppo
     batch = experience.sequences.shape[0]
     minibatch_size = batch // ppo.num_minibatches
+    actor_loss_fn = partial(
+        actor_loss,
+        ppo.clip_ratio,
+        config.rehearsal.gamma,
+        config.rollout.temperature,
+        rehearsal_nll_reduction=config.rehearsal.nll_reduction,
+        tp_group=vocab_group(actor.pg),
+    )
     totals: dict[str, list[float]] = {}
     for _ in range(ppo.epochs):
         order = torch.randperm(batch, generator=generator)
         for start in range(0, batch, minibatch_size):
             rows = order[start : start + minibatch_size]
-            rehearsal = next(rehearsal_minibatches) if rehearsal_minibatches else None
+            extra = next(rehearsal) if rehearsal else None
             counts = {"tokens": float(experience.response_mask[rows].sum())}
-            counts |= _rehearsal_counts(rehearsal)
-            shapes = dict(micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-            actor_mbs = _microbatches(
-                experience, rows, actor.pg, counts, rehearsal, pad_id, **shapes
-            )
-            loss_fn = partial(
-                actor_loss,
-                ppo.clip_ratio,
-                rehearsal_gamma,
-                temperature,
-                rehearsal_nll_reduction=rehearsal_nll_reduction,
-                tp_group=vocab_group(actor.pg),
-            )
-            actor_metrics = train_step(actor.engine, actor_mbs, loss_fn, lm_head=True)
-            critic_mbs = _microbatches(experience, rows, critic.pg, counts, None, pad_id, **shapes)
+            counts |= _rehearsal_counts(extra)
+            actor_mbs = _microbatches(experience, rows, actor.pg, counts, extra, batching)
+            actor_metrics = train_step(actor.engine, actor_mbs, actor_loss_fn, lm_head=True)
+            critic_mbs = _microbatches(experience, rows, critic.pg, counts, None, batching)
             critic_metrics = train_step(
                 critic.engine, critic_mbs, partial(critic_loss, ppo.value_clip)
             )
-            actor_keys = ACTOR_METRICS + (("rehearsal_nll",) if rehearsal else ())
+            actor_keys = ACTOR_METRICS + (("rehearsal_nll",) if extra else ())
             for role, metrics, keys, count in (
                 (actor, actor_metrics, actor_keys, len(actor_mbs)),
                 (critic, critic_metrics, CRITIC_METRICS, len(critic_mbs)),
@@ -163,20 +159,22 @@ def ppo_update(
 
 
 def _microbatches(
-    experience, rows, pg, counts: dict, rehearsal, pad_id, micro_batch_size, max_tokens
+    experience, rows, pg, counts: dict, rehearsal, batching: Batching
 ) -> list[MicroBatch]:
     """This DP rank's (of ``pg``) microbatches of the global minibatch ``rows``, each PPO
     microbatch with its share of this rank's rehearsal rows (``rehearsal``: the global
-    minibatch's rehearsal microbatches, or None): ``micro_batch_size`` padded rows with one
-    rehearsal microbatch each, or with ``max_tokens`` packed (:func:`_packed_rows`)."""
+    minibatch's rehearsal microbatches, or None): ``batching.micro_batch_size`` padded rows
+    with one rehearsal microbatch each, or with ``batching.max_tokens`` packed
+    (:func:`_packed_rows`)."""
+    max_tokens, pad_id = batching.max_tokens, batching.pad_id
     extra = None if rehearsal is None else dp_shard(rehearsal, pg.dp)
     if max_tokens:
         parts = _packed_rows(experience, rows, pg, max_tokens, _real_rows(extra))
     else:
-        mine = dp_shard(rows, pg.dp)
+        mine, size = dp_shard(rows, pg.dp), batching.micro_batch_size
         parts = [
-            (mine[i : i + micro_batch_size], _real_rows(extra and extra[j : j + 1]))
-            for j, i in enumerate(range(0, mine.shape[0], micro_batch_size))
+            (mine[i : i + size], _real_rows(extra and extra[j : j + 1]))
+            for j, i in enumerate(range(0, mine.shape[0], size))
         ]
     mbs = [
         microbatch(experience.select(part), max_tokens is not None, extra_rows, pad_id)
