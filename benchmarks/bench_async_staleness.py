@@ -27,6 +27,11 @@ the same figures (every run is deterministic):
 | staleness 2, is_cap=2, gae | 0.544 | 0.393 0.529 0.711 |
 | staleness 2, is_cap=2, vtrace | 0.072 | 0.096 0.104 0.016 |
 
+The two vtrace rows (and the V-trace figures below) were measured when
+``async.value_targets=vtrace`` also set the actor's advantages to V-trace's. It now sets only
+the critic's targets (9f10e75; the advantages stay GAE), which is the combination the last
+paragraph measured apart (0.487 / 0.350); the table has not been rerun since.
+
 Seeds 1-16, ``--arms gae "no correction"`` (80 runs), mean (least-most per seed): sync 0.721
 (0.344-0.961); staleness 1 0.617 with is_cap=2 (0.057-0.876), 0.527 without (0.141-0.794);
 staleness 2 0.430 with (0.049-0.831), 0.276 without (0.023-0.604). The gate's share reached

@@ -10,8 +10,9 @@ With ``async.max_staleness`` = N >= 1 the rollout trained at step t was generate
 earlier (staleness.py: a FIFO of rollouts in flight; colocated, so no overlap on one machine):
 the score stage recomputes pi_old with the current actor (the proximal policy), the policy term
 is clipped around it and weighted by min(pi_old/mu, async.is_cap) toward the behaviour policy
-mu (the decoupled objective, losses.behaviour_correction), and ``async.value_targets=vtrace``
-gives the critic V-trace targets (advantages.vtrace). N = 0 is the synchronous step. With
+mu (the decoupled objective, losses.behaviour_correction), and ``async.value_targets`` (gae |
+vtrace | suffix_is, correction.py) chooses the critic's targets only, the actor's advantages
+staying GAE on mu's samples. N = 0 is the synchronous step. With
 ``placement.mode=disaggregated`` (placement.py) rollout ranks generate while the training ranks
 score and update: every rank runs this loop, each side skipping the other's stages.
 Checkpoints (actor, critic, optimizers, schedules, KL controller, reward normaliser, RNG, data

@@ -320,7 +320,7 @@ def train_policy(*, out: Path, sft: Path, reward: Path, reward_kind: str, prompt
             f"ppo.kl.coef={settings['kl_coef']}", f"actor_optim.lr={settings['actor_lr']}",
             f"critic_optim.lr={settings['critic_lr']}", "actor_optim.warmup_fraction=0.0",
             "critic_optim.warmup_fraction=0.0", f"train.steps={settings['steps']}",
-            f"train.save_interval={settings['steps']}", "train.sample_interval=1000000",
+            "train.save_interval=0", "train.sample_interval=1000000",
             f"train.seed={seed}", f"train.output_dir={out}"]  # fmt: skip
     if algorithm == "rejection_sampling":
         argv += [f"ppo.rejection_samples_per_prompt={settings['rejection_samples']}",
