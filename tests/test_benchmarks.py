@@ -95,3 +95,28 @@ def test_roofline_params_are_the_models(monkeypatch):
     scalar = sum(p.numel() for p in BloomForSequenceClassification(config).parameters())
     assert roofline.model_params(arch, lm=True) == lm
     assert roofline.model_params(arch, lm=False) == scalar
+
+
+def test_critic_benchmark_errors_and_paired_interval_match_float64(monkeypatch):
+    """``bench_async_critic.py``'s error of a critic against Monte-Carlo values (RMSE, mean
+    signed error) and its paired 95 % interval equal numpy's and scipy's in float64."""
+    import numpy as np
+    from scipy import stats
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_async_critic as bench
+
+    g = np.random.default_rng(3)
+    values, truth = g.normal(size=37), g.normal(size=37)
+    rmse, signed = bench.errors_of(torch.tensor(values, dtype=torch.float32), torch.tensor(truth))
+    diff = values.astype(np.float32).astype(np.float64) - truth
+    assert rmse == pytest.approx(np.sqrt(np.mean(diff**2)), rel=1e-12)
+    assert signed == pytest.approx(np.mean(diff), rel=1e-12)
+    arm, baseline = g.normal(size=15).tolist(), g.normal(size=15).tolist()
+    d = np.subtract(arm, baseline)
+    half = stats.t.ppf(0.975, 14) * d.std(ddof=1) / np.sqrt(15)
+    mean, low, high = bench.paired_interval(arm, baseline)
+    assert (mean, low, high) == pytest.approx((d.mean(), d.mean() - half, d.mean() + half))
+    units = [{"seed": i % 5, "rmse": a} for i, a in enumerate(arm)]
+    lower = [{"seed": i % 5, "rmse": a + 1.0 + 0.01 * i} for i, a in enumerate(arm)]
+    assert bench.beats(units, lower) and not bench.beats(lower, units)
