@@ -141,6 +141,9 @@ class StepShape:
     new_tokens: int = 32
     micro_batch: int = 4
     rollout_correction: str = "none"
+    bf16: bool = False
+    """Both sides in bf16: ours ``train.bf16=true`` (on a CPU fp32 weights, bf16 products:
+    models/precision.py), TRL ``bf16=True`` (accelerate's CPU autocast)."""
 
 
 SIZES = {
@@ -210,6 +213,7 @@ def ours_command(inputs: dict, output_dir: Path, engine: str = "megatron") -> li
             "output_dir": str(output_dir),
             "save_interval": 10_000,
             "sample_interval": 10_000,
+            "bf16": shape.bf16,
         },
     }
     path = output_dir.with_suffix(".yaml")
@@ -329,7 +333,7 @@ def trl_worker(root: Path, output_dir: Path, steps: int, seed: int) -> None:
         logging_steps=1,
         seed=seed,
         use_cpu=True,
-        bf16=False,
+        bf16=shape.bf16,
         disable_tqdm=True,
         stop_token=None,
     )
@@ -402,6 +406,9 @@ def main() -> None:
         help="after the runs, time this machine's products and print each side's phases "
         "beside their floors (benchmarks/roofline.py)",
     )  # fmt: skip
+    parser.add_argument(
+        "--bf16", action="store_true", help="both sides in bf16 (ours: train.bf16=true)"
+    )
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -417,7 +424,7 @@ def main() -> None:
         parser.error("--prompts-per-step must be a multiple of --micro-batch")
     shape = StepShape(
         args.prompts_per_step, args.prompt_tokens, args.new_tokens, args.micro_batch,
-        args.rollout_correction,
+        args.rollout_correction, args.bf16,
     )  # fmt: skip
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_ppo_"))
     engines = {"ours" if e == "megatron" else f"ours ({e})": e for e in args.engines}
@@ -442,7 +449,8 @@ def main() -> None:
                     {k: round(v, 2) for k, v in result.items()}), flush=True)  # fmt: skip
     print(f"\n{args.size}: B={shape.prompts_per_step}, {shape.prompt_tokens} prompt + "
           f"{shape.new_tokens} new tokens, micro-batch {shape.micro_batch}, rollout_correction "
-          f"{shape.rollout_correction}, {args.threads} threads; min / median / max over "
+          f"{shape.rollout_correction}, {'bf16' if shape.bf16 else 'fp32'}, {args.threads} "
+          "threads; min / median / max over "
           f"{args.reps} reps x {len(args.seeds)} seeds")  # fmt: skip
     print("| side | step (s) | rollout | of it sync | scoring | update | of it optimizer |"
           " peak RSS (GB) | start-up (s) |")  # fmt: skip
@@ -487,9 +495,10 @@ def _print_roofline(args, shape: StepShape, sides: list[str], results: dict) -> 
         measured["update"] -= measured["optimizer"]  # the optimizer is its own phase there
         phases = roofline.step_phases(
             roofline.SIZES[args.size], shape.prompts_per_step, shape.prompt_tokens,
-            shape.new_tokens, shape.micro_batch, recompute_old=side != "ours",
+            shape.new_tokens, shape.micro_batch,
+            recompute_old=side != "ours" or shape.bf16,  # ours reuses the rollout's in fp32
         )  # fmt: skip
-        dtype = roofline.DTYPES["bf16" if "bf16" in side else "fp32"]
+        dtype = roofline.DTYPES["bf16" if shape.bf16 else "fp32"]
         roofline.print_floors(machine, phases, dtype, f"{side}, {args.size}", measured)
 
 

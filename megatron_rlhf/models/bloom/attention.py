@@ -100,6 +100,14 @@ def alibi_attention(
     dropout: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """ALiBi attention with the bias relative to the query, in fp32; returns (Sq, B, H*D)."""
+    if torch.is_autocast_enabled(query.device.type):
+        # bf16 on a CPU (models/precision.py): the two batched products here are a few per cent
+        # of a layer's FLOP at these lengths and oneDNN's bf16 kernels are slower than fp32's
+        # at their small per-head sizes (a BLOOM-560m-shaped decode: 1.52 s against 1.60 s),
+        # so they stay fp32, with fp32 softmax as before
+        with torch.autocast(query.device.type, enabled=False):
+            args = (query.float(), key.float(), value.float(), attention_mask, key_positions)
+            return alibi_attention(*args, slopes, softmax_scale, dropout)
     sq, batch, heads, dim = query.shape
     sk = key.shape[0]
     q = query.permute(1, 2, 0, 3).reshape(batch * heads, sq, dim)
