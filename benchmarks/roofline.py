@@ -21,11 +21,15 @@ scalar heads nothing worth counting. A backward is twice its forward. With the s
 - update: actor and critic forward + backward over the same micro-batches (3x the forward);
 - optimizer: Adam over both trained models' parameters. A sweep, not a product: per parameter
   it reads weight, gradient and both moments and writes weight and moments (28 B in fp32),
-  plus the gradient-norm read (4 B) and zeroing (4 B): 36 B a parameter.
+  plus the gradient norm's read (4 B): 32 B a parameter (the gradient buffer's zeroing happens
+  before the step's forward, outside this phase).
 
 **The rates.** Each product is timed here, at its own (rows x k) @ (k x n) shape and dtype, on
-``--threads`` threads (best of a few, after a warm-up), and the sweep at this machine's copy
-bandwidth (a 1 GiB ``copy_``, read + write bytes over the time). A phase's floor is the sum of
+``--threads`` threads (best of a few, after a warm-up, in the better of its two layouts:
+``x @ W^T`` and ``W @ x^T``); the peak is the best rate at any shape (a 4096^3 product or the
+phase's own). Sweeps run at this machine's streaming bandwidth: the best of a 1 GiB ``copy_``, a
+1 GiB triad ``c = a + b`` and torch's fused Adam over 64M parameters, all bytes read and written
+over the time. A phase's floor is the sum of
 its products' FLOP over their measured rates plus its sweeps' bytes over the bandwidth: what
 the same products would take back to back at the speed this machine does them, with nothing
 else (no attention softmax, layer norms, GeLU, sampling, Python, communication). A decode
@@ -40,8 +44,11 @@ some of this work.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -50,7 +57,7 @@ SIZES = {
     "tiny": dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-OPTIMIZER_BYTES_PER_PARAM = 36
+OPTIMIZER_BYTES_PER_PARAM = 32
 
 
 @dataclass
@@ -144,8 +151,10 @@ class Machine:
             w = torch.randn(n, k).to(dtype)  # F.linear's layout, as the models hold weights
             flop = 2 * rows_key * k * n
             reps = max(3, min(50, int(2e9 / flop)))
-            torch.nn.functional.linear(a, w)
-            self._rates[key] = flop / _best(lambda: torch.nn.functional.linear(a, w), reps)
+            layouts = (lambda: torch.nn.functional.linear(a, w), lambda: w @ a.t())
+            for layout in layouts:
+                layout()
+            self._rates[key] = flop / min(_best(layout, reps) for layout in layouts)
         return self._rates[key]
 
     def peak(self, dtype: torch.dtype) -> float:
@@ -161,22 +170,32 @@ class Machine:
 
     @property
     def copy_bandwidth(self) -> float:
-        """Bytes/s of a 1 GiB fp32 copy, read + write bytes."""
+        """Bytes/s streamed (read + written) by the better of a 1 GiB fp32 copy and a triad."""
         if self._copy is None:
-            x, y = torch.ones(2**28), torch.empty(2**28)
-            self._copy = 2 * x.numel() * 4 / _best(lambda: y.copy_(x), 3)
+            x, y, z = torch.ones(2**28), torch.ones(2**28), torch.empty(2**28)
+            copy = 2 * x.numel() * 4 / _best(lambda: z.copy_(x), 5)
+            triad = 3 * x.numel() * 4 / _best(lambda: torch.add(x, y, out=z), 5)
+            del x, y, z
+            self._copy = max(copy, triad, _adam_bandwidth())
         return self._copy
 
     def floor(self, phase: Phase, dtype: torch.dtype) -> float:
         """The roofline: each product at the larger of its FLOP at the dtype's peak and the
-        bytes it must read (weights and input once, output written) at the read bandwidth; a
-        backward 3x a forward; plus the phase's sweeps at the copy bandwidth."""
-        e, peak = dtype.itemsize, self.peak(dtype)
+        bytes it must read (weights and input once, output written) at the read bandwidth (a
+        sum's; where the product itself ran faster, its measured time: a bound above what the
+        machine did is no bound); a backward 3x a forward; plus the sweeps at the streaming
+        bandwidth."""
+        e = dtype.itemsize
+        # the peak: the best rate measured at any shape (a large square one, or a phase's own)
+        peak = max(
+            [self.peak(dtype)] + [self.rate(r, k, n, dtype) for r, k, n, *_ in phase.products]
+        )
         seconds = phase.sweep_bytes / self.copy_bandwidth
         for rows, k, n, count, backward in phase.products:
             compute = 2 * rows * k * n / peak
             memory = (k * n + rows * k + rows * n) * e / self.read_bandwidth
-            seconds += max(compute, memory) * count * (3 if backward else 1)
+            measured = 2 * rows * k * n / self.rate(rows, k, n, dtype)  # never above what ran
+            seconds += min(max(compute, memory), measured) * count * (3 if backward else 1)
         return seconds
 
     def at_shapes(self, phase: Phase, dtype: torch.dtype) -> float:
@@ -187,6 +206,16 @@ class Machine:
             flop = 2 * rows * k * n * count * (3 if backward else 1)
             seconds += flop / self.rate(rows, k, n, dtype)
         return seconds
+
+
+def _adam_bandwidth(params: int = 2**26) -> float:
+    """Bytes/s of torch's fused Adam step over ``params`` fp32 parameters (28 B each: weight,
+    gradient and both moments read, weight and moments written)."""
+    weights = [torch.zeros(params, requires_grad=True)]
+    weights[0].grad = torch.ones(params)
+    optimizer = torch.optim.Adam(weights, lr=1e-3, fused=True)
+    optimizer.step()
+    return 28 * params / _best(optimizer.step, 5)
 
 
 def _best(function, reps: int) -> float:
@@ -205,7 +234,7 @@ def floors(machine: Machine, phases: list[Phase], dtype: torch.dtype) -> dict[st
 def print_machine(machine: Machine, arch: dict) -> None:
     h, v = arch["hidden_size"], arch["vocab_size"]
     print(f"machine: {machine.threads} threads; read {machine.read_bandwidth / 1e9:.1f} GB/s, "
-          f"copy {machine.copy_bandwidth / 1e9:.1f} GB/s (read + write)")  # fmt: skip
+          f"stream {machine.copy_bandwidth / 1e9:.1f} GB/s (read + write)")  # fmt: skip
     print("| product | fp32 GFLOP/s | bf16 GFLOP/s |")
     print("|---|---:|---:|")
     for rows, k, n in ((4096, 4096, 4096), (256, h, v), (8, h, v), (8, h, 4 * h), (256, h, 4 * h)):
@@ -245,17 +274,45 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--recompute-old", action="store_true", help="scoring recomputes pi_old")
+    parser.add_argument(
+        "--from-log", nargs="+", default=[],
+        help="bench_ppo_real_shapes.py logs: print each side's median phases beside the floors "
+        "(the precision and shape as that run's header line says; the default shape's)",
+    )  # fmt: skip
     args = parser.parse_args()
     arch = SIZES[args.size]
     machine = Machine(args.threads)
     print_machine(machine, arch)
-    for name in args.dtype:
+    for log in args.from_log:
+        name = "bf16" if ", bf16, " in Path(log).read_text() else "fp32"
+        for side, measured in medians_of(log).items():
+            phases = step_phases(
+                arch, args.prompts_per_step, args.prompt_tokens, args.new_tokens,
+                args.micro_batch, recompute_old=side != "ours" or name == "bf16",
+            )  # fmt: skip
+            print_floors(machine, phases, DTYPES[name], f"{side}, {args.size}, {name}", measured)
+    for name in args.dtype if not args.from_log else ():
         dtype = DTYPES[name]
         phases = step_phases(
             arch, args.prompts_per_step, args.prompt_tokens, args.new_tokens,
             args.micro_batch, recompute_old=args.recompute_old,
         )  # fmt: skip
         print_floors(machine, phases, dtype, f"{args.size}, {name}")
+
+
+def medians_of(log: str) -> dict[str, dict[str, float]]:
+    """{side: median seconds of each phase} from the ``seed S rep R side: {...}`` lines of a
+    bench_ppo_real_shapes.py log (the update without its optimizer, as phases count it)."""
+    runs: dict[str, list[dict]] = {}
+    for line in Path(log).read_text().splitlines():
+        if line.startswith("seed ") and ": {" in line:
+            head, record = line.split(": ", 1)
+            runs.setdefault(head.split(" ", 4)[4], []).append(json.loads(record))
+    medians = {}
+    for side, records in runs.items():
+        medians[side] = {k: statistics.median(r[k] for r in records) for k in records[0]}
+        medians[side]["update"] -= medians[side]["optimizer"]
+    return medians
 
 
 if __name__ == "__main__":
