@@ -243,23 +243,23 @@ def test_rollout_logprobs_as_old_logprobs_equal_a_recomputing_forward(setup):
 
 
 @pytest.mark.e2e
-def test_bf16_on_the_cpu_learns_the_known_reward_from_a_zero_kl(setup, tp1_run):
-    """``train.bf16=true`` on a CPU (models/precision.py: fp32 weights, bf16 products): the
-    actor and the reference compute the same numbers at step 1 (KL 0, as with bf16 weights on a
-    GPU), the KV-cached rollout and the recomputing forward agree to bf16 rounding, the reward
-    rises as in the fp32 run's test, and the checkpoint holds fp32 master weights."""
+def test_bf16_on_the_cpu_starts_from_a_zero_kl_and_keeps_fp32_master_weights(setup, tp1_run):
+    """``train.bf16=true`` on a CPU (models/precision.py: fp32 weights, bf16 products), 3 steps:
+    the actor and the reference compute the same numbers at step 1 (KL exactly 0, as with one
+    set of bf16 weights on a GPU), the KV-cached rollout and the recomputing forward agree to
+    bf16 rounding, the run differs from fp32's (the products did run in bf16) and the checkpoint
+    holds fp32 master weights. (Learning over 12 steps, three seeds: README, "bf16 on the
+    CPU".)"""
     from torch.distributed.checkpoint import FileSystemReader
 
     output_dir = setup["root"] / "bf16"
-    _run(setup, output_dir, 1, "train.bf16=true")
+    _run(setup, output_dir, 1, "train.bf16=true", "train.steps=3")
     steps = _rewards(output_dir)
     assert steps[1]["kl/mean"] == 0.0 and tp1_run[1]["kl/mean"] < 1e-6
     assert 0.0 <= steps[1]["rollout/logprob_diff_max"] < 0.05  # pi_old recomputed in bf16
-    first = sum(steps[s]["reward/mean"] for s in (1, 2, 3)) / 3
-    last = sum(steps[s]["reward/mean"] for s in (10, 11, 12)) / 3
-    assert first < 0.15 and last > 0.5, (first, last)
-    assert steps[12]["actor/grad_norm"] != tp1_run[12]["actor/grad_norm"]  # not the fp32 run
-    saved = FileSystemReader(output_dir / "step_0000012").read_metadata().state_dict_metadata
+    assert steps[1]["actor/grad_norm"] != tp1_run[1]["actor/grad_norm"]  # not the fp32 run
+    assert steps[1]["actor/grad_norm"] == pytest.approx(tp1_run[1]["actor/grad_norm"], rel=0.1)
+    saved = FileSystemReader(output_dir / "step_0000003").read_metadata().state_dict_metadata
     actor = {
         k: v.properties.dtype
         for k, v in saved.items()

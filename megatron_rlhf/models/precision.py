@@ -59,6 +59,12 @@ def mark_cpu_bf16(model: torch.nn.Module, bf16: bool) -> torch.nn.Module:
     return model
 
 
+def cpu_autocast(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s ops run under a CPU autocast region (False on any other device:
+    ``meta`` has no autocast state to ask for)."""
+    return tensor.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+
+
 def compute_precision(model) -> contextlib.AbstractContextManager:
     """The autocast region of a marked model (through a DDP wrapper too), else a no-op."""
     while not hasattr(model, CPU_BF16) and hasattr(model, "module"):

@@ -63,6 +63,7 @@ from megatron_rlhf.kernels.alibi_attention import (
     fused_packed_alibi_attention,
 )
 from megatron_rlhf.models.bloom.alibi import alibi_slopes_for_rank
+from megatron_rlhf.models.precision import cpu_autocast
 
 
 def _tp_rank_and_size(pg_collection) -> tuple[int, int]:
@@ -100,12 +101,12 @@ def alibi_attention(
     dropout: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """ALiBi attention with the bias relative to the query, in fp32; returns (Sq, B, H*D)."""
-    if torch.is_autocast_enabled(query.device.type):
+    if cpu_autocast(query):
         # bf16 on a CPU (models/precision.py): the two batched products here are a few per cent
         # of a layer's FLOP at these lengths and oneDNN's bf16 kernels are slower than fp32's
         # at their small per-head sizes (a BLOOM-560m-shaped decode: 1.52 s against 1.60 s),
         # so they stay fp32, with fp32 softmax as before
-        with torch.autocast(query.device.type, enabled=False):
+        with torch.autocast("cpu", enabled=False):
             args = (query.float(), key.float(), value.float(), attention_mask, key_positions)
             return alibi_attention(*args, slopes, softmax_scale, dropout)
     sq, batch, heads, dim = query.shape

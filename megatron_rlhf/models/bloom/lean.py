@@ -28,6 +28,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_rlhf.models.precision import cpu_autocast
+
 
 def _inference(module: torch.nn.Module) -> bool:
     return not (torch.is_grad_enabled() or module.training)
@@ -46,7 +48,7 @@ class BloomColumnParallelLinear(ColumnParallelLinear):
         if not lean:
             return super().forward(input_, weight, runtime_gather_output)
         bias = None if self.skip_bias_add else self.bias
-        if bias is not None and torch.is_autocast_enabled(input_.device.type):
+        if bias is not None and cpu_autocast(input_):
             # Megatron-Core's training path adds the fp32 bias to the bf16 product (an fp32
             # sum); F.linear would round product + bias to bf16 (models/precision.py)
             output = F.linear(input_, self.weight) + bias
