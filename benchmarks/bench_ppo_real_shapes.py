@@ -493,13 +493,8 @@ def _print_roofline(args, shape: StepShape, sides: list[str], results: dict) -> 
         every = [r for seed in args.seeds for r in results[side][seed]]
         measured = {k: statistics.median(r[k] for r in every) for k in PHASES}
         measured["update"] -= measured["optimizer"]  # the optimizer is its own phase there
-        phases = roofline.step_phases(
-            roofline.SIZES[args.size], shape.prompts_per_step, shape.prompt_tokens,
-            shape.new_tokens, shape.micro_batch,
-            recompute_old=side != "ours" or shape.bf16,  # ours reuses the rollout's in fp32
-        )  # fmt: skip
-        dtype = roofline.DTYPES["bf16" if shape.bf16 else "fp32"]
-        roofline.print_floors(machine, phases, dtype, f"{side}, {args.size}", measured)
+        dims = (shape.prompts_per_step, shape.prompt_tokens, shape.new_tokens, shape.micro_batch)
+        roofline.print_side(machine, args.size, dims, side, shape.bf16, measured)
 
 
 def _print_ratio(results: dict, seeds, slow: str, fast: str, label: str) -> None:

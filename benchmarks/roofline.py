@@ -285,12 +285,9 @@ def main() -> None:
     print_machine(machine, arch)
     for log in args.from_log:
         name = "bf16" if ", bf16, " in Path(log).read_text() else "fp32"
+        shape = (args.prompts_per_step, args.prompt_tokens, args.new_tokens, args.micro_batch)
         for side, measured in medians_of(log).items():
-            phases = step_phases(
-                arch, args.prompts_per_step, args.prompt_tokens, args.new_tokens,
-                args.micro_batch, recompute_old=side != "ours" or name == "bf16",
-            )  # fmt: skip
-            print_floors(machine, phases, DTYPES[name], f"{side}, {args.size}, {name}", measured)
+            print_side(machine, args.size, shape, side, name == "bf16", measured)
     for name in args.dtype if not args.from_log else ():
         dtype = DTYPES[name]
         phases = step_phases(
@@ -298,6 +295,15 @@ def main() -> None:
             args.micro_batch, recompute_old=args.recompute_old,
         )  # fmt: skip
         print_floors(machine, phases, dtype, f"{args.size}, {name}")
+
+
+def print_side(machine: Machine, size: str, shape: tuple, side: str, bf16: bool, measured: dict):
+    """One side of bench_ppo_real_shapes.py beside its floors: ``shape`` (prompts, prompt
+    tokens, new tokens, micro-batch); our fp32 side reuses the rollout's log-probs as pi_old,
+    every other side recomputes them."""
+    phases = step_phases(SIZES[size], *shape, recompute_old=side != "ours" or bf16)
+    name = "bf16" if bf16 else "fp32"
+    print_floors(machine, phases, DTYPES[name], f"{side}, {size}, {name}", measured)
 
 
 def medians_of(log: str) -> dict[str, dict[str, float]]:

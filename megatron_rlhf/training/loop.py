@@ -272,8 +272,8 @@ def train(
     max_tokens = task.token_budget(max_length)
     check_trainer(
         arch, config, layout, max_length, task.rows_per_example, task.head,
-        command.element_bytes(command.use_bf16(config.train.bf16)) == 2,
-        task.sharded_optimizer(), skip_memory_check,
+        command.element_bytes(command.use_bf16(config.train.bf16)), task.sharded_optimizer(),
+        skip_memory_check,
         max_tokens=max_tokens,
     )  # fmt: skip
     run = Run(task.name, config, overwrite=overwrite, force_config_change=force_config_change)
