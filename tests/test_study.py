@@ -348,6 +348,33 @@ def test_holm_paired_tests_and_seeds_needed_against_scipy():
     assert claims.seeds_needed(1e-3, 1.0) is None  # beyond SEEDS_LIMIT
 
 
+def test_t_test_power_has_no_nan_in_the_lower_tail(monkeypatch):
+    """Far out, scipy's noncentral t cdf returns nan for the lower tail (scipy 1.17.1: df 4,
+    shift 11.1, the published run's "AM-PPO-SR beats SFT on main" at 5 seeds); the power then
+    was nan, ``>= 0.8`` false, and the seed search returned 6 instead of 5. The guarded power is
+    the upper tail plus at most Phi(-shift), and the search stops at the true count."""
+    from scipy import stats as sp
+
+    from megatron_rlhf.study import claims
+
+    effect, sd, alpha = 22.9375, 4.617674378587848, 0.05 / 13  # that claim's row
+    for n in range(2, 12):
+        df, shift = n - 1, effect / sd * math.sqrt(n)
+        upper = sp.nct.sf(sp.t.ppf(1 - alpha / 2, df), df, shift)
+        power = claims.t_test_power(effect, sd, n, alpha)
+        assert math.isfinite(power), n
+        assert upper - 1e-12 <= power <= upper + sp.norm.sf(shift) + 1e-12, n
+    assert claims.seeds_needed(effect, sd, alpha=alpha) == 5  # power 0.987 at 5, 0.773 at 4
+    # whatever scipy's version gives there, a nan lower tail is never a nan power
+    monkeypatch.setattr(sp.nct, "cdf", lambda *args: float("nan"))
+    power = claims.t_test_power(effect, sd, 5, alpha)
+    assert power == pytest.approx(0.98655, abs=1e-4)
+    assert claims.seeds_needed(effect, sd, alpha=alpha) == 5
+    monkeypatch.setattr(sp.nct, "sf", lambda *args: float("nan"))
+    with pytest.raises(ValueError, match="upper tail"):
+        claims.t_test_power(effect, sd, 5, alpha)
+
+
 def _fake_results(better: dict, seeds: int = 6) -> dict:
     """results.json with per-seed values only where the claims read them: every arm's net win
     and every scorer's over-confidence 0 +- 1, its other metrics 50 +- 1, plus ``better``

@@ -274,20 +274,30 @@ SEEDS_LIMIT = 100_000
 
 def t_test_power(effect: float, sd: float, n: int, alpha: float) -> float:
     """Power of the two-sided one-sample t-test at level ``alpha`` with ``n`` seeds when the
-    true mean difference is ``effect`` and its std ``sd`` (noncentral t, ``n - 1`` df)."""
+    true mean difference is ``effect`` and its std ``sd`` (noncentral t, ``n - 1`` df).
+
+    The lower tail ``P(T <= -critical)`` is at most ``P(Z + shift <= 0) = Phi(-shift)`` (the
+    noncentral t is ``(Z + shift) / sqrt(V / df)``), and far out scipy's ``nct.cdf`` returns
+    nan there (scipy 1.17: at shifts above 5, where the bound is below 3e-7, for some
+    ``df`` and not for their neighbours): a nan tail counts as 0, so the power is low by at most
+    that bound instead of nan (which made ``power >= 0.8`` false and the seed search skip past
+    the answer). A non-finite upper tail is an error, never a power."""
     from scipy import stats
 
     df, shift = n - 1, abs(effect) / sd * math.sqrt(n)
     critical = stats.t.ppf(1 - alpha / 2, df)
-    return float(stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift))
+    upper = float(stats.nct.sf(critical, df, shift))
+    if not math.isfinite(upper):
+        raise ValueError(f"noncentral t upper tail is {upper} (df {df}, shift {shift:g})")
+    lower = float(stats.nct.cdf(-critical, df, shift))
+    return upper + (lower if math.isfinite(lower) else 0.0)
 
 
 def seeds_needed(effect: float, sd: float | None, alpha: float = ALPHA, power: float = POWER,
                  limit: int = SEEDS_LIMIT) -> int | None:  # fmt: skip
     """The fewest seeds (>= 2) at which ``t_test_power`` reaches ``power`` (None: more than
     ``limit``, no effect, or no spread known). The search starts at the z-test's count, which
-    the t-test never beats, so the noncentral t is only evaluated near its answer (scipy's
-    ``nct`` returns nan far out in the tail)."""
+    the t-test never beats, so the noncentral t is only evaluated near its answer."""
     from scipy import stats
 
     if sd is None or effect == 0.0:
