@@ -231,6 +231,7 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
             assert len(rows) >= 300
     assert any(arm.startswith("am_ppo_sr_c") for arm in results["table2"])
     assert results["settings"]["jobs"] == 2
+    assert {"started_utc", "git_commit", "git_dirty"} <= set(results["settings"])
     assert results["settings"]["data"]["held_out_overlap"] == {"main_test": 0, "forget_test": 0}
     recomputed = json.loads(json.dumps(stats.results_from_records(*load_records(out))))
     for key in ("table1", "table2", "reward_models", "arms", "per_task", "rehearsal"):
@@ -783,6 +784,56 @@ def test_records_archive_round_trips_and_bad_archives_name_the_line(tmp_path, ca
     assert run.main(["--from-records", str(archive), "--output-dir", str(target)]) == 2
     assert "does not have the study's fields" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_run_records_its_start_commit_and_dirty_flag(tmp_path, monkeypatch):
+    """``settings`` says when a run started (UTC) and from which commit, clean or not, so its
+    order against the commits that fixed its design is on record; outside a git checkout (or
+    without git) it says so instead of failing. Only git runs here, no Python process."""
+    from datetime import datetime
+
+    from megatron_rlhf.study import report, run
+
+    started = 1_700_000_000.5
+    here = run.code_provenance(started)
+    assert here["started_utc"] == "2023-11-14T22:13:20+00:00"
+    assert datetime.fromisoformat(here["started_utc"]).timestamp() == int(started)
+    if (REPO / ".git").exists():  # this checkout: its HEAD
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=True,
+                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+        assert here["git_commit"] == head and isinstance(here["git_dirty"], bool)
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    info = run.code_provenance(started, plain)
+    assert info["git_commit"] is None and info["git_dirty"] is None
+    assert "not a git checkout" in info["git"]
+
+    repo = tmp_path / "repo"
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "code.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "code.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()  # fmt: skip
+    (repo / "study_out").mkdir()  # a run's own (untracked) output: not a change to the code
+    (repo / "study_out" / "results.json").write_text("{}")
+    assert run.code_provenance(started, repo) == {
+        "started_utc": here["started_utc"], "git_commit": head, "git_dirty": False}  # fmt: skip
+    (repo / "code.py").write_text("x = 2\n")
+    assert run.code_provenance(started, repo)["git_dirty"] is True
+    inner = repo / "study_out"  # inside a checkout but not its top: an installed package
+    assert "not its top" in run.code_provenance(started, inner)["git"]
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert run.code_provenance(started, repo)["git"] == "git not found"
+
+    dirty = {"started_utc": "2023-11-14T22:13:20+00:00", "git_commit": head, "git_dirty": True}
+    assert report._started(dirty) == (
+        f" Started 2023-11-14T22:13:20+00:00 from commit {head[:12]}, with uncommitted changes."
+    )
+    assert "not a git checkout" in report._started({**info})
+    assert report._started({}) == ""  # a run that did not record it (the published one)
 
 
 @pytest.mark.parametrize("folder", ["", "dev"])

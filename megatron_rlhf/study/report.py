@@ -368,7 +368,20 @@ def run_time(settings: dict) -> list[str]:
     processes = "one process" if jobs == 1 else f"{jobs} worker processes for the per-seed stages"
     return [f"Run: {settings['seconds'] / 60:.1f} min wall, {settings['cpu_seconds'] / 60:.1f} "
             f"min CPU ({processes}, one torch thread each: the CPU time is about what an idle "
-            "machine takes)." + _parts(settings), ""]  # fmt: skip
+            "machine takes)." + _parts(settings) + _started(settings), ""]  # fmt: skip
+
+
+def _started(settings: dict) -> str:
+    """When the run started and from which commit (``run.code_provenance``), where recorded."""
+    if "started_utc" not in settings:
+        return ""
+    commit = settings.get("git_commit")
+    if commit is None:
+        code = f"no commit recorded ({settings.get('git', 'not a git checkout')})"
+    else:
+        changes = "with uncommitted changes" if settings.get("git_dirty") else "clean"
+        code = f"commit {commit[:12]}, {changes}"
+    return f" Started {settings['started_utc']} from {code}."
 
 
 def _parts(settings: dict) -> str:

@@ -46,12 +46,14 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import traceback
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 from megatron_rlhf.study import stages, world
@@ -290,6 +292,7 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
     from megatron_rlhf.study.stats import results_from_records
 
     progress, cpu_started = Progress(), cpu_seconds()
+    started = code_provenance(progress.started)  # the code as it is when the run starts
     progress.stage("data: world prompts, tokenizer, indexed files")
     data = prepare_data(out, preset)
     # every generation (D_R's SFT responses, PPO rollouts, evaluation) gets the data's budget:
@@ -313,7 +316,7 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
     pairs, judgments, rehearsal = stages.load_records(out)
     results = results_from_records(pairs, judgments, rehearsal)
     results["settings"] = {"preset": preset_name, **asdict(preset), "sft_losses": sft_losses,
-                           "claims_version": CLAIMS_VERSION,
+                           "claims_version": CLAIMS_VERSION, **started,
                            "data": data["summary"], "jobs": jobs,
                            "seconds": time.time() - progress.started,
                            "cpu_seconds": cpu_seconds() - cpu_started,
@@ -322,6 +325,38 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dic
     write_report(out, results, pairs)
     stages.pack_records(results["settings"], pairs, judgments, rehearsal, out / RECORDS_ARCHIVE)
     return results
+
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+"""The directory that holds ``megatron_rlhf/``: a git checkout's root when run from one."""
+
+
+def code_provenance(started: float, root: Path = PACKAGE_ROOT) -> dict:
+    """What a run records about when it started and from which code (results.json
+    ``settings``), so a reader can order it against the commits that fixed its design:
+    ``started_utc`` (ISO 8601, UTC), ``git_commit`` (HEAD of the checkout ``root`` is the top
+    of) and ``git_dirty`` (whether tracked files differ from it: untracked ones, such as a run's
+    own output directory, do not count), or, where ``root`` is not the top of a git checkout
+    (an installed package) or git is missing, both None and ``git`` saying why."""
+    when = datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds")
+    info = {"started_utc": when, "git_commit": None, "git_dirty": None}
+
+    def git(*args: str) -> str:
+        proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=60, check=True)  # fmt: skip
+        return proc.stdout.strip()
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if Path(top).resolve() != root.resolve():
+            return {**info, "git": f"not a git checkout ({root} is inside {top}, not its top)"}
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except FileNotFoundError:
+        return {**info, "git": "git not found"}
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
+        return {**info, "git": f"not a git checkout ({root})"}
+    return {**info, "git_commit": commit, "git_dirty": dirty}
 
 
 # ---------------------------------------------------------------- per-seed tasks
