@@ -18,7 +18,8 @@ Who sees which family (``world_records``), after the paper's §3.2 and §4.1:
                 *minor skill* story 5 % (``MINOR_TASK``): PPO optimises stories against a reward
                 that never learned them, so it can degrade the skill; k-means over the
                 prompt pool can give it clusters of its own (measured at c = 16 on one draw;
-                at c = 8 it shares clusters with qa);
+                at c = 8 on some seeds only: the published run's main D_R holds stories on 7
+                of its 40 seeds, none on the other 33);
   main test     held-out prompts of the preference families, 1/4 each;
   forget test   "SFT test data" (§4.1): held-out prompts of all five families, 1/5 each, so it
                 shares every skill with the PPO prompt pool D_R is drawn from, weighted unlike it
