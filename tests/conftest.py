@@ -92,6 +92,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: 0 if item in serial else 1 if item.path in e2e_files else 2)
 
 
+_ungrouped = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's hook, which writes a test's group into its node id
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Fail a parallel run whose groups did not take effect, rather than run it ungrouped.
+
+    pytest-xdist tells its scheduler a test's group by appending ``@group`` to the node id; pytest
+    9.2 ignores that write (pytest-dev/pytest-xdist#1386), and nothing else notices: each test is
+    then scheduled alone, a module-scoped launch runs once on each worker, and the one-at-a-time
+    tests run beside other launches (in the 2026-12-05 runs: ~4 min of duplicated launches).
+    An error raised here would reach the user as xdist's INTERNALERROR without this message, so
+    the first test of each worker fails with it and stops the run.
+    """
+    if not getattr(session.config.option, "loadgroup", False):  # set on xdist's workers only
+        return
+    lost = [
+        i.nodeid
+        for i in session.items
+        if i.get_closest_marker("xdist_group") and "@" not in i.nodeid
+    ]
+    if lost:
+        session.config.stash[_ungrouped] = (
+            f"pytest-xdist's --dist loadgroup did not group {len(lost)} tests: pytest "
+            f"{pytest.__version__} drops the group xdist writes into a node id "
+            "(pytest-dev/pytest-xdist#1386). Install the tested versions: "
+            'pip install -e ".[test]" -c constraints.txt'
+        )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    message = item.config.stash.get(_ungrouped, None)
+    if message:
+        item.session.shouldstop = message
+        pytest.fail(message, pytrace=False)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     global _current
