@@ -143,7 +143,7 @@ def _training_roles(plan: PPOPlan, role_groups: dict, seed: int, common: dict) -
         seed_layout(role_groups[role], seed)
         pg = role_groups[role].pg_collection
         model = load_bloom(checkpoints[role], pg_collection=pg, **kwargs)
-        return mark_cpu_bf16(model, bf16), pg
+        return mark_cpu_bf16(model, bf16, frozen=role in ("reference", "reward")), pg
 
     updates = config.train.steps * config.ppo.epochs * config.ppo.num_minibatches
     actor_model, actor_pg = load("actor", head="lm", init_weights=False, **trained)

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 
+from megatron_rlhf.models.precision import bf16_copy
+
 OPT_IN = "accumulate_into_main_grad"
 
 
@@ -74,30 +76,42 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
         return None, None
 
 
-VOCAB_SLICE = 16_384
-"""Vocabulary rows of a bf16 weight gradient formed at a time before their fp32 add (32 MB at
-BLOOM's width, where the whole gradient in bf16 would be a fresh 0.5 GB)."""
+VOCAB_SLICE = 4_096
+"""Vocabulary rows of a bf16 weight gradient formed at a time before their fp32 add: 8 MB at
+BLOOM's width, into one bf16 and one fp32 scratch slice reused by every slice. (Slices of 16,384
+rows with a fresh product and a fresh fp32 copy of it for each ``add_`` spent most of their time
+page-faulting those copies in: 0.49 s for one micro-batch's (128 tokens) gradient at BLOOM-560m's
+shapes on the 2-core benchmark machine, 0.16 s this way; the whole product in fp32 takes 0.27.)"""
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(hidden, weight)
-        return F.linear(hidden, weight)
+        operand = bf16_copy(weight)  # the weight, or its kept bf16 copy (models/precision.py)
+        ctx.save_for_backward(hidden, weight, operand)
+        return F.linear(hidden, operand)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        hidden, weight = ctx.saved_tensors
-        grad_input = grad.matmul(weight)  # under autocast (models/precision.py): bf16
+        hidden, weight, operand = ctx.saved_tensors
+        # one (tokens x V) @ (V x H) product, bf16 under autocast: a non-contiguous 3-D gradient
+        # times a weight that does not require grad is otherwise a batched product over a copy
+        # of the weight per token (oneDNN asked for 66 GB at BLOOM-560m's shapes)
         flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_input = (flat_grad @ operand).view(*grad.shape[:-1], operand.shape[1])
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         main_grad = weight.main_grad
         if flat_grad.dtype == main_grad.dtype:
             main_grad.addmm_(flat_grad.t(), flat_hidden.to(main_grad.dtype))
         else:  # bf16 products into the fp32 buffer, a vocabulary slice at a time
             flat_hidden = flat_hidden.to(flat_grad.dtype)
+            size = (min(VOCAB_SLICE, main_grad.shape[0]), main_grad.shape[1])
+            product = flat_hidden.new_empty(size)
+            widened = main_grad.new_empty(size)
             for rows, grads in zip(main_grad.split(VOCAB_SLICE), flat_grad.t().split(VOCAB_SLICE)):
-                rows.add_(grads @ flat_hidden)
+                n = rows.shape[0]
+                torch.mm(grads, flat_hidden, out=product[:n])
+                rows.add_(widened[:n].copy_(product[:n]))
         return grad_input, None
 
 
@@ -133,7 +147,7 @@ class BloomOutputLayer(ColumnParallelLinear):
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
         plain = self.tp_group.size() == 1 and not self.sequence_parallel
-        if plain and not (torch.is_grad_enabled() or self.training):
+        if plain and not torch.is_grad_enabled():  # also a trained model's scoring
             return vocab_projection(input_, weight), None
         if plain and accumulates(weight):
             return linear(input_, weight), None
@@ -156,6 +170,7 @@ def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     output is the same dot product summed in another order: equal to rounding. One or two
     rows already take MKL's matrix-vector path; GPUs, many rows and small vocabularies use one
     ``F.linear``."""
+    weight = bf16_copy(weight)  # under a CPU bf16 region: its kept bf16 copy
     rows = hidden.numel() // hidden.shape[-1]
     if hidden.device.type != "cpu" or not 2 < rows <= 64 or weight.shape[0] < LARGE_VOCAB:
         return F.linear(hidden, weight)
