@@ -9,7 +9,8 @@ parameters (a trained model's are its master weights) and its forward and backwa
 ``torch.autocast("cpu", torch.bfloat16)``. Each matrix product takes bf16 copies of its
 operands (a weight is cast once per autocast region, and reused by every micro-batch and decode
 step inside it), accumulates in fp32, and a weight's gradient reaches the fp32 gradient buffer;
-layer norms, softmax and the losses stay fp32 (autocast's CPU lists).
+layer norms, softmax and the losses stay fp32 (autocast's CPU lists). The vocabulary matrix,
+most of BLOOM's weights, keeps its bf16 copy between regions (:func:`bf16_copy`).
 
 The frozen models (reference, reward) run the same way, not in bf16 parameters: at step 1 the
 actor and the reference then compute the same numbers and the KL penalty starts at 0, as on a
