@@ -22,9 +22,10 @@ vocabulary, ``t`` TP, ``e`` bytes per activation element (bf16 2 on GPUs, fp32 4
   (``sbh``) and one layer's activations at a time.
 - The LM-head working set of the last stage: the logits shard ``b s v/t`` the output layer
   writes (S, B) and the contiguous (B, S) copy ``GPTModel`` returns; in training the
-  ``token_logprobs`` kernel saves that copy, and the backward holds its gradient, the gradient
-  of the slice, and the transposed copy for the output layer's matmul. The kernel's own scratch
-  is two fp32 chunks of at most ``CHUNK_ELEMENTS`` values.
+  ``token_logprobs`` kernel saves the response slice, and the backward holds the full-size
+  gradient and its copy for the output layer's products, plus, through Megatron-Core's output
+  layer (TP > 1 or SP), a transposed copy. The kernel's own scratch is two fp32 chunks of at
+  most ``CHUNK_ELEMENTS`` values.
 - KV cache (generation): ``StaticInferenceContext`` keys and values for the rollout's sequences
   at their full length: ``2 * (l/pp) * rows * (prompt + response) * h/t`` x e, plus the prefill's
   layer temporaries. Megatron-Core computes (and gathers over TP) the logits of the last
@@ -196,8 +197,14 @@ def logits_bytes(shape: ModelShape, layout: Layout, work: Workload, training: bo
     response = work.micro_batch * work.response_len * vocab * work.element_bytes
     scratch = 2 * min(work.micro_batch * work.response_len, max(1, CHUNK_ELEMENTS // vocab))
     scratch *= vocab * 4
-    if training:  # saved copy + its gradient + the slice's gradient + the transposed gradient
-        return 3 * full + response
+    if training:
+        # the slice the kernel saves, and in the backward the full-size gradient and its copy
+        # for the output layer's products: Megatron-Core's layer takes a transposed copy for the
+        # weight gradient besides; ours (TP = 1 without SP, models/bloom/vocab.py) reshapes the
+        # gradient once for both products (tools/scaling_study.py: TP=1 actor rows 1.13-1.17
+        # counted with three)
+        copies = 2 if layout.tp == 1 and not work.sequence_parallel else 3
+        return copies * full + response
     return max(2 * full, full + scratch)  # the (S, B) output and its (B, S) copy; or the kernel
 
 
