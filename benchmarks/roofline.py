@@ -279,15 +279,24 @@ def main() -> None:
         help="bench_ppo_real_shapes.py logs: print each side's median phases beside the floors "
         "(the precision and shape as that run's header line says; the default shape's)",
     )  # fmt: skip
+    parser.add_argument(
+        "--planner", action="store_true",
+        help="also the planner's phase times for this step on one device with this machine's "
+        "bf16 figures, beside the floors (and our bf16 side's medians from a --from-log)",
+    )  # fmt: skip
     args = parser.parse_args()
     arch = SIZES[args.size]
     machine = Machine(args.threads)
     print_machine(machine, arch)
+    shape = (args.prompts_per_step, args.prompt_tokens, args.new_tokens, args.micro_batch)
     for log in args.from_log:
         name = "bf16" if ", bf16, " in Path(log).read_text() else "fp32"
-        shape = (args.prompts_per_step, args.prompt_tokens, args.new_tokens, args.micro_batch)
         for side, measured in medians_of(log).items():
             print_side(machine, args.size, shape, side, name == "bf16", measured)
+            if args.planner and name == "bf16" and side == "ours":
+                print_planner(machine, args.size, shape, measured)
+    if args.planner and not any(", bf16, " in Path(log).read_text() for log in args.from_log):
+        print_planner(machine, args.size, shape, None)
     for name in args.dtype if not args.from_log else ():
         dtype = DTYPES[name]
         phases = step_phases(
@@ -304,6 +313,54 @@ def print_side(machine: Machine, size: str, shape: tuple, side: str, bf16: bool,
     phases = step_phases(SIZES[size], *shape, recompute_old=side != "ours" or bf16)
     name = "bf16" if bf16 else "fp32"
     print_floors(machine, phases, DTYPES[name], f"{side}, {size}, {name}", measured)
+
+
+def planner_phases(machine: Machine, arch: dict, shape: tuple) -> dict[str, float]:
+    """The planner's step-time model (``planning/plan.py``) for this step on one device with
+    this machine's bf16 figures (its peak the measured bf16 peak, its HBM the read bandwidth),
+    summed into the roofline's phases: {rollout, scoring, update: seconds}. The planner models
+    bf16 weights (2 B a parameter read per decode step) and no optimizer sweep."""
+    from megatron_rlhf.planning import hardware, plan
+    from megatron_rlhf.planning.shapes import ModelShape
+
+    prompts, prompt_tokens, new_tokens, micro_batch = shape
+    model = ModelShape(name="roofline", **{k: arch[k] for k in ModelShape.__dataclass_fields__
+                                           if k in arch})  # fmt: skip
+    device = hardware.GPU(
+        name=f"this CPU, {machine.threads} threads",
+        bf16_tflops=machine.peak(torch.bfloat16) / 1e12,
+        memory_gb=1e6,  # the one layout fits: the comparison is about time
+        hbm_tb_per_s=machine.read_bandwidth / 1e12,
+        nvlink_gb_per_s=1.0,  # unused: one device
+    )
+    request = plan.PlanRequest(
+        models={role: model for role in plan.ROLE_HEADS}, gpus=1, gpu_memory_gb=1e6,
+        rollout_sequences=prompts, max_length=prompt_tokens + new_tokens,
+        prompt_length=prompt_tokens, micro_batch=micro_batch, reserve_gb=0.0, gpu=device,
+    )  # fmt: skip
+    phases = {"rollout": 0.0, "scoring": 0.0, "update": 0.0}
+    for key, seconds in plan.make_plans(request, top=1).plans[0].seconds.items():
+        phase = {"rollout": "rollout", "score": "scoring", "train": "update"}.get(key.split("_")[0])
+        if phase is None:
+            raise ValueError(f"the planner's {key!r} has no roofline phase")
+        phases[phase] += seconds
+    return phases
+
+
+def print_planner(machine: Machine, size: str, shape: tuple, measured: dict | None) -> None:
+    """The planner's phase times beside the bf16 floors (and a measured side's medians)."""
+    arch = SIZES[size]
+    planned = planner_phases(machine, arch, shape)
+    phases = {p.name: p for p in step_phases(arch, *shape, recompute_old=True)}
+    print(f"\nthe planner's step-time model, {size}, bf16, one device with this machine's figures")
+    head = "| phase | planner (s) | floor (s) | planner / floor |"
+    print(head + (" measured (s) |" if measured else ""))
+    print("|---" * (4 + bool(measured)) + "|")
+    for name, seconds in planned.items():
+        floor = machine.floor(phases[name], torch.bfloat16)
+        cells = [name, f"{seconds:.2f}", f"{floor:.2f}", f"{seconds / floor:.1f}x"]
+        cells += [f"{measured[name]:.2f}"] if measured else []
+        print("| " + " | ".join(cells) + " |")
 
 
 def medians_of(log: str) -> dict[str, dict[str, float]]:

@@ -120,3 +120,43 @@ def test_critic_benchmark_errors_and_paired_interval_match_float64(monkeypatch):
     units = [{"seed": i % 5, "rmse": a} for i, a in enumerate(arm)]
     lower = [{"seed": i % 5, "rmse": a + 1.0 + 0.01 * i} for i, a in enumerate(arm)]
     assert bench.beats(units, lower) and not bench.beats(lower, units)
+
+
+def test_roofline_takes_every_phase_of_the_planners_step_time(monkeypatch):
+    """``roofline.planner_phases`` sums the planner's step-time model into the roofline's
+    phases: every second of the planner's step lands in one phase, on one device with the
+    machine's figures (a faster device: less time), and a planner phase it cannot place is an
+    error, not a dropped term."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import roofline
+
+    from megatron_rlhf.planning import plan
+
+    arch = dict(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4)
+    shape = (8, 16, 32, 4)
+
+    def machine(tflops, gb_per_s):
+        return SimpleNamespace(threads=2, peak=lambda dtype: tflops * 1e12,
+                               read_bandwidth=gb_per_s * 1e9)  # fmt: skip
+
+    slow = roofline.planner_phases(machine(1.0, 20.0), arch, shape)
+    fast = roofline.planner_phases(machine(2.0, 40.0), arch, shape)
+    assert set(slow) == {"rollout", "scoring", "update"}
+    assert all(fast[k] == pytest.approx(slow[k] / 2) for k in slow)  # every term scales
+    made = plan.make_plans
+    best = {}
+
+    def spy(request, top=10):
+        best["plan"] = made(request, top)
+        return best["plan"]
+
+    monkeypatch.setattr(plan, "make_plans", spy)
+    assert sum(roofline.planner_phases(machine(1.0, 20.0), arch, shape).values()) == (
+        pytest.approx(best["plan"].plans[0].step_seconds)
+    )
+    best["plan"].plans[0].seconds["reshard"] = 1.0
+    monkeypatch.setattr(plan, "make_plans", lambda request, top=10: best["plan"])
+    with pytest.raises(ValueError, match="reshard"):
+        roofline.planner_phases(machine(1.0, 20.0), arch, shape)
