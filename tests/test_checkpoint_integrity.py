@@ -492,3 +492,28 @@ def test_data_from_another_tokenizer_is_refused_naming_both(reward_setup, tmp_pa
     argv = reward_argv({"trunk": trunk, "data": old}, tmp_path / "run_old", "train.steps=1")
     assert main(argv) == 0
     assert "records no tokenizer fingerprint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_is_the_elementwise_check(dtype):
+    """``all_finite`` (one summing pass, the elementwise check when the sum is not finite)
+    agrees with ``torch.isfinite(t).all()``: a NaN, either infinity, both together (a NaN
+    sum), finite values whose sum overflows the dtype, an empty tensor, a strided view."""
+    from megatron_rlhf.checkpoint.dist import all_finite
+
+    big = torch.finfo(dtype).max
+    cases = [
+        torch.randn(1000, dtype=torch.float64).to(dtype),
+        torch.tensor([1.0, math.nan, 2.0]),
+        torch.tensor([1.0, math.inf]),
+        torch.tensor([-math.inf, 3.0]),
+        torch.tensor([math.inf, -math.inf, 1.0]),
+        torch.tensor([big, big, -1.0], dtype=dtype),  # finite, but the sum overflows
+        torch.tensor([]),
+        torch.arange(24.0).reshape(4, 6).t()[::2],
+    ]
+    for case in cases:
+        case = case.to(dtype)
+        assert all_finite(case) == bool(torch.isfinite(case).all()), case
+    assert not math.isfinite(float(torch.tensor([big, big], dtype=dtype).sum()))  # fallback ran
+    assert all_finite(torch.tensor([big, big], dtype=dtype))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import multiprocessing
 import pickle
 import shutil
@@ -198,14 +199,24 @@ def _results_queue_without_spawn() -> None:
         filesystem_async._results_queue = manager.Queue()
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of a floating tensor is finite, in one reading pass: a NaN or an
+    infinity makes the sum non-finite and nothing added after it makes it finite again, so a
+    finite sum proves every element finite. A non-finite sum (a NaN or infinity, or finite
+    values whose sum overflows the dtype, e.g. fp16 past 65,504) gets the elementwise check.
+    (``torch.isfinite(t).all()`` alone is ``abs``, two comparisons and an ``all`` over fresh
+    bool tensors: ~7 s of a BLOOM-560m-shaped PPO save's state on the 2-core CPU.)"""
+    return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
 def require_finite_state(named_tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
     """Raise :class:`NonFiniteError` naming the first non-finite floating tensor (collective).
 
-    Cost at scale: one ``isfinite().all()`` pass over each rank's state (~35 GB per GPU for a
-    176B actor on 80 GPUs: a few tens of ms at HBM bandwidth) per save."""
+    Cost at scale: one summing pass over each rank's state (~35 GB per GPU for a 176B actor on
+    80 GPUs: a few tens of ms at HBM bandwidth) per save (:func:`all_finite`)."""
     first_bad = None
     for name, tensor in named_tensors:
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and not all_finite(tensor):
             first_bad = name
             break
     if world_max(int(first_bad is not None)):
