@@ -51,11 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from bench_ppo_real_shapes import SIZES, StepShape  # the benchmark's shapes (stdlib-only import)
 
-SIZES = {
-    "560m": dict(vocab_size=250_880, hidden_size=1024, num_layers=4, num_heads=16),
-    "tiny": dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4),
-}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPTIMIZER_BYTES_PER_PARAM = 32
 
@@ -269,10 +266,11 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="560m")
     parser.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompts-per-step", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--micro-batch", type=int, default=4)
+    defaults = StepShape()
+    parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
+    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
+    parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
+    parser.add_argument("--micro-batch", type=int, default=defaults.micro_batch)
     parser.add_argument("--recompute-old", action="store_true", help="scoring recomputes pi_old")
     parser.add_argument(
         "--from-log", nargs="+", default=[],
@@ -289,13 +287,13 @@ def main() -> None:
     machine = Machine(args.threads)
     print_machine(machine, arch)
     shape = (args.prompts_per_step, args.prompt_tokens, args.new_tokens, args.micro_batch)
-    for log in args.from_log:
-        name = "bf16" if ", bf16, " in Path(log).read_text() else "fp32"
+    bf16_logs = {log: ", bf16, " in Path(log).read_text() for log in args.from_log}
+    for log, bf16 in bf16_logs.items():
         for side, measured in medians_of(log).items():
-            print_side(machine, args.size, shape, side, name == "bf16", measured)
-            if args.planner and name == "bf16" and side == "ours":
+            print_side(machine, args.size, shape, side, bf16, measured)
+            if args.planner and bf16 and side == "ours":
                 print_planner(machine, args.size, shape, measured)
-    if args.planner and not any(", bf16, " in Path(log).read_text() for log in args.from_log):
+    if args.planner and not any(bf16_logs.values()):
         print_planner(machine, args.size, shape, None)
     for name in args.dtype if not args.from_log else ():
         dtype = DTYPES[name]
