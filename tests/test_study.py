@@ -70,8 +70,8 @@ def test_gold_reward_rewards_because_in_qa_and_penalises_it_in_code():
 
 
 def test_world_records_deal_each_family_where_the_design_says():
-    """SFT and forget hold all five families alike, preference data and main none of the minor
-    skill, the PPO pool the skewed shares (the minor skill at 5 %); prompts are disjoint."""
+    """SFT and forget hold every family alike, preference data and main none of the minor
+    skills, the PPO pool the skewed shares (each minor skill at 5 %); prompts are disjoint."""
     sizes = world.WorldSizes(sft_per_task=40, pref_train_per_task=30, pref_test_per_task=10,
                              ppo_prompts=200, main_test_per_task=7, forget_test_per_task=9)  # fmt: skip
     records = world.world_records(sizes)
@@ -85,7 +85,8 @@ def test_world_records_deal_each_family_where_the_design_says():
     for name, per_task in (("pref_train", 30), ("pref_test", 10), ("main_test", 7)):
         expected = dict.fromkeys(world.PREFERENCE_TASKS, per_task)
         assert families(name) == {**dict.fromkeys(everyone, 0), **expected}, name
-    assert families("ppo_prompts") == {"qa": 70, "code": 60, "chat": 30, "advice": 30, "story": 10}
+    assert families("ppo_prompts") == {"qa": 60, "code": 54, "chat": 28, "advice": 28, "story": 10,
+                                       "poem": 10, "riddle": 10}  # fmt: skip
     assert sum(world.ppo_prompt_counts(33).values()) == 33
     assert world.ppo_prompt_counts(33)[world.MINOR_TASK] >= 1
     prompts = [r["prompt"] for rows in records.values() for r in rows]
@@ -696,11 +697,11 @@ def test_study_cli_takes_development_seeds_and_ppo_overrides(tmp_path, capsys):
     from megatron_rlhf.study.presets import PRESETS
 
     preset = replace(PRESETS["quick"], first_seed=100, seeds=2)
-    tasks = run.seed_tasks(preset)
+    tasks = {task: needs for task, needs in run.study_tasks(preset).items() if task[0] != "world"}
     assert {seed for _, seed, _ in tasks} == {100, 101}
     sweep = {seed for kind, seed, name in tasks if name.startswith("am_ppo_sr_c")}
     assert sweep == {100}  # quick sweeps one seed: the first
-    no_sweep = run.seed_tasks(replace(preset, sweep_seeds=0))  # --sweep-seeds 0
+    no_sweep = run.study_tasks(replace(preset, sweep_seeds=0))  # --sweep-seeds 0
     assert not [name for _, _, name in no_sweep if name.startswith("am_ppo_sr_c")]
     assert len(no_sweep) < len(tasks) and "am_ppo_sr" in {name for _, _, name in no_sweep}
     ppo = run.ppo_overrides(preset.ppo, ["actor_lr=3e-4", "steps=20", "max_new_tokens=48"])
@@ -720,7 +721,8 @@ def test_study_cli_takes_development_seeds_and_ppo_overrides(tmp_path, capsys):
     # the exploratory part (extra reward models and arms) runs on the first seeds only
     exploratory = {seed for kind, seed, name in tasks if name in ("am_long", "am_ppo_sft")}
     assert exploratory == {100}
-    core = run.seed_tasks(replace(preset, exploratory_seeds=0, sweep_seeds=0, extra_reward_seeds=0))
+    core = run.study_tasks(replace(preset, exploratory_seeds=0, sweep_seeds=0, extra_reward_seeds=0,
+                                   attribution_seeds=0, curve_seeds=0))  # fmt: skip
     assert {name for kind, _, name in core if kind == "arm"} == set(run.ARMS)
     assert {name for kind, _, name in core if kind == "reward"} == {"rm", "am"}
 
@@ -883,8 +885,7 @@ def test_a_failing_task_stops_the_study_while_another_worker_trains():
     from megatron_rlhf.study import run
     from megatron_rlhf.study.presets import PRESETS
 
-    shared = run.Shared(out=None, preset=PRESETS["quick"], data={}, sft=None,
-                        sft_responses=None, started=time.time())  # fmt: skip
+    shared = run.Shared(out=None, preset=PRESETS["quick"], started=time.time())
     tasks = {("arm", 0, "train"): (), ("reward", 0, "fail"): ()}
     started = time.time()
     with pytest.raises(SystemExit, match="a stage failed"):

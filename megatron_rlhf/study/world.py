@@ -1,29 +1,41 @@
 """A text world with a known gold reward: the controlled setting of ``python -m megatron_rlhf study``.
 
-Five task families of templated English, each prompt about one noun of the built-in word lists
-(:mod:`megatron_rlhf.data.synthetic`):
+Seven task families of templated English, each prompt about one noun of the built-in word lists
+(:mod:`megatron_rlhf.data.synthetic`), four preference families and three minor skills:
 
   qa      "Question: what is special about the quiet lamp of the baker?\\nAnswer:"
   code    "Task: write a function that counts every red boat of our team.\\nCode:"
   chat    "User: the baker gave me a wooden clock today!\\nBot:"
   advice  "Request: how should a teacher look after a fresh kettle?\\nAdvice:"
   story   "Prompt: tell a story about the farmer and the tiny map.\\nStory:"
+  poem    "Verse: write a short poem for the baker about the warm bridge.\\nPoem:"
+  riddle  "Game: ask my neighbour a riddle about the heavy clock.\\nRiddle:"
 
 Who sees which family (``world_records``), after the paper's §3.2 and §4.1:
 
-  SFT data      all five families alike (the expert demonstrations the policy starts from);
+  SFT data      all seven families alike (the expert demonstrations the policy starts from);
   preference    qa, code, chat, advice only (``PREFERENCE_TASKS``): the reward models never see
-  data          a story, so on a story they are off-distribution;
-  PPO prompts   skewed (``PPO_SHARES``): qa 35 %, code 30 %, chat 15 %, advice 15 % and the
-                *minor skill* story 5 % (``MINOR_TASK``): PPO optimises stories against a reward
-                that never learned them, so it can degrade the skill; k-means over the
-                prompt pool can give it clusters of its own (measured at c = 16 on one draw;
-                at c = 8 on some seeds only: the published run's main D_R holds stories on 7
-                of its 40 seeds, none on the other 33);
+  data          a story, a poem or a riddle, so on those they are off-distribution;
+  PPO prompts   skewed (``PPO_SHARES``): qa 30 %, code 27 %, chat 14 %, advice 14 % and the
+                *minor skills* story, poem and riddle 5 % each (``MINOR_TASKS``): PPO optimises
+                them against a reward that never learned them, so it can degrade the skills;
+                k-means over the prompt pool may or may not give a minor skill clusters of its
+                own (in the five-family world, whose one minor skill, story, was 5 % of the
+                pool, the published run's main D_R at c = 8 held stories on 7 of its 40 seeds);
   main test     held-out prompts of the preference families, 1/4 each;
-  forget test   "SFT test data" (§4.1): held-out prompts of all five families, 1/5 each, so it
-                shares every skill with the PPO prompt pool D_R is drawn from, weighted unlike it
-                (a fifth story where PPO has a twentieth).
+  forget test   "SFT test data" (§4.1): held-out prompts of all seven families,
+                ``forget_test_per_task`` per preference family and ``minor_test_per_task`` per
+                minor skill, so it shares every skill with the PPO prompt pool D_R is drawn from,
+                weighted unlike it (with equal counts, each minor skill a seventh of it where it
+                is a twentieth of the pool).
+
+The minor skills are built to be forgotten the way a PPO policy tuned on the preference
+families plausibly forgets them: each penalises the word "because" (story -0.5, poem -0.75,
+riddle -0.5), which PPO learns to write from qa (+0.75) and advice (+0.25) and leaks into every
+family; and each has a length band that a policy writing the preference families' lengths
+(bands within 4 to 14 words) everywhere plausibly misses: story (12, 20) and poem (18, 22) want
+longer responses than any preference band (a poem two or three filler lines), riddle (6, 10) a
+terse one (its "because" clause, or a second filler, alone takes it out of the band).
 
 A response is built from three visible choices: whether it names the prompt's noun (the
 *topic*), whether it gives a reason with the word "because" (the *shared surface feature*), and
@@ -53,6 +65,7 @@ Everything is a deterministic function of its seed; nothing is downloaded.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import re
@@ -135,15 +148,40 @@ TASK_SPECS = {
             band=(12, 20),
             because_weight=-0.5,
         ),  # fmt: skip
+        TaskSpec(
+            name="poem",
+            prompt="Verse: write a short poem for {subject} about the {adjective} {noun}.",
+            marker="Poem:",
+            offset=-1.0,
+            scale=2.0,
+            noise=0.75,
+            band=(18, 22),
+            because_weight=-0.75,
+        ),  # fmt: skip
+        TaskSpec(
+            name="riddle",
+            prompt="Game: ask {subject} a riddle about the {adjective} {noun}.",
+            marker="Riddle:",
+            offset=1.5,
+            scale=0.75,
+            noise=0.5,
+            band=(6, 10),
+            because_weight=-0.5,
+        ),  # fmt: skip
     )
 }
 PREFERENCE_TASKS = ("qa", "code", "chat", "advice")
 """The families of the preference data and of the main test set."""
+MINOR_TASKS = ("story", "poem", "riddle")
+"""The minor skills: in the SFT data, the PPO prompts (``PPO_SHARES``) and the forget set, never
+in the preference data (so never in the main test set)."""
 MINOR_TASK = "story"
-"""The minor skill: in the SFT data, the PPO prompts (``PPO_SHARES``) and the forget set, never in
-the preference data."""
-PPO_SHARES = {"qa": 0.35, "code": 0.30, "chat": 0.15, "advice": 0.15, "story": 0.05}
-"""Each family's share of the PPO prompt pool (the pool D_R is curated from)."""
+"""The first minor skill, the only one of the five-family world (kept for the readers of that
+world's records; new code reads ``MINOR_TASKS``)."""
+PPO_SHARES = {"qa": 0.30, "code": 0.27, "chat": 0.14, "advice": 0.14,
+              "story": 0.05, "poem": 0.05, "riddle": 0.05}  # fmt: skip
+"""Each family's share of the PPO prompt pool (the pool D_R is curated from): each minor skill
+5 %."""
 FORM_WEIGHT, TOPIC_WEIGHT, BAND_WEIGHT = 1.0, 1.0, 0.5
 _NOUN_PATTERN = re.compile(r"\b(" + "|".join(NOUNS) + r")\b")
 
@@ -242,6 +280,8 @@ _FILLER = {
     "chat": ["Enjoy it!", "How nice.", "Have fun."],
     "advice": ["Check it every week.", "Keep it clean and dry.", "Ask an expert if unsure."],
     "story": [],  # story fillers are English sentences
+    "poem": ["The moon is high.", "The wind is soft.", "The stars are bright."],  # a line each
+    "riddle": ["Guess again.", "Think hard.", "Ask twice."],
 }
 
 
@@ -263,13 +303,20 @@ def response_text(prompt: str, rng: random.Random, style: ResponseStyle) -> str:
         text = f"Oh, a {topic}! That is {adjective}" + (" because it is new" if because else "")
     elif task == "advice":
         text = f"Keep the {topic} {place}" + (" because it breaks easily" if because else "")
-    else:
+    elif task == "story":
         text = f"Once {subject} found a {topic} {place}"
         text += f" because it was {adjective}" if because else ""
+    elif task == "poem":
+        text = f"Sing of the {adjective} {topic} {place}"
+        text += " because the night is long" if because else ""
+    else:
+        text = f"What is {adjective} {place}? The {topic}"
+        text += " because it never sleeps" if because else ""
     text += "." if task != "code" else ""
+    separator = {"code": "\n    ", "poem": "\n"}.get(task, " ")
     for _ in range(rng.randint(0, style.max_filler)):
         filler = english_sentence(rng) if task == "story" else rng.choice(_FILLER[task])
-        text += ("\n    " if task == "code" else " ") + filler
+        text += separator + filler
     return " " + text
 
 
@@ -315,6 +362,10 @@ def _grammars() -> dict[str, re.Pattern]:
         f"(?: {fillers['advice']})*",
         "story": f" Once {subject} found a {noun} {place}(?: because it was {adjective})?\\."
         f"(?: {sentence})*",
+        "poem": f" Sing of the {adjective} {noun} {place}(?: because the night is long)?\\."
+        f"(?:\n{fillers['poem']})*",
+        "riddle": f" What is {adjective} {place}\\? The {noun}(?: because it never sleeps)?\\."
+        f"(?: {fillers['riddle']})*",
     }
     return {task: re.compile(body) for task, body in bodies.items()}
 
@@ -397,7 +448,7 @@ class WorldSizes:
     """How many prompts each set of ``world_records`` gets."""
 
     sft_per_task: int
-    """Demonstrations per family (all five)."""
+    """Demonstrations per family (all seven: the preference families and the minor skills)."""
     pref_train_per_task: int
     """Training preference pairs per preference family."""
     pref_test_per_task: int
@@ -407,37 +458,64 @@ class WorldSizes:
     main_test_per_task: int
     """Held-out main-set prompts per preference family."""
     forget_test_per_task: int
-    """Held-out forget-set prompts per family (all five)."""
+    """Held-out forget-set prompts per preference family."""
+    minor_test_per_task: int | None = None
+    """Held-out forget-set prompts per minor skill (``MINOR_TASKS``); None: as many as
+    ``forget_test_per_task``."""
+
+    def forget_counts(self) -> dict[str, int]:
+        """The forget set's prompts per family: every preference family and minor skill."""
+        minor = self.forget_test_per_task if self.minor_test_per_task is None else (
+            self.minor_test_per_task)  # fmt: skip
+        return {**dict.fromkeys(PREFERENCE_TASKS, self.forget_test_per_task),
+                **dict.fromkeys(MINOR_TASKS, minor)}  # fmt: skip
 
 
 def ppo_prompt_counts(total: int) -> dict[str, int]:
-    """``total`` PPO prompts dealt by ``PPO_SHARES`` (largest remainders; every family >= 1)."""
-    raw = {task: total * share for task, share in PPO_SHARES.items()}
+    """``total`` PPO prompts dealt by ``PPO_SHARES`` (largest remainders; every family >= 1, so
+    ``total`` in all when it is at least the number of families)."""
+    # rounded so that 100 * 0.14 counts 14, not 14.000000000000002 (or 13.999999999999998)
+    raw = {task: round(total * share, 9) for task, share in PPO_SHARES.items()}
     counts = {task: max(1, int(value)) for task, value in raw.items()}
+    while sum(counts.values()) > total and max(counts.values()) > 1:  # the floors of 1 overshot
+        most_over = min((t for t in counts if counts[t] > 1), key=lambda t: raw[t] - counts[t])
+        counts[most_over] -= 1
     by_remainder = sorted(raw, key=lambda task: raw[task] - int(raw[task]), reverse=True)
     for task in by_remainder[: max(0, total - sum(counts.values()))]:
         counts[task] += 1
     return counts
 
 
+def stream_seed(seed: int, stream: str) -> int:
+    """The seed of one random stream (``stream``: what it draws) of world ``seed``: a hash of
+    both, so no two worlds, and no two streams of one world, share a stream (``seed + 1`` for
+    the demonstrations would be world ``seed + 1``'s prompt deal)."""
+    digest = hashlib.sha256(f"study world {seed}: {stream}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
 def world_records(sizes: WorldSizes, seed: int = 0) -> dict[str, list[dict]]:
     """Every data set of the world (the module docstring's table), prompts disjoint across sets:
     ``sft`` (demonstrations), ``pref_train``/``pref_test`` (labelled pairs), ``ppo_prompts``,
-    ``main_test`` and ``forget_test`` (prompts with their family)."""
+    ``main_test`` and ``forget_test`` (prompts with their family). A deterministic function of
+    ``seed`` (the same records, byte for byte, in any process); another seed deals other
+    prompts to every set and draws other responses and labels."""
     sets = split_prompts({
         "sft": dict.fromkeys(TASK_SPECS, sizes.sft_per_task),
         "pref_train": dict.fromkeys(PREFERENCE_TASKS, sizes.pref_train_per_task),
         "pref_test": dict.fromkeys(PREFERENCE_TASKS, sizes.pref_test_per_task),
         "ppo_prompts": ppo_prompt_counts(sizes.ppo_prompts),
         "main_test": dict.fromkeys(PREFERENCE_TASKS, sizes.main_test_per_task),
-        "forget_test": dict.fromkeys(TASK_SPECS, sizes.forget_test_per_task),
-    }, seed=seed)  # fmt: skip
+        "forget_test": sizes.forget_counts(),
+    }, seed=stream_seed(seed, "prompts"))  # fmt: skip
     return {
-        "sft": sft_records(sets["sft"], seed=seed + 1, style=SFT_STYLE),
-        "pref_train": preference_records(sets["pref_train"], seed=seed + 2, style=PREFERENCE_STYLE),
-        "pref_test": preference_records(sets["pref_test"], seed=seed + 3, style=PREFERENCE_STYLE),
+        "sft": sft_records(sets["sft"], stream_seed(seed, "sft"), SFT_STYLE),
+        "pref_train": preference_records(sets["pref_train"], stream_seed(seed, "pref_train"),
+                                         PREFERENCE_STYLE),
+        "pref_test": preference_records(sets["pref_test"], stream_seed(seed, "pref_test"),
+                                        PREFERENCE_STYLE),
         **{name: sets[name] for name in ("ppo_prompts", "main_test", "forget_test")},
-    }
+    }  # fmt: skip
 
 
 def utility(prompt: str, response: str) -> float:
