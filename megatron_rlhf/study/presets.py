@@ -13,10 +13,25 @@ class Preset:
     seeds: int = 3
     """Seeds: reward-model init and data order, PPO sampling and evaluation sampling. Every seed
     runs the core: Table 1's RM and AM, D_R, and the arms of ``run.ARMS``."""
+    worlds: int = 1
+    """Worlds the seeds are nested in: each its own SFT data, preference data, held-out sets and
+    SFT policy (``world.world_records`` at world seed ``first_world + w``). Seed ``s`` is in
+    world ``(s - first_seed) % worlds``, so the first N seeds of any subset spread over the
+    worlds."""
+    first_world: int = 0
+    """World seeds are first_world .. first_world + worlds - 1 (a development run takes worlds
+    of its own, e.g. ``--first-world 100``)."""
     exploratory_seeds: int = 1
     """How many of the seeds (the first ones) also run the exploratory arms
-    (``run.exploratory_arms``: positive control,
-    the gamma dose, the PPO-settings grid, rehearsal on RM-PPO, rejection sampling)."""
+    (``run.exploratory_arms``: the positive control at the paper's gamma, rehearsal on RM-PPO,
+    rejection sampling, and the PPO-settings grid if ``ppo_grid`` has settings)."""
+    attribution_seeds: int = 1
+    """How many of the seeds (the first ones) run the attribution arms at ``attribution_gamma``
+    (``run.attribution_arms``: selective, random, family-stratified and positive-control
+    rehearsal, a no-rehearsal arm at a KL coefficient matched to SR's KL, and the dose)."""
+    curve_seeds: int = 1
+    """How many of the seeds (the first ones) run the hacking curves: one RM-PPO and one AM-PPO
+    run of ``curve_steps[-1]`` steps, judged at every step of ``curve_steps``."""
     extra_reward_seeds: int = 1
     """How many of the seeds (the first ones) train the over-trained RM and AM and the margin
     sweep of Table 1 (two thirds of a seed's reward-model time)."""
@@ -29,12 +44,14 @@ class Preset:
     """Training preference pairs per preference family (four)."""
     pref_test_per_task: int = 100
     """Held-out preference pairs per preference family (Table 1)."""
+    minor_test_per_task: int = 60
+    """Held-out forget-set prompts per minor skill (the primary forget endpoint)."""
     ppo_prompts: int = 512
     """PPO prompts in all, skewed by ``world.PPO_SHARES`` (also the pool D_R is curated from)."""
     main_test_per_task: int = 75
     """Held-out main-set prompts per preference family (4 x 75 = 300)."""
     forget_test_per_task: int = 60
-    """Held-out forget-set prompts per family ("SFT test data": 5 x 60 = 300)."""
+    """Held-out forget-set prompts per preference family (main-family transfer)."""
     vocab_size: int = 600
     """BPE vocabulary trained on the world's text."""
     hidden: int = 64
@@ -55,15 +72,20 @@ class Preset:
     """c of the main AM-PPO-SR arm."""
     top_k: int = 4
     """k of the main AM-PPO-SR arm."""
-    gammas: tuple[float, ...] = (0.1, 1.0)
-    """The rehearsal weight's dose: AM-PPO-SR arms at these gamma besides the main 0.01."""
-    ppo_grid: tuple[dict, ...] = (
-        {"actor_lr": 3e-4, "steps": 20},
-        {"actor_lr": 1e-4, "steps": 10},
-        {"actor_lr": 3e-4, "steps": 10},
-    )
-    """PPO settings besides ``ppo`` at which RM-PPO and AM-PPO are also compared (the
-    development grid, lr and steps crossed)."""
+    attribution_gamma: float = 0.1
+    """The rehearsal weight of the attribution arms: where rehearsal moves the minor skills
+    (the v3 dose), unlike the paper's 0.01."""
+    gammas: tuple[float, ...] = (1.0,)
+    """The rest of the dose: AM-PPO-SR at these gamma too, on the attribution seeds."""
+    kl_matched_coefs: tuple[float, ...] = (0.05,)
+    """KL coefficients of the no-rehearsal arm that is to match AM-PPO-SR's KL to SFT at
+    ``attribution_gamma`` (one: ``am_ppo_kl``; several, for a development run that chooses
+    it: ``am_ppo_kl<coef>``)."""
+    curve_steps: tuple[int, ...] = (5, 10, 20, 40)
+    """PPO steps at which the hacking curves are judged (the run takes the last)."""
+    ppo_grid: tuple[dict, ...] = ()
+    """PPO settings besides ``ppo`` at which RM-PPO and AM-PPO are also compared on the
+    exploratory seeds (v3 ran lr 1e-4 / 3e-4 crossed with 10 / 20 steps: README)."""
     sweep_clusters: tuple[int, ...] = (2, 4, 8, 16)
     """Fig. 6: cluster counts, at fixed k and at fixed c*k (empty: no sweep)."""
     sweep_seeds: int = 3
@@ -116,37 +138,56 @@ def runs_sweep(preset: Preset, seed: int) -> bool:
     return _among_first(preset, seed, preset.sweep_seeds) and bool(preset.sweep_clusters)
 
 
+def runs_attribution(preset: Preset, seed: int) -> bool:
+    return _among_first(preset, seed, preset.attribution_seeds)
+
+
+def runs_curves(preset: Preset, seed: int) -> bool:
+    return _among_first(preset, seed, preset.curve_seeds)
+
+
+def world_of(preset: Preset, seed: int) -> int:
+    """The world index (0 .. worlds - 1) seed ``seed`` is nested in."""
+    return (seed - preset.first_seed) % preset.worlds
+
+
+def world_seed(preset: Preset, world: int) -> int:
+    """The seed ``world.world_records`` builds world index ``world`` from."""
+    return preset.first_world + world
+
+
 PRESETS = {
-    # CI: SFT's loss is flat from ~150 steps, PPO runs 8 of the frozen setting's 20 steps, and
-    # the reward models (two thirds of the CPU time) train on 200 pairs per task with the
-    # over-trained pair at 3 epochs; the held-out sets keep the issue's 300 prompts each.
+    # CI: two worlds (the nesting runs end to end), SFT's loss is flat from ~150 steps, PPO runs
+    # 8 of the frozen setting's 20 steps, and the reward models (two thirds of the CPU time)
+    # train on 200 pairs per task with the over-trained pair at 3 epochs.
     "quick": Preset(
         seeds=3,
+        worlds=2,
         sft_steps=160,
         pref_train_per_task=200,
         long_epochs=3.0,
         sweep_seeds=1,
+        curve_steps=(2, 4, 8),
         ppo={**Preset().ppo, "steps": 8},
-        ppo_grid=({"actor_lr": 3e-4},),
     ),
     "full": Preset(
-        # 40 seeds, fixed before the reporting run from the v3 development run (seeds 100-105,
-        # core only, docs/paper_study/dev/). The power rule (80 % power at the paper family's
-        # strictest Holm level, 0.05 / 13, for the development estimate of each decisive
-        # claim) asks for at most 30 for the claims it can cover: AM vs RM main 22, SR main 8,
-        # SR forget 17, AM keeps accuracy 30; SR on the minor skill 99, AM vs RM-with-MA 186,
-        # AM forgets less 388, RM hacks more 496 are out of reach (the report says so). 40 is
-        # the budget, above the rule's 30: as many seeds as fit in ~80 min wall at --jobs 2 on
-        # the 2-core VM (the published run took 56.5 min; README, "How many seeds")
-        seeds=40,
-        exploratory_seeds=10,
+        # v4 (issue 50): 3 worlds x 10 seeds. The core's 30 seeds are above the v3 power rule's
+        # counts at v3's effects (AM vs RM main 22, SR main 8); the attribution arms and the
+        # dose run on 21 seeds (7 a world), the hacking curves on 15 (5 a world). Budget and
+        # the development run that fixed it: README, "How many seeds".
+        seeds=30,
+        worlds=3,
+        exploratory_seeds=6,
+        attribution_seeds=21,
+        curve_seeds=15,
         extra_reward_seeds=3,
-        sft_per_task=500,
-        pref_train_per_task=500,
-        pref_test_per_task=200,
+        sft_per_task=450,
+        pref_train_per_task=450,
+        pref_test_per_task=500,
         ppo_prompts=640,
         main_test_per_task=100,
         forget_test_per_task=80,
+        minor_test_per_task=200,
         hidden=96,
         sft_steps=400,
         sweep_seeds=3,

@@ -1,46 +1,55 @@
 """``python -m megatron_rlhf study --preset quick|full --output-dir DIR [--seeds N] [--jobs N]``.
 
 The paper's claims measured in a text world with a known gold reward (``study/world.py``), every
-stage a real command run in-process (world size 1); the per-seed stages run in --jobs worker
-processes:
+stage a real command run in-process (world size 1); the tasks run in --jobs worker processes,
+each as soon as the tasks it needs are done:
 
-  data        world prompts, disjoint train / held-out sets, BPE tokenizer, indexed files
-              (``world.world_records``: who sees which family)
-  SFT         one tiny BLOOM fine-tuned on all five task families (shared by every seed)
+  worlds      per world (``--worlds``; seeds are nested in worlds): its prompts, disjoint train /
+              held-out sets, BPE tokenizer and indexed files (``world.world_records``: who
+              sees which family), one tiny BLOOM fine-tuned on every task family, and that SFT
+              policy's responses to the PPO prompts (the pool D_R is curated from)
   reward      per seed: RM and AM (Table 1); on the first extra_reward_seeds also an
-              over-trained RM and AM and AM margins m
-              -> held-out pairs scored: accuracy, ECE, Brier against the known p (Fig. 2, 4)
-  curation    per seed: SFT responses to the PPO prompts, AM scores, FAISS clusters -> D_R
-              (the main c, k), the same clusters' top-k by the gold utility (the ceiling of
-              selection), a random D_R of equal size; on the exploratory seeds SFT
-              demonstrations of all five families (the positive control); on the sweep
-              seeds Fig. 6's c sweep at fixed k and at fixed c*k. Every D_R's records (family,
-              form, topic, "because", band, utility) go into the archive
+              over-trained RM and AM and AM margins m (descriptive)
+              -> the world's held-out pairs scored: accuracy, ECE, Brier against the known p
+  curation    per seed: AM scores of the SFT responses, FAISS clusters -> D_R (the main c, k),
+              the same clusters' top-k by the gold utility (the ceiling of selection), a
+              random D_R of equal size; on the attribution seeds a family-stratified D_R that
+              holds every minor skill; SFT demonstrations of every family (the positive
+              control); on the sweep seeds Fig. 6's c sweep at fixed k and at fixed c*k. Every
+              D_R's records (family, form, topic, "because", band, utility) go into the archive
   PPO arms    per seed the core (``ARMS``): rm_ppo, rm_ppo_ma, am_ppo, am_ppo_sr, am_ppo_rr
               (random rehearsal), am_ppo_sr_gold (gold top-k), null (0 PPO steps); on the
-              exploratory seeds ``exploratory_arms``: rm_ppo_sr, rejection_sampling,
-              am_ppo_sft (positive control), the gamma dose and RM-PPO / AM-PPO at each
-              setting of the PPO grid; the sweep arms. Same beta, lr and steps unless an arm
-              says otherwise; every critic from the SFT trunk
-  judging     eval-policy vs SFT on the main and forget sets, every response re-judged by the
-              gold reward (win/tie/lose with a tie margin), and by the arm's own reward
+              attribution seeds ``attribution_arms`` (at gamma 0.1: selective, random,
+              stratified and positive-control rehearsal, a KL-matched arm without rehearsal,
+              and the dose); on the exploratory seeds ``exploratory_arms``; the sweep arms.
+              Same beta, lr and steps unless an arm says otherwise; every critic from the SFT
+              trunk
+  curves      on the curve seeds one RM-PPO and one AM-PPO run of ``curve_steps[-1]`` steps,
+              judged at each of ``curve_steps`` (the paper's Fig. 5: gold and training reward
+              over training)
+  judging     eval-policy vs SFT on the world's main and forget sets, every response
+              re-judged by the gold reward (win/tie/lose with a tie margin), and by the arm's
+              own reward; each PPO run's KL and reward per step
   report      results.json (``stats.results_from_records`` over the raw records: the tables
-              and the claims of ``study/claims.py``, Holm-corrected), report.md, PNGs, and
-              records.jsonl.gz:
+              and the claims of ``study/claims.py``, Holm-corrected, intervals that resample
+              seeds and held-out items within worlds), report.md, PNGs, and records.jsonl.gz:
               every raw record the tables come from, with the settings; ``--from-records``
               recomputes every table from that file alone
 
-Every generation (PPO, D_R's SFT responses, evaluation) gets one budget above the longest SFT
-demonstration of every family (``stages.generation_budget``).
+A stopped run (killed, preempted, out of time) continues with ``--resume``: each task's last
+write is its ``done.json``, so finished tasks are kept and an unfinished one starts again
+from an empty directory; the records are those of an unstopped run.
 
 What varies with the seed: the reward models' head init and data order, k-means seeding, PPO
-sampling and evaluation sampling. The world, the SFT policy and the SFT responses D_R is curated
-from are shared (they are the "given" of the paper's recipe).
+sampling and evaluation sampling; with the world: the SFT data, the preference data, the
+held-out sets, the tokenizer and the SFT policy.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import multiprocessing
 import os
 import resource
@@ -61,10 +70,14 @@ from megatron_rlhf.study.claims import CLAIMS_VERSION
 from megatron_rlhf.study.presets import (
     PRESETS,
     Preset,
+    runs_attribution,
+    runs_curves,
     runs_exploratory,
     runs_extra_rewards,
     runs_sweep,
     seed_range,
+    world_of,
+    world_seed,
 )
 from megatron_rlhf.study.stages import RECORDS_ARCHIVE
 from megatron_rlhf.utils import (
@@ -78,7 +91,7 @@ from megatron_rlhf.utils import (
 
 DEFAULT_MARGIN = 2.5
 # arm -> (reward model, PPO options); rehearsal: a D_R of ``curation_stage`` ("main", "random",
-# "gold", "sft" or (c, k)); ppo: settings that differ from the preset's
+# "gold", "strat", "sft" or (c, k)); ppo: settings that differ from the preset's
 ARMS = {
     "rm_ppo": ("rm", {}),
     "rm_ppo_ma": ("rm", {"normalization": "moving_average"}),
@@ -100,20 +113,49 @@ def grid_arm(reward: str, settings: dict) -> str:
 
 def exploratory_arms(preset: Preset) -> dict:
     """The arms of the exploratory seeds: rehearsal on RM-PPO, rejection sampling, the positive
-    control (rehearsal on SFT demonstrations of every family), the gamma dose of AM-PPO-SR, and
-    RM-PPO and AM-PPO at every other setting of the PPO grid."""
+    control at the paper's gamma (rehearsal on SFT demonstrations of every family), and RM-PPO
+    and AM-PPO at every setting of the PPO grid."""
     arms = {
         "rm_ppo_sr": ("rm", {"rehearsal": "main"}),
         "rejection_sampling": ("am", {"algorithm": "rejection_sampling"}),
         "am_ppo_sft": ("am", {"rehearsal": "sft"}),
     }
-    for gamma in preset.gammas:
-        arms[f"am_ppo_sr_g{gamma:g}"] = ("am", {"rehearsal": "main",
-                                                "ppo": {"rehearsal_gamma": gamma}})  # fmt: skip
     for settings in preset.ppo_grid:
         for reward in ("rm", "am"):
             arms[grid_arm(reward, settings)] = (reward, {"ppo": dict(settings)})
     return arms
+
+
+def attribution_arms(preset: Preset) -> dict:
+    """The arms that ask where rehearsal acts, at ``attribution_gamma`` (where it moves the minor
+    skills): AM-PPO-SR, random rehearsal of equal size, a family-stratified D_R that holds every
+    minor skill (the coverage mechanism: rehearse what PPO forgets), the positive control
+    (SFT demonstrations), AM-PPO without rehearsal at a KL coefficient raised to match SR's KL
+    to SFT (anchoring alone), and the rest of the gamma dose."""
+    gamma = preset.attribution_gamma
+    rehearse = {"ppo": {"rehearsal_gamma": gamma}}
+    arms = {
+        f"am_ppo_sr_g{gamma:g}": ("am", {"rehearsal": "main", **rehearse}),
+        f"am_ppo_rr_g{gamma:g}": ("am", {"rehearsal": "random", **rehearse}),
+        f"am_ppo_strat_g{gamma:g}": ("am", {"rehearsal": "strat", **rehearse}),
+        f"am_ppo_sft_g{gamma:g}": ("am", {"rehearsal": "sft", **rehearse}),
+    }
+    for coef in preset.kl_matched_coefs:
+        name = "am_ppo_kl" if len(preset.kl_matched_coefs) == 1 else f"am_ppo_kl{coef:g}"
+        arms[name] = ("am", {"ppo": {"kl_coef": coef}})
+    for other in preset.gammas:
+        arms[f"am_ppo_sr_g{other:g}"] = ("am", {"rehearsal": "main",
+                                                "ppo": {"rehearsal_gamma": other}})  # fmt: skip
+    return arms
+
+
+CURVE_RUNS = {"rm_ppo_curve": "rm", "am_ppo_curve": "am"}
+"""The hacking curves: one run per reward model of ``curve_steps[-1]`` steps, judged at every
+step of ``curve_steps`` as the arms ``<reward>_ppo_step<N>`` (``curve_arm``)."""
+
+
+def curve_arm(reward: str, step: int) -> str:
+    return f"{reward}_ppo_step{step}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--output-dir", required=True, help="where everything goes")
     parser.add_argument(
-        "--seeds", type=int, help="number of seeds (default: the preset's: quick 3, full 40)"
+        "--seeds", type=int, help="number of seeds (default: the preset's: quick 3, full 30)"
     )
     parser.add_argument(
         "--first-seed",
@@ -131,19 +173,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="seeds are FIRST .. FIRST + N - 1 (a development set that does not "
         "overlap the reporting seeds 0 .. N - 1: e.g. 100)",
     )
+    parser.add_argument("--worlds", type=int,
+                        help="worlds the seeds are nested in (default: the preset's: quick 2, "
+                             "full 3)")  # fmt: skip
+    parser.add_argument("--first-world", type=int, default=0,
+                        help="world seeds are FIRST .. FIRST + W - 1 (a development run on "
+                             "worlds of its own: e.g. 100)")  # fmt: skip
     parser.add_argument("--ppo", action="append", default=[], metavar="KEY=VALUE",
                         help="override one of the PPO settings every arm shares (repeatable; "
                              "e.g. --ppo actor_lr=3e-4 --ppo steps=20); the keys are the "
                              "preset's ppo keys")  # fmt: skip
-    parser.add_argument("--exploratory-seeds", type=int,
-                        help="how many of the seeds run the exploratory part (default: the "
-                             "preset's: quick 1, full 10; 0 runs the core only)")  # fmt: skip
-    parser.add_argument("--sweep-seeds", type=int,
-                        help="how many of the seeds run Fig. 6's cluster sweep (default: the "
-                             "preset's; 0 skips it, e.g. on development seeds)")  # fmt: skip
+    for part, what in (("exploratory", "the exploratory arms"),
+                       ("attribution", "the attribution arms and the gamma dose"),
+                       ("curve", "the hacking curves"), ("sweep", "Fig. 6's cluster sweep"),
+                       ("extra-reward", "the over-trained and margin reward models")):  # fmt: skip
+        parser.add_argument(f"--{part}-seeds", type=int,
+                            help=f"how many of the seeds run {what} (default: the preset's; "
+                                 "0 skips them)")  # fmt: skip
+    parser.add_argument("--kl-matched-coef", type=float, action="append", metavar="BETA",
+                        help="KL coefficient of the no-rehearsal arm matched to SR's KL "
+                             "(repeatable: a development run that chooses it; default: the "
+                             "preset's)")  # fmt: skip
     parser.add_argument("--jobs", type=int,
-                        help="worker processes for the per-seed stages (default: min(seeds, "
-                             "CPUs)); the results do not depend on it")  # fmt: skip
+                        help="worker processes for the per-world and per-seed stages (default: "
+                             "min(tasks, CPUs)); the results do not depend on it")  # fmt: skip
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --output-dir that was stopped (killed, "
+                             "preempted, out of time): finished tasks are kept, unfinished "
+                             "ones redone, with the settings the run started with (its "
+                             f"{RUN_FILE}); refused unless the code is the commit it started "
+                             "from, clean")  # fmt: skip
     parser.add_argument("--from-records", metavar="ARCHIVE",
                         help="run nothing: recompute results.json, report.md and the PNGs in "
                              f"--output-dir from a study's raw records (its {RECORDS_ARCHIVE}, "
@@ -152,71 +211,117 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+SUBSET_COUNTS = ("exploratory_seeds", "attribution_seeds", "curve_seeds", "sweep_seeds",
+                 "extra_reward_seeds")  # fmt: skip
+"""The preset's counts of "the first N seeds" (each at most the number of seeds)."""
+
+
+def preset_from_args(args) -> Preset:
+    """The preset with the command line's overrides; raises ValueError naming the flag."""
     preset = PRESETS[args.preset]
     if args.seeds is not None:
         if args.seeds < 1:
-            print("study: error: --seeds must be >= 1", file=sys.stderr)
-            return 2
-        preset = replace(
-            preset,
-            seeds=args.seeds,
-            sweep_seeds=min(preset.sweep_seeds, args.seeds),
-            exploratory_seeds=min(preset.exploratory_seeds, args.seeds),
-            extra_reward_seeds=min(preset.extra_reward_seeds, args.seeds),
-        )
-    if args.first_seed < 0:
-        print("study: error: --first-seed must be >= 0", file=sys.stderr)
-        return 2
+            raise ValueError("--seeds must be >= 1")
+        preset = replace(preset, seeds=args.seeds)
+    if args.first_seed < 0 or args.first_world < 0:
+        raise ValueError("--first-seed and --first-world must be >= 0")
+    if args.worlds is not None:
+        if args.worlds < 1:
+            raise ValueError("--worlds must be >= 1")
+        preset = replace(preset, worlds=args.worlds)
+    preset = replace(preset, first_seed=args.first_seed, first_world=args.first_world,
+                     ppo=ppo_overrides(preset.ppo, args.ppo))  # fmt: skip
+    for key in SUBSET_COUNTS:
+        value = getattr(args, key, None)
+        if value is not None and value < 0:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 0")
+        preset = replace(preset, **{key: min(getattr(preset, key) if value is None else value,
+                                             preset.seeds)})  # fmt: skip
+    if args.kl_matched_coef:
+        if any(coef <= 0 for coef in args.kl_matched_coef):
+            raise ValueError("--kl-matched-coef must be > 0")
+        preset = replace(preset, kl_matched_coefs=tuple(args.kl_matched_coef))
+    if preset.worlds > preset.seeds:
+        raise ValueError(f"--worlds {preset.worlds} is more than the {preset.seeds} seeds: "
+                         "every world needs a seed")  # fmt: skip
+    return preset
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        ppo = ppo_overrides(preset.ppo, args.ppo)
-    except ValueError as err:
+        if args.resume:
+            if args.overwrite or args.from_records:
+                raise ValueError("--resume continues a run: it takes neither --overwrite nor "
+                                 "--from-records")  # fmt: skip
+            out, preset, preset_name = resume_settings(Path(args.output_dir))
+        else:
+            preset, preset_name = preset_from_args(args), args.preset
+            out = check_output_dir(args.output_dir, args.overwrite)
+    except (ValueError, InputError) as err:
         print(f"study: error: {err}", file=sys.stderr)
         return 2
-    preset = replace(preset, first_seed=args.first_seed, ppo=ppo)
-    if args.sweep_seeds is not None:
-        if args.sweep_seeds < 0:
-            print("study: error: --sweep-seeds must be >= 0", file=sys.stderr)
-            return 2
-        preset = replace(preset, sweep_seeds=min(args.sweep_seeds, preset.seeds))
-    if args.exploratory_seeds is not None:
-        if args.exploratory_seeds < 0:
-            print("study: error: --exploratory-seeds must be >= 0", file=sys.stderr)
-            return 2
-        preset = replace(preset, exploratory_seeds=min(args.exploratory_seeds, preset.seeds))
     jobs = args.jobs if args.jobs is not None else min(preset.seeds, os.cpu_count() or 1)
     if jobs < 1:
         print("study: error: --jobs must be >= 1", file=sys.stderr)
         return 2
-    try:
-        out = check_output_dir(args.output_dir, args.overwrite)
-    except InputError as err:
-        print(f"study: error: {err}", file=sys.stderr)
-        return 2
-    if out.exists():
+    if out.exists() and not args.resume:
         shutil.rmtree(out)
     if args.from_records:
         return recompute(Path(args.from_records), out)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     set_threads(preset.threads)
     started, cpu_started = time.time(), cpu_seconds()
-    results = run_study(out, preset, args.preset, jobs)
+    results = run_study(out, preset, preset_name, jobs, resume=args.resume)
     table2 = results["table2"]
     print_summary(
         "study",
-        preset=args.preset,
+        preset=preset_name,
         seeds=preset.seeds,
+        worlds=preset.worlds,
         rm_ece=round(results["table1"]["rm"]["ece"]["mean"], 2),
         am_ece=round(results["table1"]["am"]["ece"]["mean"], 2),
         am_ppo_sr_net_win_main=round(table2["am_ppo_sr"]["main"]["net_win"], 1),
-        am_ppo_sr_net_win_forget=round(table2["am_ppo_sr"]["forget"]["net_win"], 1),
+        am_ppo_sr_net_win_minor=round(table2["am_ppo_sr"]["minor"]["net_win"], 1),
         seconds=round(time.time() - started, 1),
         cpu_seconds=round(cpu_seconds() - cpu_started, 1),
         jobs=jobs,
         report=str(out / "report.md"),
     )
     return 0
+
+
+RUN_FILE = "run.json"
+"""What a run is, written before its first task: the preset (with every override), its name
+and the code it started from (``code_provenance``). ``--resume`` reads it back."""
+
+
+def resume_settings(out: Path) -> tuple[Path, Preset, str]:
+    """The output dir, preset and preset name of the stopped run in ``out``; raises InputError
+    when there is none or when this code is not the code it started from."""
+    path = out / RUN_FILE
+    if not path.is_file():
+        raise InputError(f"--resume: {path}: no such file; --output-dir must be a study run "
+                         "this command started")  # fmt: skip
+    try:
+        saved = json.loads(path.read_text())
+        preset = Preset(**{**saved["preset"], **{key: tuple(saved["preset"][key])
+                                                 for key in TUPLE_FIELDS}})  # fmt: skip
+        name, commit, dirty = saved["preset_name"], saved["git_commit"], saved["git_dirty"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"--resume: {path}: not a study run file ({err})") from None
+    now = code_provenance(time.time())
+    if commit is None or dirty or now["git_dirty"] or now["git_commit"] != commit:
+        raise InputError(
+            f"--resume: {out} started from commit {commit} (dirty: {dirty}); this code is "
+            f"{now['git_commit']} (dirty: {now['git_dirty']}). A resumed run's records must all "
+            "come from one clean commit: check it out, or start a new run"
+        )  # fmt: skip
+    return out, preset, name
+
+
+TUPLE_FIELDS = tuple(name for name, value in asdict(Preset()).items() if isinstance(value, tuple))
+"""Preset fields that are tuples (JSON gives lists back)."""
 
 
 def recompute(archive: Path, out: Path) -> int:
@@ -226,10 +331,12 @@ def recompute(archive: Path, out: Path) -> int:
     from megatron_rlhf.study.stats import results_from_records
 
     try:
-        settings, pairs, judgments, rehearsal = stages.unpack_records(archive)
+        settings, pairs, judgments, rehearsal, training = stages.unpack_records(archive)
         with atomic_output(out) as tmp:
             tmp.mkdir()
-            results = {**results_from_records(pairs, judgments, rehearsal), "settings": settings}
+            results = {**results_from_records(pairs, judgments, rehearsal, training,
+                                              seed_worlds(settings)),
+                       "settings": settings}  # fmt: skip
             write_json(tmp / "results.json", results)
             write_report(tmp, results, pairs)
     except InputError as err:
@@ -287,44 +394,57 @@ class Progress:
         print(f"\n=== study [{time.time() - self.started:7.1f} s] {title}", flush=True)
 
 
-def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1) -> dict:
+def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1,
+              resume: bool = False) -> dict:  # fmt: skip
+    """Every task of ``study_tasks`` (those finished before, on ``resume``, are kept), then the
+    report. The records do not depend on ``jobs`` or on where a run was stopped: every task
+    seeds itself and starts from its own empty directory."""
     from megatron_rlhf.study.report import write_report
     from megatron_rlhf.study.stats import results_from_records
 
     progress, cpu_started = Progress(), cpu_seconds()
-    started = code_provenance(progress.started)  # the code as it is when the run starts
-    progress.stage("data: world prompts, tokenizer, indexed files")
-    data = prepare_data(out, preset)
-    # every generation (D_R's SFT responses, PPO rollouts, evaluation) gets the data's budget:
-    # above the longest demonstration of every family, so the budget never decides a verdict
-    if preset.ppo["max_new_tokens"] is None:  # unless --ppo max_new_tokens=N chose one
-        preset = replace(preset, ppo={**preset.ppo, "max_new_tokens": data["budget"]["budget"]})
-    progress.stage("SFT policy (shared by every seed)")
-    sft, sft_losses = stages.train_sft_policy(
-        data["indexed"] / "sft", out / "sft", hidden=preset.hidden, layers=preset.layers,
-        heads=preset.heads, steps=preset.sft_steps, lr=preset.sft_lr,
-        batch_size=preset.sft_batch, max_length=preset.max_length,
-    )  # fmt: skip
-    progress.stage("SFT responses to the PPO prompts (the pool D_R is curated from)")
-    sft_responses = stages.generate_responses(sft, data["raw"] / "ppo_prompts.jsonl",
-                                              out / "rehearsal" / "sft_responses.jsonl",
-                                              preset.ppo["max_new_tokens"], seed=0)  # fmt: skip
-    shared = Shared(out=out, preset=preset, data=data, sft=sft, sft_responses=sft_responses,
-                    started=progress.started)  # fmt: skip
-    _, task_seconds = run_tasks(shared, seed_tasks(preset), jobs)
+    if resume:
+        run = json.loads((out / RUN_FILE).read_text())
+        run["resumed_utc"] = [*run.get("resumed_utc", []),
+                              code_provenance(progress.started)["started_utc"]]  # fmt: skip
+        progress.stage(f"resuming the run started {run['started_utc']}")
+    else:
+        out.mkdir(parents=True)
+        run = {"preset_name": preset_name, "preset": asdict(preset),
+               **code_provenance(progress.started)}  # fmt: skip
+    write_json(out / RUN_FILE, run)
+    shared = Shared(out=out, preset=preset, started=progress.started)
+    results_of, task_seconds = run_tasks(shared, study_tasks(preset), jobs)
     progress.stage("report")
-    pairs, judgments, rehearsal = stages.load_records(out)
-    results = results_from_records(pairs, judgments, rehearsal)
-    results["settings"] = {"preset": preset_name, **asdict(preset), "sft_losses": sft_losses,
-                           "claims_version": CLAIMS_VERSION, **started,
-                           "data": data["summary"], "jobs": jobs,
-                           "seconds": time.time() - progress.started,
-                           "cpu_seconds": cpu_seconds() - cpu_started,
-                           "part_seconds": part_seconds(task_seconds)}  # fmt: skip
+    pairs, judgments, rehearsal, training = stages.load_records(out)
+    world_info = [results_of[("world", w, "")] for w in range(preset.worlds)]
+    settings = {"preset": preset_name, **asdict(preset), "claims_version": CLAIMS_VERSION,
+                **{key: run[key] for key in ("started_utc", "git_commit", "git_dirty", "git")
+                   if key in run},
+                "resumed_utc": run.get("resumed_utc", []),
+                "worlds": {"count": preset.worlds,
+                           "world_seeds": [world_seed(preset, w) for w in range(preset.worlds)],
+                           "seed_world": {str(s): world_of(preset, s) for s in seed_range(preset)}},
+                "sft_losses": [info["sft_losses"] for info in world_info],
+                "data": [info["summary"] for info in world_info], "jobs": jobs,
+                "seconds": time.time() - progress.started,
+                "cpu_seconds": cpu_seconds() - cpu_started,
+                "part_seconds": part_seconds(task_seconds)}  # fmt: skip
+    results = results_from_records(pairs, judgments, rehearsal, training, seed_worlds(settings))
+    results["settings"] = settings
     write_json(out / "results.json", results)
     write_report(out, results, pairs)
-    stages.pack_records(results["settings"], pairs, judgments, rehearsal, out / RECORDS_ARCHIVE)
+    stages.pack_records(settings, pairs, judgments, rehearsal, out / RECORDS_ARCHIVE,
+                        training=training)  # fmt: skip
     return results
+
+
+def seed_worlds(settings: dict) -> dict[int, int] | None:
+    """``{seed: world}`` from results.json's settings (None for a run before worlds: one)."""
+    worlds = settings.get("worlds")
+    if not isinstance(worlds, dict):
+        return None
+    return {int(seed): int(world) for seed, world in worlds["seed_world"].items()}
 
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -359,80 +479,160 @@ def code_provenance(started: float, root: Path = PACKAGE_ROOT) -> dict:
     return {**info, "git_commit": commit, "git_dirty": dirty}
 
 
-# ---------------------------------------------------------------- per-seed tasks
+# ---------------------------------------------------------------- tasks
 
 Task = tuple[str, int, str]
-"""``("reward", seed, model)``, ``("curation", seed, "")`` or ``("arm", seed, arm)``."""
+"""``("world", w, "")``, ``("reward", seed, model)``, ``("curation", seed, "")``,
+``("arm", seed, arm)`` or ``("curve", seed, run)``."""
 
 
 @dataclass(frozen=True)
 class Shared:
-    """What every per-seed task reads: the shared stages' outputs."""
+    """What every task reads besides its needs' results."""
 
     out: Path
     preset: Preset
-    data: dict
-    sft: Path
-    sft_responses: Path
     started: float
     """The study's start (progress lines count from it)."""
 
 
-def seed_tasks(preset: Preset) -> dict[Task, tuple[Task, ...]]:
-    """Every per-seed task -> the tasks whose results it needs, in an order that runs."""
-    tasks = {}
+def study_tasks(preset: Preset) -> dict[Task, tuple[Task, ...]]:
+    """Every task -> the tasks whose results it needs, in an order that runs: the worlds first
+    (data, SFT policy, SFT responses), then per seed its reward models, D_R and arms."""
+    tasks = {("world", w, ""): () for w in range(preset.worlds)}
     for seed in seed_range(preset):
+        home = ("world", world_of(preset, seed), "")
         for name in reward_models(preset, seed):
-            tasks[("reward", seed, name)] = ()
-        tasks[("curation", seed, "")] = (("reward", seed, "am"),)
+            tasks[("reward", seed, name)] = (home,)
+        tasks[("curation", seed, "")] = (home, ("reward", seed, "am"))
         for arm, (reward_name, options) in arms_of(preset, seed).items():
-            needs = (("reward", seed, reward_name),)
+            needs = (home, ("reward", seed, reward_name))
             if "rehearsal" in options:
                 needs += (("curation", seed, ""),)
             tasks[("arm", seed, arm)] = needs
+        if runs_curves(preset, seed):
+            for run, reward_name in CURVE_RUNS.items():
+                tasks[("curve", seed, run)] = (home, ("reward", seed, reward_name))
     return tasks
 
 
 def task_title(task: Task) -> str:
     kind, seed, name = task
-    what = {
-        "reward": f"reward model {name}",
-        "curation": "curation (D_R)",
-        "arm": f"PPO arm {name}",
-    }
+    if kind == "world":
+        return f"world {seed}: data, SFT policy, SFT responses"
+    what = {"reward": f"reward model {name}", "curation": "curation (D_R)",
+            "arm": f"PPO arm {name}", "curve": f"hacking curve {name}"}  # fmt: skip
     return f"seed {seed}: {what[kind]}"
+
+
+def task_dirs(out: Path, preset: Preset, task: Task) -> list[Path]:
+    """Where a task writes: removed before it (re)starts, so a resumed task starts clean."""
+    kind, seed, name = task
+    if kind == "world":
+        return [out / f"world{seed}"]
+    if kind == "reward":
+        return [out / "reward" / name / f"seed{seed}"]
+    if kind == "curation":
+        return [out / "rehearsal" / f"seed{seed}"]
+    if kind == "arm":
+        return [out / "ppo" / name / f"seed{seed}"]
+    reward = CURVE_RUNS[name]
+    return [
+        out / "ppo" / name / f"seed{seed}",
+        *(out / "ppo" / curve_arm(reward, step) / f"seed{seed}" for step in preset.curve_steps),
+    ]
+
+
+def done_file(out: Path, preset: Preset, task: Task) -> Path:
+    """The task's last write: its result, relative to ``out``. Its presence means done."""
+    return task_dirs(out, preset, task)[0] / "done.json"
 
 
 def run_task(shared: Shared, task: Task, inputs: dict) -> tuple[object, float]:
     """One task (in this process or a worker); ``inputs`` are the results of its needs.
-    Returns its result and its wall seconds."""
+    Returns its result and its wall seconds; a task done before (``done_file``) is not run
+    again, its result read back."""
     kind, seed, name = task
+    out, preset = shared.out, shared.preset
+    done = done_file(out, preset, task)
+    if done.is_file():
+        return from_json(out, json.loads(done.read_text())), 0.0
+    for path in task_dirs(out, preset, task):
+        if path.exists():
+            shutil.rmtree(path)
     started = time.time()
     Progress(shared.started).stage(task_title(task))
-    out, preset, data, sft = shared.out, shared.preset, shared.data, shared.sft
-    if kind == "reward":
-        result = reward_stage(out, preset, data, sft, seed, name)
+    home = inputs.get(("world", world_of(preset, seed), "")) if kind != "world" else None
+    if kind == "world":
+        result = world_stage(out, preset, seed)
+    elif kind == "reward":
+        result = reward_stage(out, preset, home, seed, name)
     elif kind == "curation":
-        am = inputs[("reward", seed, "am")]
-        result = curation_stage(out, preset, data, shared.sft_responses, am, seed)
-    else:
+        result = curation_stage(out, preset, home, inputs[("reward", seed, "am")], seed)
+    elif kind == "arm":
         reward_name, options = arms_of(preset, seed)[name]
         rehearsal = inputs.get(("curation", seed, ""))
-        run_arm(out, preset, data, sft, inputs[("reward", seed, reward_name)], reward_name,
+        run_arm(out, preset, home, inputs[("reward", seed, reward_name)], reward_name,
                 rehearsal, name, options, seed)  # fmt: skip
         result = None
+    else:
+        reward_name = CURVE_RUNS[name]
+        run_curve(out, preset, home, inputs[("reward", seed, reward_name)], reward_name, name,
+                  seed)  # fmt: skip
+        result = None
+    write_json(done, to_json(out, result))
     return result, time.time() - started
 
 
+def to_json(out: Path, value):
+    """A task's result as JSON: paths relative to ``out`` (``{"path": ...}``), tuples as
+    ``{"tuple": [...]}``, dicts with non-string keys as ``{"items": [[key, value], ...]}``."""
+    if isinstance(value, Path):
+        return {"path": str(value.relative_to(out))}
+    if isinstance(value, tuple):
+        return {"tuple": [to_json(out, v) for v in value]}
+    if isinstance(value, dict):
+        return {"items": [[to_json(out, k), to_json(out, v)] for k, v in value.items()]}
+    if isinstance(value, list):
+        return [to_json(out, v) for v in value]
+    return value
+
+
+def from_json(out: Path, value):
+    """``to_json`` back; a path must stay inside ``out`` (the file is data, not a pointer)."""
+    if isinstance(value, list):
+        return [from_json(out, v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"path"}:
+            path = (out / value["path"]).resolve()
+            if not path.is_relative_to(out.resolve()):
+                raise InputError(f"{out}: a task's done.json names {value['path']!r}, outside "
+                                 "the run")  # fmt: skip
+            return out / value["path"]
+        if set(value) == {"tuple"}:
+            return tuple(from_json(out, v) for v in value["tuple"])
+        if set(value) == {"items"}:
+            return {from_json(out, k): from_json(out, v) for k, v in value["items"]}
+        raise InputError(f"{out}: a task's done.json holds an unknown object {sorted(value)}")
+    return value
+
+
 def part_of(task: Task) -> str:
-    """Which part of the study a task belongs to: "core" (every seed), "extra_rewards",
-    "exploratory" or "sweep" (the first seeds)."""
+    """Which part of the study a task belongs to: "worlds", "core" (every seed),
+    "extra_rewards", "exploratory", "attribution", "curves" or "sweep" (the first seeds)."""
     kind, _, name = task
+    if kind in ("world", "curve"):
+        return {"world": "worlds", "curve": "curves"}[kind]
     if kind == "reward":
         return "core" if name in ("rm", "am") else "extra_rewards"
     if kind == "curation" or name in ARMS:
         return "core"
-    return "sweep" if name.startswith("am_ppo_sr_c") else "exploratory"
+    if name.startswith("am_ppo_sr_c"):
+        return "sweep"
+    if name.startswith(("am_ppo_kl", "am_ppo_sr_g", "am_ppo_rr_g", "am_ppo_strat_g",
+                        "am_ppo_sft_g")):  # fmt: skip
+        return "attribution"
+    return "exploratory"
 
 
 def part_seconds(seconds: dict[Task, float]) -> dict[str, float]:
@@ -508,10 +708,32 @@ def stop_workers(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=True, cancel_futures=True)
 
 
-# ---------------------------------------------------------------- data
+# ---------------------------------------------------------------- worlds
 
 
-def prepare_data(out: Path, preset: Preset) -> dict:
+def world_stage(out: Path, preset: Preset, index: int) -> dict:
+    """World ``index``: its data (``prepare_data``), its SFT policy and the SFT policy's
+    responses to its PPO prompts (the pool D_R is curated from). Every generation of the world
+    (D_R's SFT responses, PPO rollouts, evaluation) gets the data's budget, above the longest
+    demonstration of every family, so the budget never decides a verdict (unless
+    ``--ppo max_new_tokens=N`` chose one)."""
+    home = out / f"world{index}"
+    data = prepare_data(home, preset, world_seed(preset, index))
+    budget = preset.ppo["max_new_tokens"] or data["budget"]["budget"]
+    sft, sft_losses = stages.train_sft_policy(
+        data["indexed"] / "sft", home / "sft", hidden=preset.hidden, layers=preset.layers,
+        heads=preset.heads, steps=preset.sft_steps, lr=preset.sft_lr,
+        batch_size=preset.sft_batch, max_length=preset.max_length, seed=world_seed(preset, index),
+    )  # fmt: skip
+    sft_responses = stages.generate_responses(sft, data["raw"] / "ppo_prompts.jsonl",
+                                              home / "sft_responses.jsonl", budget, seed=0)  # fmt: skip
+    return {**data, "sft": sft, "sft_responses": sft_responses, "sft_losses": sft_losses,
+            "max_new_tokens": budget}  # fmt: skip
+
+
+def prepare_data(out: Path, preset: Preset, seed: int) -> dict:
+    """World seed ``seed``'s records (``world.world_records``: who sees which family), checked
+    disjoint, its BPE tokenizer and indexed files under ``out``."""
     raw, indexed = out / "data", out / "data" / "indexed"
     indexed.mkdir(parents=True)
     records = world.world_records(world.WorldSizes(
@@ -519,7 +741,8 @@ def prepare_data(out: Path, preset: Preset) -> dict:
         pref_test_per_task=preset.pref_test_per_task, ppo_prompts=preset.ppo_prompts,
         main_test_per_task=preset.main_test_per_task,
         forget_test_per_task=preset.forget_test_per_task,
-    ))  # fmt: skip
+        minor_test_per_task=preset.minor_test_per_task,
+    ), seed=seed)  # fmt: skip
     training = [records[name] for name in ("sft", "pref_train", "pref_test", "ppo_prompts")]
     overlap = {name: world.check_disjoint(records[name], training)
                for name in ("main_test", "forget_test")}  # fmt: skip
@@ -533,7 +756,7 @@ def prepare_data(out: Path, preset: Preset) -> dict:
     for name, kind in (("sft", "sft"), ("pref_train", "preference"), ("ppo_prompts", "prompt")):
         stages.preprocess(raw / f"{name}.jsonl", kind, tokenizer, indexed / name,
                           preset.max_length)  # fmt: skip
-    summary = {name: len(rows) for name, rows in records.items()}
+    summary = {"world_seed": seed, **{name: len(rows) for name, rows in records.items()}}
     summary["families"] = {name: dict(sorted(Counter(r["task"] for r in rows).items()))
                            for name, rows in records.items()}  # fmt: skip
     summary["held_out_overlap"] = overlap
@@ -562,16 +785,17 @@ def reward_models(preset: Preset, seed: int) -> dict:
     return models
 
 
-def reward_stage(out: Path, preset: Preset, data: dict, sft: Path, seed: int, name: str) -> Path:
-    """Train reward model ``name`` of ``seed`` and score the held-out pairs; its checkpoint."""
+def reward_stage(out: Path, preset: Preset, home: dict, seed: int, name: str) -> Path:
+    """Train reward model ``name`` of ``seed`` on its world's preference data from its world's
+    SFT policy, and score the world's held-out pairs; its checkpoint."""
     loss, epochs, margin = reward_models(preset, seed)[name]
     run_dir = out / "reward" / name / f"seed{seed}"
     checkpoint = stages.train_reward_model(
-        loss=loss, sft=sft, train_prefix=data["indexed"] / "pref_train", out=run_dir,
+        loss=loss, sft=home["sft"], train_prefix=home["indexed"] / "pref_train", out=run_dir,
         epochs=epochs, lr=preset.reward_lr, global_batch_size=preset.reward_batch,
         seed=seed, margin=margin,
     )  # fmt: skip
-    stages.score_pairs(checkpoint, data["raw"] / "pref_test.jsonl", data["tokenizer"],
+    stages.score_pairs(checkpoint, home["raw"] / "pref_test.jsonl", home["tokenizer"],
                        run_dir / "pairs.jsonl")  # fmt: skip
     return checkpoint
 
@@ -579,27 +803,30 @@ def reward_stage(out: Path, preset: Preset, data: dict, sft: Path, seed: int, na
 # ---------------------------------------------------------------- curation and arms
 
 
-def curation_stage(out: Path, preset: Preset, data: dict, sft_responses: Path, am: Path,
-                   seed: int) -> dict:  # fmt: skip
+def curation_stage(out: Path, preset: Preset, home: dict, am: Path, seed: int) -> dict:
     """D_R prefixes by name: "main" (top-k by the AM in each of c clusters), "gold" (the same
     clusters' top-k by the gold utility: the ceiling of selection), "random" (as many records
-    drawn uniformly), on the exploratory seeds "sft" (as many SFT demonstrations drawn
-    uniformly from all five families: the positive control), and on the sweep seeds (c, k) of
-    Fig. 6. Each set's records are described in ``rehearsal/seed<S>/d_r.jsonl``
-    (``stages.describe_rehearsal``)."""
+    drawn uniformly); on the attribution seeds "strat" (as many records, top by the AM within
+    each task family, every minor skill guaranteed ``top_k``: ``stages.stratified_rehearsal``);
+    on the exploratory or attribution seeds "sft" (as many SFT demonstrations drawn uniformly
+    from every family: the positive control); on the sweep seeds (c, k) of Fig. 6. Each set's
+    records are described in ``rehearsal/seed<S>/d_r.jsonl`` (``stages.describe_rehearsal``)."""
     work = out / "rehearsal" / f"seed{seed}"
     work.mkdir(parents=True)
-    scored = stages.score_responses(am, sft_responses, data["tokenizer"], work / "scored.jsonl")
+    tokenizer = home["tokenizer"]
+    scored = stages.score_responses(am, home["sft_responses"], tokenizer, work / "scored.jsonl")
     c, k = preset.clusters, preset.top_k
-    build = dict(tokenizer=data["tokenizer"], seed=seed)
+    build = dict(tokenizer=tokenizer, seed=seed)
     sets = {"main": stages.build_rehearsal(scored, prefix=work / "d_r", clusters=c, top_k=k,
                                            **build)}  # fmt: skip
     gold = stages.gold_scored(scored, work / "gold_scored.jsonl")
     sets["gold"] = stages.build_rehearsal(gold, prefix=work / "gold", clusters=c, top_k=k, **build)
-    sets["random"] = stages.build_random_rehearsal(scored, data["tokenizer"], work / "random",
-                                                   c * k, seed)  # fmt: skip
-    if runs_exploratory(preset, seed):
-        sets["sft"] = stages.build_random_rehearsal(data["raw"] / "sft.jsonl", data["tokenizer"],
+    sets["random"] = stages.build_random_rehearsal(scored, tokenizer, work / "random", c * k, seed)
+    if runs_attribution(preset, seed):
+        sets["strat"] = stages.stratified_rehearsal(scored, tokenizer, work / "strat", c * k,
+                                                    k, seed)  # fmt: skip
+    if runs_exploratory(preset, seed) or runs_attribution(preset, seed):
+        sets["sft"] = stages.build_random_rehearsal(home["raw"] / "sft.jsonl", tokenizer,
                                                     work / "sft", c * k, seed)  # fmt: skip
     if runs_sweep(preset, seed):
         others = [count for count in preset.sweep_clusters if count != c]
@@ -628,10 +855,13 @@ def sweep_arm(clusters: int, top_k: int) -> str:
 
 def arms_of(preset: Preset, seed: int) -> dict:
     """The arms ``seed`` runs: the core, the exploratory ones on the first
-    ``exploratory_seeds`` and the sweep on the first ``sweep_seeds``."""
+    ``exploratory_seeds``, the attribution ones on the first ``attribution_seeds`` and the
+    sweep on the first ``sweep_seeds`` (the hacking curves are tasks of their own)."""
     arms = dict(ARMS)
     if runs_exploratory(preset, seed):
         arms.update(exploratory_arms(preset))
+    if runs_attribution(preset, seed):
+        arms.update(attribution_arms(preset))
     if runs_sweep(preset, seed):
         c, k = preset.clusters, preset.top_k
         for count in preset.sweep_clusters:
@@ -642,31 +872,63 @@ def arms_of(preset: Preset, seed: int) -> dict:
     return arms
 
 
-def run_arm(out, preset, data, sft, reward, reward_name, rehearsal, arm, options, seed) -> None:
+def run_arm(out, preset, home, reward, reward_name, rehearsal, arm, options, seed) -> None:
     run_dir = out / "ppo" / arm / f"seed{seed}"
     reward_kind = "am" if reward_name.startswith("am") else "rm"
     which = options.get("rehearsal")
     rehearsal_set = rehearsal[which] if which is not None else None
     clusters = rehearsal["main"] if which == "main" else None
     algorithm = options.get("algorithm", "ppo")
-    policy = sft
+    policy = home["sft"]
     if algorithm != "none":
         policy = stages.train_policy(
-            out=run_dir, sft=sft, reward=reward, reward_kind=reward_kind,
-            prompts=data["indexed"] / "ppo_prompts", settings={**preset.ppo,
-                                                               **options.get("ppo", {})},
-            seed=seed,
-            rehearsal=rehearsal_set, clusters=clusters, algorithm=algorithm,
+            out=run_dir, sft=home["sft"], reward=reward, reward_kind=reward_kind,
+            prompts=home["indexed"] / "ppo_prompts",
+            settings={**preset.ppo, "max_new_tokens": home["max_new_tokens"],
+                      **options.get("ppo", {})},
+            seed=seed, rehearsal=rehearsal_set, clusters=clusters, algorithm=algorithm,
             normalization=options.get("normalization", "none"),
         )  # fmt: skip
+        write_jsonl(run_dir / "training.jsonl", stages.training_curve(run_dir))
+    judge(out, preset, home, policy, reward, reward_kind, run_dir, seed)
+    for step_dir in run_dir.glob("step_*"):  # the arm is judged; its weights are not needed
+        shutil.rmtree(step_dir)
+
+
+def judge(out, preset, home, policy, reward, reward_kind, run_dir, seed) -> None:
+    """Judge ``policy`` against SFT on the world's main and forget sets (``run_dir/eval``) and
+    write the gold judgments (``run_dir/judgments.jsonl``)."""
     judgments = stages.evaluate_policy(
-        policy=policy, sft=sft, judge=reward, judge_kind=reward_kind,
-        main_test=data["raw"] / "main_test.jsonl", forget_test=data["raw"] / "forget_test.jsonl",
-        out=run_dir / "eval", max_new_tokens=preset.ppo["max_new_tokens"], seed=1000 + seed,
-        tie_margin=preset.tie_margin, eos_id=data["eos_id"],
+        policy=policy, sft=home["sft"], judge=reward, judge_kind=reward_kind,
+        main_test=home["raw"] / "main_test.jsonl", forget_test=home["raw"] / "forget_test.jsonl",
+        out=run_dir / "eval", max_new_tokens=home["max_new_tokens"], seed=1000 + seed,
+        tie_margin=preset.tie_margin, eos_id=home["eos_id"],
     )  # fmt: skip
     write_jsonl(run_dir / "judgments.jsonl", judgments)
-    for step_dir in run_dir.glob("step_*"):  # the arm is judged; its weights are not needed
+
+
+def run_curve(out, preset, home, reward, reward_name, run, seed) -> None:
+    """One PPO run of ``curve_steps[-1]`` steps (the arms' shared settings otherwise), saved at
+    every step of ``curve_steps`` and judged there: arm ``<reward>_ppo_step<N>`` is its policy
+    after N steps (its training curve, whole, is that of the last step's arm)."""
+    run_dir = out / "ppo" / run / f"seed{seed}"
+    steps = preset.curve_steps
+    interval = math.gcd(*steps)
+    stages.train_policy(
+        out=run_dir, sft=home["sft"], reward=reward, reward_kind=reward_name,
+        prompts=home["indexed"] / "ppo_prompts",
+        settings={**preset.ppo, "max_new_tokens": home["max_new_tokens"], "steps": steps[-1]},
+        seed=seed, save_interval=interval,
+    )  # fmt: skip
+    curve = stages.training_curve(run_dir)
+    for step in steps:
+        arm_dir = out / "ppo" / curve_arm(reward_name, step) / f"seed{seed}"
+        policy = run_dir / f"step_{step:07d}"
+        if not policy.is_dir():
+            raise SystemExit(f"{run_dir}: no checkpoint of step {step}")
+        judge(out, preset, home, policy, reward, reward_name, arm_dir, seed)
+        write_jsonl(arm_dir / "training.jsonl", [row for row in curve if row["step"] <= step])
+    for step_dir in run_dir.glob("step_*"):
         shutil.rmtree(step_dir)
 
 

@@ -28,12 +28,14 @@ def read_records(path: Path) -> list[dict]:
     return [record for _, record in read_jsonl(path)]
 
 
-def load_records(out: Path) -> tuple[dict, dict, dict]:
-    """``pairs[model][seed]``, ``judgments[arm][seed]`` and ``rehearsal[set][seed]`` (each D_R's
-    records as ``describe_rehearsal`` wrote them) from the raw records under ``out``."""
-    pairs, judgments, rehearsal = {}, {}, {}
+def load_records(out: Path) -> tuple[dict, dict, dict, dict]:
+    """``pairs[model][seed]``, ``judgments[arm][seed]``, ``rehearsal[set][seed]`` (each D_R's
+    records as ``describe_rehearsal`` wrote them) and ``training[arm][seed]`` (each PPO run's
+    ``training_curve``) from the raw records under ``out``."""
+    pairs, judgments, rehearsal, training = {}, {}, {}, {}
     for kind, table, name in (("reward", pairs, "pairs.jsonl"),
-                              ("ppo", judgments, "judgments.jsonl")):  # fmt: skip
+                              ("ppo", judgments, "judgments.jsonl"),
+                              ("ppo", training, "training.jsonl")):  # fmt: skip
         for path in sorted((out / kind).glob(f"*/seed*/{name}")):
             seed = int(path.parent.name.removeprefix("seed"))
             table.setdefault(path.parent.parent.name, {})[seed] = read_records(path)
@@ -42,23 +44,23 @@ def load_records(out: Path) -> tuple[dict, dict, dict]:
         for row in read_records(path):
             rows = rehearsal.setdefault(row.pop("set"), {}).setdefault(seed, [])
             rows.append(row)
-    return pairs, judgments, rehearsal
+    return pairs, judgments, rehearsal, training
 
 
 RECORDS_ARCHIVE = "records.jsonl.gz"
 """The study's raw records in one file: what every table of results.json is computed from."""
-RECORD_KINDS = ("pairs", "judgments", "rehearsal")
+RECORD_KINDS = ("pairs", "judgments", "rehearsal", "training")
 
 
 def pack_records(settings: dict, pairs: dict, judgments: dict, rehearsal: dict,
-                 path: Path) -> None:  # fmt: skip
+                 path: Path, training: dict | None = None) -> None:  # fmt: skip
     """Write ``settings`` and the raw records (``load_records``' tables) to ``path``,
     gzipped JSON lines: a ``{"settings": ...}`` line, then one ``{"kind", "name", "seed",
     "rows"}`` line per reward model and seed (held-out pairs), per arm and seed (gold
-    judgments) and per D_R and seed (its records). Byte-identical for identical records
-    (gzip's timestamp 0, no file name)."""
+    judgments), per D_R and seed (its records) and per PPO arm and seed (its training curve).
+    Byte-identical for identical records (gzip's timestamp 0, no file name)."""
     lines = [{"settings": settings}]
-    for kind, table in zip(RECORD_KINDS, (pairs, judgments, rehearsal)):
+    for kind, table in zip(RECORD_KINDS, (pairs, judgments, rehearsal, training or {})):
         for name in sorted(table):
             for seed in sorted(table[name]):
                 lines.append({"kind": kind, "name": name, "seed": seed, "rows": table[name][seed]})
@@ -68,10 +70,10 @@ def pack_records(settings: dict, pairs: dict, judgments: dict, rehearsal: dict,
                 handle.write((json.dumps(obj, allow_nan=False) + "\n").encode())
 
 
-def unpack_records(path: Path) -> tuple[dict, dict, dict, dict]:
-    """``(settings, pairs, judgments, rehearsal)`` from a ``pack_records`` file, the tables shaped
-    as ``load_records``' (an archive without D_R records gives an empty ``rehearsal``). Errors
-    name the file and line. Nothing in it is a path or code."""
+def unpack_records(path: Path) -> tuple[dict, dict, dict, dict, dict]:
+    """``(settings, pairs, judgments, rehearsal, training)`` from a ``pack_records`` file, the
+    tables shaped as ``load_records``' (an archive without D_R records or training curves gives
+    them empty). Errors name the file and line. Nothing in it is a path or code."""
     settings, tables = None, {kind: {} for kind in RECORD_KINDS}
     try:
         with gzip.open(path, "rt", encoding="utf-8") as handle:
@@ -100,7 +102,7 @@ def unpack_records(path: Path) -> tuple[dict, dict, dict, dict]:
         raise InputError(f"{path}: not a readable gzip of JSON lines ({err})") from None
     if settings is None:
         raise InputError(f"{path}: empty; expected a records archive written by the study")
-    return settings, tables["pairs"], tables["judgments"], tables["rehearsal"]
+    return (settings, tables["pairs"], tables["judgments"], tables["rehearsal"], tables["training"])
 
 
 # ---------------------------------------------------------------- data and SFT
@@ -270,6 +272,39 @@ def build_random_rehearsal(scored: Path, tokenizer: Path, prefix: Path, size: in
     return build_rehearsal(shuffled, tokenizer, prefix, clusters=1, top_k=size, seed=seed)
 
 
+def stratified_rehearsal(scored: Path, tokenizer: Path, prefix: Path, size: int,
+                         per_minor: int, seed: int) -> Path:  # fmt: skip
+    """A D_R of ``size`` records that holds every task family: each minor skill
+    (``world.MINOR_TASKS``) its top ``per_minor`` responses by the AM's score, the rest dealt to
+    the preference families by their share of the PPO prompts (largest remainders), each its
+    top by the AM's score. (The AM's scores are compared only inside a family, where its
+    offsets cancel.) The coverage mechanism's own D_R: it rehearses the skills PPO forgets,
+    whatever k-means makes of them. Built by the same builder as every other D_R (one cluster,
+    the chosen records only)."""
+    records = read_records(scored)
+    by_task = {}
+    for record in records:
+        by_task.setdefault(world.task_of(record["prompt"]), []).append(record)
+    counts = {task: per_minor for task in world.MINOR_TASKS}
+    rest = size - sum(counts.values())
+    if rest < 0:
+        raise ValueError(f"a stratified D_R of {size} cannot give {len(counts)} minor skills "
+                         f"{per_minor} each")  # fmt: skip
+    shares = {task: world.PPO_SHARES[task] for task in world.PREFERENCE_TASKS}
+    raw = {task: rest * share / sum(shares.values()) for task, share in shares.items()}
+    counts.update({task: int(value) for task, value in raw.items()})
+    order = sorted(raw, key=lambda task: raw[task] - int(raw[task]), reverse=True)
+    for task in order[: rest - sum(int(v) for v in raw.values())]:
+        counts[task] += 1
+    chosen = []
+    for task, count in counts.items():
+        ranked = sorted(by_task.get(task, []), key=lambda r: r["score"], reverse=True)
+        chosen += ranked[:count]
+    picked = prefix.parent / (prefix.name + ".stratified.jsonl")
+    write_jsonl(picked, chosen)
+    return build_rehearsal(picked, tokenizer, prefix, clusters=1, top_k=len(chosen), seed=seed)
+
+
 def gold_scored(scored: Path, out: Path) -> Path:
     """``scored`` with each record's score replaced by its response's gold utility
     (``world.utility``: offset- and scale-free, so clusters that mix families rank fairly);
@@ -302,12 +337,12 @@ def describe_rehearsal(prefixes: dict[str, Path], out: Path) -> Path:
 def train_policy(*, out: Path, sft: Path, reward: Path, reward_kind: str, prompts: Path,
                  settings: dict, seed: int, rehearsal: Path | None = None,
                  clusters: Path | None = None, algorithm: str = "ppo",
-                 normalization: str = "none") -> Path:  # fmt: skip
+                 normalization: str = "none", save_interval: int = 0) -> Path:  # fmt: skip
     """One train-ppo run (an arm); ``settings`` holds what every arm shares. Every arm's
     critic starts alike, from the SFT policy's trunk with a fresh value head seeded by the
     arm's seed (from the reward model, RM-PPO's critic would start with the RM's trained head
     and AM-PPO's with a fresh one: a difference between the arms that is not the reward).
-    Returns the run dir."""
+    ``save_interval``: keep a checkpoint every that many steps (0: none). Returns the run dir."""
     from megatron_rlhf.ppo.train_cli import main as train_ppo
 
     argv = [f"models.actor={sft}", f"models.critic={sft}", f"models.reward={reward}",
@@ -320,7 +355,7 @@ def train_policy(*, out: Path, sft: Path, reward: Path, reward_kind: str, prompt
             f"ppo.kl.coef={settings['kl_coef']}", f"actor_optim.lr={settings['actor_lr']}",
             f"critic_optim.lr={settings['critic_lr']}", "actor_optim.warmup_fraction=0.0",
             "critic_optim.warmup_fraction=0.0", f"train.steps={settings['steps']}",
-            "train.save_interval=0", "train.sample_interval=1000000",
+            f"train.save_interval={save_interval}", "train.sample_interval=1000000",
             f"train.seed={seed}", f"train.output_dir={out}"]  # fmt: skip
     if algorithm == "rejection_sampling":
         argv += [f"ppo.rejection_samples_per_prompt={settings['rejection_samples']}",
@@ -333,6 +368,13 @@ def train_policy(*, out: Path, sft: Path, reward: Path, reward_kind: str, prompt
         argv.append(f"data.prompt_clusters={clusters}")
     run_command(train_ppo, argv)
     return out
+
+
+def training_curve(run_dir: Path) -> list[dict]:
+    """``{"step", "kl", "reward"}`` per logged step of a train-ppo run (its ``metrics.jsonl``:
+    the mean KL to the reference, here the SFT policy, and the mean training reward)."""
+    return [{"step": r["step"], "kl": r["kl/mean"], "reward": r["reward/mean"]}
+            for _, r in read_jsonl(run_dir / "metrics.jsonl") if "kl/mean" in r]  # fmt: skip
 
 
 def evaluate_policy(*, policy: Path, sft: Path, judge: Path, judge_kind: str, main_test: Path,
