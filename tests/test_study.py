@@ -149,9 +149,10 @@ def test_preference_labels_follow_bradley_terry_with_the_recorded_probability():
 
 def test_table_math_against_direct_computation():
     rng = random.Random(0)
+    truth = [(rng.choice("ab"), rng.random()) for _ in range(200)]  # one held-out pair set
     pairs = {
         seed: [{"chosen_score": rng.gauss(1, 1), "rejected_score": rng.gauss(0, 1),
-                "task": rng.choice("ab"), "p_true": rng.random()} for _ in range(200)]
+                "task": task, "p_true": p} for task, p in truth]
         for seed in range(3)
     }  # fmt: skip
     outcomes = ["win", "tie", "lose"]
@@ -179,7 +180,8 @@ def test_table_math_against_direct_computation():
     assert main["win"] == pytest.approx(np.mean(wins))
     assert main["per_seed"] == pytest.approx(np.subtract(wins, loses))
     assert main["win"] + main["tie"] + main["lose"] == pytest.approx(100.0)
-    assert set(main) == {"win", "tie", "lose", "net_win", "ci_low", "ci_high", "per_seed"}
+    assert set(main) == {"win", "tie", "lose", "net_win", "ci_low", "ci_high", "per_seed",
+                         "se_crossed", "ci_low_crossed", "ci_high_crossed"}  # fmt: skip
     assert set(cell) == {"mean", "ci_low", "ci_high", "per_seed"}
     for name, statistic in stats.pair_metric_statistics(pairs[1]).items():
         whole = statistic(np.arange(len(pairs[1])))
@@ -377,69 +379,81 @@ def test_t_test_power_has_no_nan_in_the_lower_tail(monkeypatch):
         claims.t_test_power(effect, sd, 5, alpha)
 
 
-def _fake_results(better: dict, seeds: int = 6) -> dict:
-    """results.json with per-seed values only where the claims read them: every arm's net win
-    and every scorer's over-confidence 0 +- 1, its other metrics 50 +- 1, plus ``better``
-    {path: shift}."""
-    rng = np.random.default_rng(0)
-    noise = lambda center: {"per_seed": list(center + rng.normal(0, 1, seeds))}  # noqa: E731
-    arms = ("rm_ppo", "rm_ppo_ma", "am_ppo", "am_ppo_sr", "am_ppo_rr", "rm_ppo_sr",
-            "am_ppo_sr_gold", "am_ppo_sft", "am_ppo_sr_g1", "rm_ppo_lr3e-4_s10",
-            "am_ppo_lr3e-4_s10")  # fmt: skip
-    metrics = ("accuracy", "ece", "brier", "overconfidence")
-    models = ("rm", "am", "rm_long", "am_long", "am_m1.5", "am_m4", "am_m8")
-    results = {
-        "table2": {a: {s: noise(0.0) for s in ("main", "forget", "minor")} for a in arms},
-        "reward_models": {m: {k: noise(0.0 if k == "overconfidence" else 50.0) for k in metrics}
-                          for m in models},
-        "arms": {a: {"main": {"hacking_index": noise(0.0), "because_code": noise(0.0)}}
-                 for a in arms},
-    }  # fmt: skip
-    for path, shift in better.items():
-        cell = results
-        for key in path:
-            cell = cell[key]
-        cell["per_seed"] = [v + shift for v in cell["per_seed"]]
-    return results
+class _FakeEvidence:
+    """``stats.Evidence`` with made-up per-seed values only (0 +- 1 per arm, set and value;
+    Table 1 metrics 50 +- 1, over-confidence 0 +- 1; the hacking slopes 0 +- 1), shifted by
+    ``shifts`` {(name, set or metric): shift}: comparisons that resample seeds only, which is
+    all that Holm, the verdicts and the families need. ``missing``: names that raise KeyError;
+    ``seeds_of``: names run on fewer seeds."""
+
+    def __init__(self, shifts: dict, seeds: int = 6):
+        self.rng, self.cache, self.shifts, self.n = np.random.default_rng(0), {}, shifts, seeds
+        self.missing: set = set()
+        self.seeds_of: dict = {}
+
+    def value(self, name, where, key="") -> dict:
+        if name in self.missing:
+            raise KeyError(name)
+        if (name, where, key) not in self.cache:
+            center = 50.0 if where in ("accuracy", "ece", "brier") else 0.0
+            n = self.seeds_of.get(name, self.n)
+            noise = center + self.shifts.get((name, where), 0.0) + self.rng.normal(0, 1, n)
+            self.cache[name, where, key] = dict(enumerate(noise.tolist()))
+        return self.cache[name, where, key]
+
+    def _compare(self, better: dict, worse: dict | None, sign: float = 1.0):
+        worse = worse if worse is not None else dict.fromkeys(better, 0.0)
+        common = sorted(set(better) & set(worse))
+        return stats.Comparison(per_seed=tuple(sign * (better[s] - worse[s]) for s in common))
+
+    def items(self, better, worse, set_name, key="net_win", task=None):
+        return self._compare(self.value(better, set_name, key),
+                             None if worse is None else self.value(worse, set_name, key))  # fmt: skip
+
+    def pair_metric(self, better, worse, metric, lower_is_better=False):
+        sign = -1.0 if lower_is_better else 1.0
+        return self._compare(self.value(better, metric),
+                             None if worse is None else self.value(worse, metric), sign)  # fmt: skip
+
+    def seeds(self, better, worse=None):
+        return self._compare(self.value(*better), None if worse is None else self.value(*worse))
 
 
 def test_claims_are_decided_by_holm_on_the_papers_side():
     from megatron_rlhf.study import claims
 
-    rows = {r["text"]: r for r in claims.evaluate_claims(_fake_results({}))}
-    families = {"paper", "rehearsal", "settings", "margin", "exploratory"}
+    rows = {r["name"]: r for r in claims.evaluate_claims(_FakeEvidence({}))}
+    families = {"paper", "minor_split", "transfer", "rehearsal", "attribution", "exploratory"}
     assert {r["family"] for r in rows.values()} == families
     assert all(r["verdict"] == "inconclusive" for r in rows.values() if r["margin"] == 0)
     ni = next(r for r in rows.values() if r["kind"] == "non-inferiority")
-    assert ni["margin"] == claims.ACCURACY_NI_MARGIN
+    assert ni["margin"] == claims.ACCURACY_NI_MARGIN and ni["name"] == "am_keeps_accuracy"
     # AM's ECE far lower (better), AM-PPO far below RM-PPO on main (the paper's side reversed)
-    results = _fake_results({("reward_models", "am", "ece"): -10.0,
-                             ("table2", "am_ppo", "main"): -10.0})  # fmt: skip
-    rows = {r["text"]: r for r in claims.evaluate_claims(results)}
-    assert rows["AM is better calibrated than RM (ECE lower)"]["verdict"] == "reproduced"
-    main = rows["AM-PPO beats RM-PPO on the main set (net win vs SFT)"]
+    evidence = _FakeEvidence({("am", "ece"): -10.0, ("am_ppo", "main"): -10.0})
+    rows = {r["name"]: r for r in claims.evaluate_claims(evidence)}
+    assert rows["am_ece_lower"]["verdict"] == "reproduced"
+    main = rows["am_ppo_beats_rm_ppo_main"]
     assert main["verdict"] == "contradicted" and main["p_holm"] >= main["p"]
     paper = [r for r in rows.values() if r["family"] == "paper" and r["p"] is not None]
     adjusted = claims.holm([r["p"] for r in paper])
     assert [r["p_holm"] for r in paper] == pytest.approx(adjusted)
+    # seeds-only comparisons: the p is the paired t-test's, and the row says so
+    assert all(r["resamples"] == "seeds" and r["p"] == pytest.approx(r["p_seeds_only"])
+               for r in rows.values())  # fmt: skip
     # claims as data: every row names itself and carries what the report shows
     names = [r["name"] for r in rows.values()]
-    assert len(set(names)) == len(names) == len(claims.declared_claims(results["table2"]))
-    assert {"sr_g1_helps_forget", "am_ppo_beats_rm_ppo_main_lr3e-4_s10", "sr_helps_minor",
-            "control_helps_forget", "gold_selection_beats_am_selection"} <= set(names)  # fmt: skip
-    keys = {"name", "family", "estimate", "ci_low", "ci_high", "p", "p_holm", "holm_level",
-            "verdict", "seeds_needed"}  # fmt: skip
+    assert len(set(names)) == len(names) == len(claims.declared_claims())
+    assert {"rm_ppo_loses_minor", "sr_g0.1_beats_kl_matched", "sr_helps_minor",
+            "rm_ppo_hacks_more", "gold_selection_beats_am_selection"} <= set(names)  # fmt: skip
+    keys = {"name", "family", "estimate", "se", "ci_low", "ci_high", "p", "p_holm",
+            "holm_level", "verdict", "seeds_needed", "worlds", "resamples"}  # fmt: skip
     assert all(keys <= set(r) for r in rows.values())
     family = {r["name"]: r["family"] for r in rows.values()}
-    assert family["rm_overconfident"] == "paper"  # the paper's claim: its 1-epoch RM
-    assert family["sr_g1_helps_minor"] == "rehearsal"
-    assert family["am_ppo_forgets_less_lr3e-4_s10"] == "settings"
-    assert (
-        family["overtraining_rm_overconfident"]
-        == family["overtrained_am_ece_lower"]
-        == ("exploratory")
-    )
-    assert not any(n.startswith("am_m2.5") for n in names)  # m = 2.5 counted once
+    assert family["rm_overconfident"] == family["rm_ppo_hacks_more"] == "paper"
+    assert family["sr_g1_helps_minor"] == family["strat_g0.1_beats_sr_g0.1"] == "attribution"
+    assert family["rm_ppo_hack_transfer"] == "minor_split"
+    assert family["am_ppo_beats_rm_ppo_transfer"] == "transfer"
+    assert not any(n.startswith("am_m") or n.startswith("overtrain") for n in names)
     level = claims.holm_levels([r["p"] for r in paper])
     assert [r["holm_level"] for r in paper] == pytest.approx(level)
     for row in paper:
@@ -447,17 +461,21 @@ def test_claims_are_decided_by_holm_on_the_papers_side():
             row["estimate"] + row["margin"], row["sd"], alpha=row["holm_level"]
         )
     # a missing arm drops its claims, nothing else
-    del results["table2"]["am_ppo_rr"]
-    texts = {r["text"] for r in claims.evaluate_claims(results)}
-    assert not any("random rehearsal" in t for t in texts) and len(texts) == len(rows) - 2
-    # an arm of the exploratory seeds (a prefix) is paired with the first seeds of the other
-    for set_name in ("main", "forget"):
-        cell = results["table2"]["am_ppo_sft"][set_name]
-        cell["per_seed"] = cell["per_seed"][:4]
-    row = {r["name"]: r for r in claims.evaluate_claims(results)}["control_helps_forget"]
-    expected = np.subtract(results["table2"]["am_ppo_sft"]["forget"]["per_seed"],
-                           results["table2"]["am_ppo"]["forget"]["per_seed"][:4])  # fmt: skip
-    assert row["seeds"] == 4 and row["estimate"] == pytest.approx(expected.mean())
+    evidence.missing.add("am_ppo_rr")
+    left = {r["name"] for r in claims.evaluate_claims(evidence)}
+    assert set(names) - left == {"selection_beats_random", "selection_beats_random_main"}
+    # an arm of fewer seeds is compared on the seeds both sides ran
+    evidence.missing.clear()
+    evidence.seeds_of["am_ppo_sft"] = 4
+    evidence.cache = {k: v for k, v in evidence.cache.items() if k[0] != "am_ppo_sft"}
+    row = {r["name"]: r for r in claims.evaluate_claims(evidence)}["control_helps_minor"]
+    sft, am = (
+        evidence.value("am_ppo_sft", "minor", "net_win"),
+        evidence.value("am_ppo", "minor", "net_win"),
+    )
+    assert row["seeds"] == 4 and row["estimate"] == pytest.approx(
+        np.mean([sft[s] - am[s] for s in range(4)])
+    )
 
 
 def test_hacking_index_is_per_task_so_offsets_do_not_inflate_it():
