@@ -443,7 +443,7 @@ def test_claims_are_decided_by_holm_on_the_papers_side():
     # claims as data: every row names itself and carries what the report shows
     names = [r["name"] for r in rows.values()]
     assert len(set(names)) == len(names) == len(claims.declared_claims())
-    assert {"rm_ppo_loses_minor", "sr_g0.1_beats_kl_matched", "sr_helps_minor",
+    assert {"rm_ppo_loses_minor", "sr_g0.1_beats_anchor", "sr_helps_minor",
             "rm_ppo_hacks_more", "gold_selection_beats_am_selection"} <= set(names)  # fmt: skip
     keys = {"name", "family", "estimate", "se", "ci_low", "ci_high", "p", "p_holm",
             "holm_level", "verdict", "seeds_needed", "worlds", "resamples"}  # fmt: skip
@@ -757,14 +757,15 @@ def test_records_archive_round_trips_and_bad_archives_name_the_line(tmp_path, ca
     rng = random.Random(5)
     out = tmp_path / "study"
     for kind, names, file in (("reward", ("rm", "am_m1.5"), "pairs.jsonl"),
-                              ("ppo", ("am_ppo", "null"), "judgments.jsonl")):  # fmt: skip
+                              ("ppo", ("am_ppo", "null"), "judgments.jsonl"),
+                              ("ppo", ("am_ppo",), "training.jsonl")):  # fmt: skip
         for name in names:
             for seed in (0, 3):
                 rows = [
                     {"x": rng.random(), "task": rng.choice("ab")} for _ in range(rng.randint(1, 5))
                 ]
                 path = out / kind / name / f"seed{seed}" / file
-                path.parent.mkdir(parents=True)
+                path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     for seed in (0, 3):
         rows = [{"set": rng.choice(["main", "gold"]), "utility": rng.random()} for _ in range(6)]
@@ -775,6 +776,7 @@ def test_records_archive_round_trips_and_bad_archives_name_the_line(tmp_path, ca
     archive = tmp_path / "records.jsonl.gz"
     tables = stages.load_records(out)
     assert set(tables[2]) == {"main", "gold"} and set(tables[2]["main"]) == {0, 3}
+    assert set(tables[3]) == {"am_ppo"} and set(tables[1]) == {"am_ppo", "null"}
     stages.pack_records(settings, *tables, archive)
     assert stages.unpack_records(archive) == (settings, *tables)
     second = tmp_path / "again.jsonl.gz"

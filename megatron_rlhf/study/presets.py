@@ -77,10 +77,14 @@ class Preset:
     (the v3 dose), unlike the paper's 0.01."""
     gammas: tuple[float, ...] = (1.0,)
     """The rest of the dose: AM-PPO-SR at these gamma too, on the attribution seeds."""
-    kl_matched_coefs: tuple[float, ...] = (0.05,)
-    """KL coefficients of the no-rehearsal arm that is to match AM-PPO-SR's KL to SFT at
-    ``attribution_gamma`` (one: ``am_ppo_kl``; several, for a development run that chooses
-    it: ``am_ppo_kl<coef>``)."""
+    kl_matched_coefs: tuple[float, ...] = (0.2,)
+    """KL coefficients of the anchoring control: AM-PPO without rehearsal held closer to SFT
+    by a larger beta (one: ``am_ppo_kl``; several, for a development run: ``am_ppo_kl<coef>``).
+    The issue asked for the beta that matches SR's KL to SFT; the development run (README,
+    "How the anchoring control was chosen") found SR at gamma 0.1 *farther* from SFT in KL
+    (0.76) than AM-PPO (0.43), so no raised beta matches it. 0.2 (10x the shared beta) holds
+    the policy at a quarter of SR's KL (0.19): a control anchored more than SR, so SR beating
+    it on the minor skills is more than anchoring."""
     curve_steps: tuple[int, ...] = (5, 10, 20, 40)
     """PPO steps at which the hacking curves are judged (the run takes the last)."""
     ppo_grid: tuple[dict, ...] = ()

@@ -130,8 +130,9 @@ def attribution_arms(preset: Preset) -> dict:
     """The arms that ask where rehearsal acts, at ``attribution_gamma`` (where it moves the minor
     skills): AM-PPO-SR, random rehearsal of equal size, a family-stratified D_R that holds every
     minor skill (the coverage mechanism: rehearse what PPO forgets), the positive control
-    (SFT demonstrations), AM-PPO without rehearsal at a KL coefficient raised to match SR's KL
-    to SFT (anchoring alone), and the rest of the gamma dose."""
+    (SFT demonstrations), AM-PPO without rehearsal held closer to SFT by a larger KL
+    coefficient (anchoring alone: ``Preset.kl_matched_coefs``), and the rest of the gamma
+    dose."""
     gamma = preset.attribution_gamma
     rehearse = {"ppo": {"rehearsal_gamma": gamma}}
     arms = {
@@ -433,9 +434,9 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1,
     results = results_from_records(pairs, judgments, rehearsal, training, seed_worlds(settings))
     results["settings"] = settings
     write_json(out / "results.json", results)
+    # the archive before the report: everything is recomputed from it (--from-records)
+    stages.pack_records(settings, pairs, judgments, rehearsal, training, out / RECORDS_ARCHIVE)
     write_report(out, results, pairs)
-    stages.pack_records(settings, pairs, judgments, rehearsal, out / RECORDS_ARCHIVE,
-                        training=training)  # fmt: skip
     return results
 
 

@@ -53,14 +53,14 @@ RECORD_KINDS = ("pairs", "judgments", "rehearsal", "training")
 
 
 def pack_records(settings: dict, pairs: dict, judgments: dict, rehearsal: dict,
-                 path: Path, training: dict | None = None) -> None:  # fmt: skip
+                 training: dict, path: Path) -> None:  # fmt: skip
     """Write ``settings`` and the raw records (``load_records``' tables) to ``path``,
     gzipped JSON lines: a ``{"settings": ...}`` line, then one ``{"kind", "name", "seed",
     "rows"}`` line per reward model and seed (held-out pairs), per arm and seed (gold
     judgments), per D_R and seed (its records) and per PPO arm and seed (its training curve).
     Byte-identical for identical records (gzip's timestamp 0, no file name)."""
     lines = [{"settings": settings}]
-    for kind, table in zip(RECORD_KINDS, (pairs, judgments, rehearsal, training or {})):
+    for kind, table in zip(RECORD_KINDS, (pairs, judgments, rehearsal, training)):
         for name in sorted(table):
             for seed in sorted(table[name]):
                 lines.append({"kind": kind, "name": name, "seed": seed, "rows": table[name][seed]})
