@@ -216,28 +216,45 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
                                .read_text().splitlines()[0])  # fmt: skip
             assert {"chosen_score", "rejected_score", "task", "p_true"} <= set(first)
     for arm in run.ARMS:
-        for set_name in ("main", "forget", "minor"):
+        for set_name in ("main", "forget", "transfer", "minor"):
             assert len(results["table2"][arm][set_name]["per_seed"]) == seeds
-    exploratory = run.exploratory_arms(run.PRESETS["quick"])
-    assert {"rm_ppo_lr3e-4", "am_ppo_lr3e-4", "am_ppo_sr_g1", "am_ppo_sft"} <= set(exploratory)
-    for arm in exploratory:  # quick: the exploratory part runs on the first seed only
+    quick = run.PRESETS["quick"]
+    first_only = {**run.exploratory_arms(quick), **run.attribution_arms(quick)}
+    assert {"rm_ppo_sr", "am_ppo_sft", "am_ppo_sr_g0.1", "am_ppo_strat_g0.1", "am_ppo_kl",
+            "am_ppo_sr_g1"} <= set(first_only)  # fmt: skip
+    for arm in first_only:  # quick: these parts run on the first seed only
         assert len(results["table2"][arm]["main"]["per_seed"]) == 1, arm
+    for reward in ("rm", "am"):  # the hacking curves, on the first seed
+        for step in quick.curve_steps:
+            rows = results["table2"][f"{reward}_ppo_step{step}"]["main"]["per_seed"]
+            assert len(rows) == 1, (reward, step)
+        assert set(results["hacking_curves"][reward]) == {"0", *map(str, quick.curve_steps)}
     for arm in ("rm_ppo", "am_ppo", "am_ppo_sr", "rm_ppo_sr", "rejection_sampling"):
         lines = (out / "ppo" / arm / "seed0" / "judgments.jsonl").read_text().splitlines()
         first = json.loads(lines[0])
         assert {"set", "prompt_id", "gold_policy", "gold_sft", "outcome"} <= set(first)
         assert {json.loads(line)["set"] for line in lines} == {"main", "forget"}
-    for name in ("ppo_prompts", "main_test", "forget_test"):
-        rows = [json.loads(x) for x in (out / "data" / f"{name}.jsonl").read_text().splitlines()]
-        assert all("prompt" in row for row in rows)
-        if name != "ppo_prompts":
-            assert len(rows) >= 300
+    settings = results["settings"]
+    assert settings["worlds"]["seed_world"] == {"0": 0, "1": 1}  # one seed in each world
+    prompts = {}
+    for w in range(2):
+        for name in ("ppo_prompts", "main_test", "forget_test"):
+            path = out / f"world{w}" / "data" / f"{name}.jsonl"
+            rows = [json.loads(x) for x in path.read_text().splitlines()]
+            assert all("prompt" in row for row in rows)
+            prompts[w, name] = {row["prompt"] for row in rows}
+            if name != "ppo_prompts":
+                assert len(rows) >= 300
+        assert settings["data"][w]["held_out_overlap"] == {"main_test": 0, "forget_test": 0}
+    assert prompts[0, "main_test"] != prompts[1, "main_test"]  # two worlds, two held-out draws
     assert any(arm.startswith("am_ppo_sr_c") for arm in results["table2"])
-    assert results["settings"]["jobs"] == 2
-    assert {"started_utc", "git_commit", "git_dirty"} <= set(results["settings"])
-    assert results["settings"]["data"]["held_out_overlap"] == {"main_test": 0, "forget_test": 0}
-    recomputed = json.loads(json.dumps(stats.results_from_records(*load_records(out))))
-    for key in ("table1", "table2", "reward_models", "arms", "per_task", "rehearsal"):
+    assert settings["jobs"] == 2
+    assert {"started_utc", "git_commit", "git_dirty"} <= set(settings)
+    recomputed = json.loads(json.dumps(
+        stats.results_from_records(*load_records(out), run.seed_worlds(settings))
+    ))  # fmt: skip
+    for key in ("table1", "table2", "reward_models", "arms", "per_task", "rehearsal", "claims",
+                "hacking_curves", "kl_to_sft"):  # fmt: skip
         assert recomputed[key] == results[key]
     # the published form: one archive of records and settings gives every output back
     again = tmp_path / "from_records"
@@ -252,7 +269,7 @@ def test_quick_study_writes_every_output_and_results_recompute(tmp_path):
     check_label_swap_retrains(out, results, tmp_path / "swapped")
     report = (out / "report.md").read_text()
     assert "Table 1" in report and "Table 2" in report and "Fig. 6" in report
-    for png in ("reliability", "per_task", "net_win", "cluster_sweep"):
+    for png in ("reliability", "per_task", "net_win", "cluster_sweep", "hacking"):
         assert (out / f"{png}.png").stat().st_size > 1000
 
 
@@ -547,10 +564,11 @@ def check_sanity_bounds(out, results: dict) -> None:
         assert results["table2"]["null"][set_name]["tie"] == 100.0
         for arm in results["arms"].values():
             assert arm[set_name]["truncated_sft"]["mean"] < 5.0
-    budget = results["settings"]["data"]["generation_budget"]
-    assert budget["budget"] > max(budget["longest"].values())
-    assert results["settings"]["ppo"]["max_new_tokens"] == budget["budget"]
-    _, judgments, _ = load_records(out)
+    for data in results["settings"]["data"]:  # each world's budget
+        budget = data["generation_budget"]
+        assert budget["budget"] > max(budget["longest"].values())
+    assert results["settings"]["ppo"]["max_new_tokens"] is None  # the data's budget
+    _, judgments, _, _ = load_records(out)
     for by_seed in judgments.values():
         for rows in by_seed.values():
             check_gold_parts(rows)
@@ -565,11 +583,14 @@ def check_rehearsal_sets(out, results: dict) -> None:
 
     settings = results["settings"]
     size = settings["clusters"] * settings["top_k"]
-    _, _, rehearsal = load_records(out)
+    _, _, rehearsal, _ = load_records(out)
     seeds = range(settings["seeds"])
     for name in ("main", "gold", "random"):
         assert sorted(rehearsal[name]) == list(seeds), name
-    assert sorted(rehearsal["sft"]) == [0]
+    assert sorted(rehearsal["sft"]) == sorted(rehearsal["strat"]) == [0]
+    strat = rehearsal["strat"][0]  # the stratified D_R holds every minor skill, top_k each
+    for task in world.MINOR_TASKS:
+        assert sum(r["task"] == task for r in strat) == settings["top_k"], task
     for seed in seeds:
         for name in ("main", "gold", "random"):
             assert 0 < len(rehearsal[name][seed]) <= size, (name, seed)
@@ -610,7 +631,8 @@ def check_gold_parts(judgments: list[dict]) -> None:
     assert flips == pytest.approx(stats.outcome_rates(judgments)["net_win"])
 
 
-REHEARSING = ("rm_ppo_sr", "am_ppo_rr", "am_ppo_sft")
+REHEARSING = ("rm_ppo_sr", "am_ppo_rr", "am_ppo_sft", "am_ppo_rr_g0.1", "am_ppo_strat_g0.1",
+              "am_ppo_sft_g0.1")  # fmt: skip
 """The arms with a rehearsal term (and every ``am_ppo_sr*`` arm: gold, dose, sweep)."""
 
 
@@ -626,16 +648,26 @@ def check_trained_arms(out, results: dict) -> None:
     for arm in ("rm_ppo", "am_ppo"):
         gains = results["arms"][arm]["main"]["train_gain"]["per_seed"]
         assert min(gains) > 0.0, f"{arm}: own-reward gain on the main set per seed {gains}"
-    _, judgments, _ = load_records(out)
+    _, judgments, _, training = load_records(out)
     for arm, by_seed in judgments.items():
         for seed, rows in by_seed.items():
             moved = sum(j["outcome"] != "tie" for j in rows)
             assert (moved == 0) == (arm == "null"), f"{arm} seed {seed}: {moved} non-ties"
+    for arm in judgments:  # every PPO run's curve: one row a step, the curve arms' up to theirs
+        curve = re.fullmatch(r"(rm|am)_ppo_step(\d+)", arm)
+        if arm == "null":
+            assert arm not in training
+            continue
+        steps = int(curve[2]) if curve else results["settings"]["ppo"]["steps"]
+        for seed, rows in training[arm].items():
+            assert [r["step"] for r in rows] == list(range(1, steps + 1)), (arm, seed)
 
     def policy_side(rows):
         return [(j["set"], j["prompt_id"], j["gold_policy"], j["train_policy"]) for j in rows]
 
     for arm in judgments:
+        if re.fullmatch(r"(rm|am)_ppo_step\d+", arm):
+            continue  # judged from the curve run's checkpoints (its metrics: ppo/*_curve)
         rehearses = arm in REHEARSING or arm.startswith("am_ppo_sr")
         base = "rm_ppo" if arm.startswith("rm_") else "am_ppo"
         for seed in judgments[arm]:
@@ -668,19 +700,20 @@ def check_label_swap_retrains(out, results: dict, work) -> None:
 
     started = time.time()
     settings = results["settings"]
-    rows = stages.read_records(out / "data" / "pref_train.jsonl")
+    home = out / "world0"  # seed 0's world
+    rows = stages.read_records(home / "data" / "pref_train.jsonl")
     swapped = work / "pref_train_swapped.jsonl"
     write_jsonl(swapped, ({**r, "chosen": r["rejected"], "rejected": r["chosen"],
                            "p_true": 1.0 - r["p_true"]} for r in rows))  # fmt: skip
-    prefix = stages.preprocess(swapped, "preference", out / "tokenizer", work / "indexed",
+    prefix = stages.preprocess(swapped, "preference", home / "tokenizer", work / "indexed",
                                settings["max_length"])  # fmt: skip
     checkpoint = stages.train_reward_model(
-        loss="rm", sft=out / "sft" / "hf", train_prefix=prefix, out=work / "rm",
+        loss="rm", sft=home / "sft" / "hf", train_prefix=prefix, out=work / "rm",
         epochs=settings["reward_epochs"], lr=settings["reward_lr"],
         global_batch_size=settings["reward_batch"], seed=0,
     )  # fmt: skip
     pairs = stages.read_records(stages.score_pairs(
-        checkpoint, out / "data" / "pref_test.jsonl", out / "tokenizer", work / "pairs.jsonl"
+        checkpoint, home / "data" / "pref_test.jsonl", home / "tokenizer", work / "pairs.jsonl"
     ))  # fmt: skip
     swapped_accuracy = stats.PAIR_METRICS["accuracy"](pairs)
     accuracy = results["table1"]["rm"]["accuracy"]["per_seed"][0]
@@ -875,11 +908,13 @@ def test_published_study_recomputes_from_its_records(tmp_path, folder):
     assert (again / "report.md").read_text() == (published / "report.md").read_text()
     settings = results["settings"]
     assert settings["preset"] == "full" and {"main", "gold", "random"} <= set(results["rehearsal"])
-    if folder == "dev":  # development seeds, apart from the reporting ones
-        assert settings["first_seed"] >= 100
+    assert settings["claims_version"] == 5 and settings["worlds"]["count"] == 3
+    assert {"strat", "sft"} <= set(results["rehearsal"]) and "am_ppo_sr_g1" in results["table2"]
+    if folder == "dev":  # development seeds and worlds, apart from the reporting ones
+        assert settings["first_seed"] >= 100 and settings["first_world"] >= 100
     else:
-        assert settings["first_seed"] == 0 and settings["seeds"] >= 40
-        assert "sft" in results["rehearsal"] and "am_ppo_sr_g1" in results["table2"]
+        assert settings["first_seed"] == 0 and settings["seeds"] >= 30
+        assert settings["git_dirty"] is False and "am_ppo_kl" in results["table2"]
 
 
 def _task_that_fails_or_holds_on(shared, task, inputs):

@@ -12,15 +12,16 @@ SFT data, preference data and held-out sets), in the paper's own direction. A cl
 judged on the same prompts and scores the same pairs, so a test over seeds alone treats that
 one draw as fixed, and its verdict holds only for those items. Each claim's estimate is the
 mean over seeds of the per-seed difference (a net win, a utility part, a Table 1 metric); its
-standard error is the std of that estimate over ``intervals.RESAMPLES`` resamples that draw the
-seeds *and* the held-out items with replacement within each world (``intervals.py``; for
-Table 1 one pair draw serves both models and every seed of the world, ECE bins fixed from the
-full set). The test is a two-sided t with seeds - 1 df on (estimate + margin) / se, the 95 %
-interval estimate ± t_0.975 · se. A row's ``resamples`` says what it resampled: the hacking
-slope resamples seeds only (its per-seed value is a regression over four checkpoints, each a
-nonlinear function of the prompts), so its se is the seeds' t-test's. Each row also keeps the
-seeds-only paired t-test (``p_seeds_only``, ``ci_seeds_only``, ``sd_seeds_only``) for
-comparison.
+standard error adds the held-out items' variance to the seeds' (``intervals.py``): se² =
+sd(per-seed differences)² / seeds + the variance of the estimate over ``intervals.RESAMPLES``
+resamples of each world's held-out items with replacement, the seeds fixed (for Table 1 one
+pair draw serves both models and every seed of the world, ECE bins fixed from the full set).
+The test is a two-sided t with seeds - 1 df on (estimate + margin) / se, the 95 % interval
+estimate ± t_0.975 · se; a row gives both terms (``se_seeds``, ``se_items``). A row's
+``resamples`` says what it resampled: the hacking slope resamples seeds only (its per-seed
+value is a regression over four checkpoints, each a nonlinear function of the prompts), so its
+se is the seeds' t-test's. Each row also keeps the seeds-only paired t-test
+(``p_seeds_only``, ``ci_seeds_only``, ``sd_seeds_only``) for comparison.
 
 The claims of one family are corrected together by Holm's step-down method (familywise error
 5 %): a claim is *reproduced* when its Holm-adjusted p-value is below 0.05 and the difference
@@ -127,9 +128,9 @@ def _utility(better: str, worse: str | None, set_name: str, part: str, negate: b
 
 
 def minor_text() -> str:
-    from megatron_rlhf.study.stats import minor_tasks
+    from megatron_rlhf.study.world import MINOR_TASKS
 
-    return f"minor skills ({', '.join(minor_tasks())} pooled; forget-set prompts)"
+    return f"minor skills ({', '.join(MINOR_TASKS)} pooled; forget-set prompts)"
 
 
 TRANSFER = "main-family transfer (forget-set prompts of the preference families)"
@@ -353,6 +354,7 @@ def claim_test(comparison, margin: float = 0.0) -> dict:
     if comparison.blocks:
         test = crossed_interval(list(comparison.blocks), -margin)
         se = test["se"]
+        row.update(se_seeds=test["se_seeds"], se_items=test["se_items"])
     else:
         sd = seeds_only["sd"]
         se = None if sd is None else sd / math.sqrt(len(diffs))

@@ -32,7 +32,7 @@ each as soon as the tasks it needs are done:
               own reward; each PPO run's KL and reward per step
   report      results.json (``stats.results_from_records`` over the raw records: the tables
               and the claims of ``study/claims.py``, Holm-corrected, intervals that resample
-              seeds and held-out items within worlds), report.md, PNGs, and records.jsonl.gz:
+              seeds and held-out items), report.md, PNGs, and records.jsonl.gz:
               every raw record the tables come from, with the settings; ``--from-records``
               recomputes every table from that file alone
 

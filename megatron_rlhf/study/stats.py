@@ -8,10 +8,11 @@ Intervals are 95 %:
 
 - across seeds, a Student-t interval on the per-seed values (``ci_low``/``ci_high`` of every
   summary and Table 2 cell; absent with one seed). It counts the seeds' noise only;
-- seeds and held-out items both resampled within each world (``intervals.crossed_bootstrap``):
-  Table 2's ``ci_low_crossed``/``ci_high_crossed`` (and ``se_crossed``) of the net win, and every
-  claim's verdict (``claims.py``). Every seed of a world is judged on the same prompts and
-  scores the same pairs, so the held-out draw is noise the seed interval cannot see;
+- held-out-aware (``intervals.crossed_interval``: the seeds' variance plus that of the
+  held-out items, resampled within each world): Table 2's ``ci_low_crossed``/``ci_high_crossed``
+  (and ``se_crossed``) of the net win, and every claim's verdict (``claims.py``). Every seed of
+  a world is judged on the same prompts and scores the same pairs, so the held-out draw is
+  noise the seed interval cannot see;
 - within a seed a percentile bootstrap over pairs or prompts (``bootstrap``).
 
 Worlds: ``worlds`` maps each seed to its world (None: every seed in world 0). Seeds are nested in
@@ -645,7 +646,7 @@ class Comparison:
 
     @property
     def resamples(self) -> str:
-        return "seeds and held-out items within worlds" if self.blocks else "seeds"
+        return "seeds and held-out items (within worlds)" if self.blocks else "seeds"
 
     def negated(self) -> Comparison:
         """The same comparison the other way round (worse - better)."""
@@ -933,8 +934,8 @@ def kl_to_sft(training: dict) -> dict:
 
 def crossed_cells(evidence: Evidence, cells: list[tuple[str, str]]) -> dict:
     """``{(arm, set): {se_crossed, ci_low_crossed, ci_high_crossed}}``: the Table 2 cells'
-    intervals of the net win with seeds and prompts resampled within worlds (one batched
-    product per world and set size, ``intervals.crossed_linear_many``)."""
+    held-out-aware intervals of the net win (the seeds' variance plus the prompts', resampled
+    within worlds; one batched product per world and set size, ``crossed_linear_many``)."""
     draws = crossed_linear_many({cell: evidence.matrices(cell[0], None, cell[1]) for cell in cells})
     out = {}
     for cell, bootstrap in draws.items():
@@ -945,17 +946,22 @@ def crossed_cells(evidence: Evidence, cells: list[tuple[str, str]]) -> dict:
 
 
 INTERVALS = {
-    "claims": "each claim's verdict: seeds and held-out items (judged prompts or scored pairs) "
-    "resampled with replacement within each world, the worlds as strata; a claim's row says "
-    "what it resamples ('seeds' where the items cannot be resampled)",
-    "rule": "estimate: the mean over seeds of the per-seed values; se: the std of the "
-    "resampled estimates; p: two-sided t with seeds - 1 df on (estimate + margin) / se; 95 % "
-    "interval: estimate ± t(0.975, seeds - 1) · se; Holm within each family. p_seeds_only / "
-    "ci_seeds_only: the paired t-test over seeds alone, for comparison",
+    "claims": "each claim's verdict: se^2 = the seeds' variance (sd of the per-seed values, "
+    "every world's seeds, squared, over seeds) + the held-out items' (the variance of the "
+    "estimate with each world's judged prompts or scored pairs resampled with replacement, the "
+    "seeds fixed, the worlds as strata); a claim's row gives both terms (se_seeds, se_items) "
+    "and says what it resamples ('seeds' where the items cannot be resampled)",
+    "rule": "estimate: the mean over seeds of the per-seed values; p: two-sided t with seeds - 1 "
+    "df on (estimate + margin) / se; 95 % interval: estimate ± t(0.975, seeds - 1) · se; Holm "
+    "within each family. p_seeds_only / ci_seeds_only: the paired t-test over seeds alone, for "
+    "comparison (never narrower than it: se >= se_seeds)",
     "table1": "claims on pairs: one pair draw shared by both models and every seed of a world "
     "per resample, ECE bins fixed from the full set",
     "table2": "ci_low / ci_high: t-interval over seeds; ci_low_crossed / ci_high_crossed: "
-    "seeds and prompts resampled within worlds",
+    "the held-out-aware interval (seeds plus prompts)",
+    "worlds": "strata: the intervals cover another draw of seeds and held-out items in these "
+    "worlds, and the worlds' differences as far as the per-seed values show them; not a "
+    "world-level random effect (three worlds cannot estimate one)",
 }
 
 
