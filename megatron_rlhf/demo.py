@@ -6,7 +6,7 @@ command in this process (world size 1):
 
   1 tokenizer     a byte-level BPE trained on the world's text
   2 data          world prompts (held-out sets disjoint from training), SFT and labelled pairs
-  3 SFT policy    a random tiny BLOOM fine-tuned on all five task families
+  3 SFT policy    a random tiny BLOOM fine-tuned on all seven task families
   4 RM and AM     train-reward (loss: rm, loss: am) from the SFT trunk; eval-reward on
                   held-out pairs (accuracy, ECE, per-task scores)
   5 curation      generate (SFT) -> score (AM) -> tools/build_rehearsal_clusters.py (D_R)

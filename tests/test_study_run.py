@@ -149,3 +149,15 @@ def test_stratified_rehearsal_holds_every_minor_skill_and_the_top_of_each_family
     rest = {task: len(by_task[task]) for task in world.PREFERENCE_TASKS}
     assert sum(rest.values()) == 32 - 4 * len(world.MINOR_TASKS)
     assert rest["qa"] >= rest["code"] >= rest["chat"] >= 1
+
+
+def test_minor_skills_are_read_off_a_runs_recorded_data_when_it_did_not_record_them():
+    families = {"ppo_prompts": {t: 1 for t in world.TASK_SPECS},
+                "pref_train": {t: 1 for t in world.PREFERENCE_TASKS}}  # fmt: skip
+    settings = {"data": [{"families": families}, {"families": families}]}
+    assert run.with_minor_skills(settings)["minor_skills"] == list(world.MINOR_TASKS)
+    recorded = {**settings, "minor_skills": ["story"]}
+    assert run.with_minor_skills(recorded) is recorded  # a run that recorded them: as it is
+    other = {"ppo_prompts": families["ppo_prompts"], "pref_train": {"qa": 1}}
+    with pytest.raises(InputError, match="minor skills differ"):
+        run.with_minor_skills({"data": [{"families": families}, {"families": other}]})

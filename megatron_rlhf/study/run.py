@@ -333,6 +333,11 @@ def recompute(archive: Path, out: Path) -> int:
 
     try:
         settings, pairs, judgments, rehearsal, training = stages.unpack_records(archive)
+        settings = with_minor_skills(settings)
+        if settings.get("minor_skills", list(world.MINOR_TASKS)) != list(world.MINOR_TASKS):
+            raise InputError(f"{archive}: its minor skills {settings['minor_skills']} are not "
+                             f"this code's {list(world.MINOR_TASKS)} (study/world.py): the "
+                             "records are of another world")  # fmt: skip
         with atomic_output(out) as tmp:
             tmp.mkdir()
             results = {**results_from_records(pairs, judgments, rehearsal, training,
@@ -426,6 +431,7 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1,
                 "worlds": {"count": preset.worlds,
                            "world_seeds": [world_seed(preset, w) for w in range(preset.worlds)],
                            "seed_world": {str(s): world_of(preset, s) for s in seed_range(preset)}},
+                "minor_skills": list(world.MINOR_TASKS),
                 "sft_losses": [info["sft_losses"] for info in world_info],
                 "data": [info["summary"] for info in world_info], "jobs": jobs,
                 "seconds": time.time() - progress.started,
@@ -438,6 +444,22 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1,
     stages.pack_records(settings, pairs, judgments, rehearsal, training, out / RECORDS_ARCHIVE)
     write_report(out, results, pairs)
     return results
+
+
+def with_minor_skills(settings: dict) -> dict:
+    """``settings`` with ``minor_skills`` (the families of the primary forget endpoint): as a
+    run recorded it, or for a run that did not (v4's first, whose runner predates the key)
+    read off its recorded data: the families of its PPO prompts that its preference data
+    never holds, in every world. An archive without per-world data is returned as it is."""
+    data = settings.get("data")
+    if "minor_skills" in settings or not isinstance(data, list):
+        return settings
+    minor = [sorted(set(world_data["families"]["ppo_prompts"])
+                    - set(world_data["families"]["pref_train"])) for world_data in data]  # fmt: skip
+    if any(skills != minor[0] for skills in minor):
+        raise InputError(f"the worlds' minor skills differ: {minor}")
+    order = [task for task in world.TASK_SPECS if task in minor[0]]
+    return {**settings, "minor_skills": order}
 
 
 def seed_worlds(settings: dict) -> dict[int, int] | None:
