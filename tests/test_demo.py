@@ -50,8 +50,8 @@ def test_demo_runs_the_whole_pipeline(demo):
     assert proc.stdout.strip().splitlines()[-1].startswith("[demo] done: seconds=")
     report = json.loads((out / "eval" / "eval_policy.json").read_text())
     assert set(report["sets"]) == {"main", "forget"}
-    # main: 6 prompts of each preference family; forget: 5 of each of the five families
-    for name, prompts in (("main", 4 * 6), ("forget", 5 * 5)):
+    # main: 6 prompts of each preference family; forget: 5 of each family (seven)
+    for name, prompts in (("main", 4 * 6), ("forget", 7 * 5)):
         counts = report["sets"][name]
         assert counts["win"] + counts["tie"] + counts["lose"] == counts["num_prompts"] == prompts
     for loss in ("rm", "am"):
@@ -67,7 +67,7 @@ def test_demo_runs_the_whole_pipeline(demo):
     gold = json.loads((out / "gold_judgments.json").read_text())
     assert set(gold) == {"am_ppo_sr", "am_ppo", "rm_ppo"}
     judgments = [json.loads(x) for x in (out / "eval" / "judgments.jsonl").read_text().splitlines()]
-    assert len(judgments) == 4 * 6 + 5 * 5
+    assert len(judgments) == 4 * 6 + 7 * 5
     assert {j["outcome"] for j in judgments} <= {"win", "tie", "lose"}
     assert (out / "rehearsal" / "d_r.bin").exists() and (out / "rehearsal" / "d_r.idx").exists()
     assert (out / "ppo" / "latest_checkpoint.txt").exists()
