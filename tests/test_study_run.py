@@ -37,9 +37,47 @@ def test_seeds_are_spread_over_worlds_and_every_task_needs_its_world():
     assert arms["am_ppo_strat_g0.1"][1]["rehearsal"] == "strat"
     several = run.attribution_arms(replace(preset, kl_matched_coefs=(0.05, 0.1)))
     assert {"am_ppo_kl0.05", "am_ppo_kl0.1"} <= set(several) and "am_ppo_kl" not in several
-    assert run.part_of(("arm", 100, "am_ppo_kl")) == "attribution"
-    assert run.part_of(("arm", 100, "am_ppo_sr_gold")) == "core"
-    assert run.part_of(("arm", 100, "rm_ppo_sr")) == "exploratory"
+    assert run.part_of(("arm", 100, "am_ppo_kl"), preset) == "attribution"
+    assert run.part_of(("arm", 100, "am_ppo_sr_gold"), preset) == "core"
+    assert run.part_of(("arm", 100, "rm_ppo_sr"), preset) == "exploratory"
+    with pytest.raises(ValueError, match="not an arm"):
+        run.part_of(("arm", 100, "am_ppo_sr_g7"), preset)
+
+
+def _part_by_prefix(task) -> str:
+    """``part_of`` as it was, by name prefixes: the reference its arms' parts are held to."""
+    kind, _, name = task
+    if kind in ("world", "curve"):
+        return {"world": "worlds", "curve": "curves"}[kind]
+    if kind == "reward":
+        return "core" if name in ("rm", "am") else "extra_rewards"
+    if kind == "curation" or name in run.ARMS:
+        return "core"
+    if name.startswith("am_ppo_sr_c"):
+        return "sweep"
+    if name.startswith(("am_ppo_kl", "am_ppo_sr_g", "am_ppo_rr_g", "am_ppo_strat_g",
+                        "am_ppo_sft_g")):  # fmt: skip
+        return "attribution"
+    return "exploratory"
+
+
+@pytest.mark.parametrize("name", ["quick", "full", "grid"])
+def test_every_task_has_the_part_of_the_function_that_names_it(name):
+    """``part_of`` reads an arm's part off the functions that define the arms, and gives every
+    task of a study the part the name prefixes gave (several KL-matched arms, the PPO grid and
+    the sweep included); ``part_seconds`` sums over the parts."""
+    preset = PRESETS["quick" if name == "quick" else "full"]
+    if name == "grid":
+        preset = replace(preset, kl_matched_coefs=(0.05, 0.1), gammas=(0.3, 1.0),
+                         ppo_grid=({"actor_lr": 3e-4}, {"steps": 10}))  # fmt: skip
+    tasks = run.study_tasks(preset)
+    parts = {task: run.part_of(task, preset) for task in tasks}
+    assert parts == {task: _part_by_prefix(task) for task in tasks}
+    assert {"worlds", "core", "exploratory", "attribution", "curves", "sweep"} <= set(
+        parts.values()
+    )
+    totals = run.part_seconds(dict.fromkeys(tasks, 1.0), preset)
+    assert totals == {part: float(list(parts.values()).count(part)) for part in totals}
 
 
 def test_cli_refuses_more_worlds_than_seeds_and_bad_counts(tmp_path, capsys):

@@ -436,7 +436,7 @@ def run_study(out: Path, preset: Preset, preset_name: str, jobs: int = 1,
                 "data": [info["summary"] for info in world_info], "jobs": jobs,
                 "seconds": time.time() - progress.started,
                 "cpu_seconds": cpu_seconds() - cpu_started,
-                "part_seconds": part_seconds(task_seconds)}  # fmt: skip
+                "part_seconds": part_seconds(task_seconds, preset)}  # fmt: skip
     results = results_from_records(pairs, judgments, rehearsal, training, seed_worlds(settings))
     results["settings"] = settings
     write_json(out / "results.json", results)
@@ -640,9 +640,11 @@ def from_json(out: Path, value):
     return value
 
 
-def part_of(task: Task) -> str:
-    """Which part of the study a task belongs to: "worlds", "core" (every seed),
-    "extra_rewards", "exploratory", "attribution", "curves" or "sweep" (the first seeds)."""
+def part_of(task: Task, preset: Preset) -> str:
+    """Which part of the study a task of ``preset`` belongs to: "worlds", "core" (every seed),
+    "extra_rewards", "exploratory", "attribution", "curves" or "sweep" (the first seeds); an
+    arm's part is the function that names it (``ARMS``, ``sweep_arms``, ``attribution_arms``,
+    ``exploratory_arms``). ValueError for an arm ``preset`` has not."""
     kind, _, name = task
     if kind in ("world", "curve"):
         return {"world": "worlds", "curve": "curves"}[kind]
@@ -650,19 +652,18 @@ def part_of(task: Task) -> str:
         return "core" if name in ("rm", "am") else "extra_rewards"
     if kind == "curation" or name in ARMS:
         return "core"
-    if name.startswith("am_ppo_sr_c"):
-        return "sweep"
-    if name.startswith(("am_ppo_kl", "am_ppo_sr_g", "am_ppo_rr_g", "am_ppo_strat_g",
-                        "am_ppo_sft_g")):  # fmt: skip
-        return "attribution"
-    return "exploratory"
+    for part, arms in (("sweep", sweep_arms), ("attribution", attribution_arms),
+                       ("exploratory", exploratory_arms)):  # fmt: skip
+        if name in arms(preset):
+            return part
+    raise ValueError(f"{name}: not an arm of this preset")
 
 
-def part_seconds(seconds: dict[Task, float]) -> dict[str, float]:
+def part_seconds(seconds: dict[Task, float], preset: Preset) -> dict[str, float]:
     """Task wall seconds summed by ``part_of`` (with --jobs N, N tasks run at a time)."""
     parts = {}
     for task, value in seconds.items():
-        part = part_of(task)
+        part = part_of(task, preset)
         parts[part] = parts.get(part, 0.0) + value
     return parts
 
@@ -876,6 +877,19 @@ def sweep_arm(clusters: int, top_k: int) -> str:
     return f"am_ppo_sr_c{clusters}_k{top_k}"
 
 
+def sweep_arms(preset: Preset) -> dict:
+    """Fig. 6's cluster sweep: AM-PPO-SR on a D_R of each other cluster count of
+    ``sweep_clusters``, at the preset's top-k and at the top-k that keeps the D_R's size."""
+    c, k = preset.clusters, preset.top_k
+    arms = {}
+    for count in preset.sweep_clusters:
+        if count != c:
+            arms[sweep_arm(count, k)] = ("am", {"rehearsal": (count, k)})
+            arms[sweep_arm(count, max(1, c * k // count))] = (
+                "am", {"rehearsal": (count, max(1, c * k // count))})  # fmt: skip
+    return arms
+
+
 def arms_of(preset: Preset, seed: int) -> dict:
     """The arms ``seed`` runs: the core, the exploratory ones on the first
     ``exploratory_seeds``, the attribution ones on the first ``attribution_seeds`` and the
@@ -886,12 +900,7 @@ def arms_of(preset: Preset, seed: int) -> dict:
     if runs_attribution(preset, seed):
         arms.update(attribution_arms(preset))
     if runs_sweep(preset, seed):
-        c, k = preset.clusters, preset.top_k
-        for count in preset.sweep_clusters:
-            if count != c:
-                arms[sweep_arm(count, k)] = ("am", {"rehearsal": (count, k)})
-                arms[sweep_arm(count, max(1, c * k // count))] = (
-                    "am", {"rehearsal": (count, max(1, c * k // count))})  # fmt: skip
+        arms.update(sweep_arms(preset))
     return arms
 
 
