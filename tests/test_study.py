@@ -664,10 +664,11 @@ def check_trained_arms(out, results: dict) -> None:
             assert arm not in training
             continue
         steps = int(curve[2]) if curve else results["settings"]["ppo"]["steps"]
-        if arm == "rejection_sampling":  # no KL term, so no KL logged: no curve rows
-            steps = 0
         for seed, rows in training[arm].items():
             assert [r["step"] for r in rows] == list(range(1, steps + 1)), (arm, seed)
+            no_kl = arm == "rejection_sampling"  # no KL term: its rows' kl is None
+            assert all((r["kl"] is None) == no_kl for r in rows), (arm, seed)
+    assert "rejection_sampling" not in results["kl_to_sft"] and "am_ppo" in results["kl_to_sft"]
 
     def policy_side(rows):
         return [(j["set"], j["prompt_id"], j["gold_policy"], j["train_policy"]) for j in rows]

@@ -343,6 +343,33 @@ def test_one_seed_one_world_gives_direction_only_verdicts():
     assert results["kl_to_sft"] == {} and results["table2"]["am_ppo"]["main"]["ci_low"] is None
 
 
+def test_training_rows_without_a_kl_give_no_kl_not_a_crash_or_a_zero(tmp_path):
+    """``training_curve`` keeps every step's row, ``kl`` None where the run logs no KL
+    (rejection sampling has no KL term); ``training_kl`` skips those rows and a run with none
+    gives None, so ``kl_to_sft`` has no entry for it: the same as the empty curves of runs
+    recorded before rows without a KL were kept."""
+    from megatron_rlhf.study import stages
+    from megatron_rlhf.utils import write_jsonl
+
+    write_jsonl(tmp_path / "metrics.jsonl", [
+        {"step": 1, "reward/mean": 0.5, "kl/coef": 0.1},
+        {"step": 2, "reward/mean": 0.7, "kl/coef": 0.1},
+    ])  # fmt: skip
+    curve = stages.training_curve(tmp_path)
+    assert curve == [{"step": 1, "kl": None, "reward": 0.5},
+                     {"step": 2, "kl": None, "reward": 0.7}]  # fmt: skip
+    assert stats.training_kl(curve) is None and stats.training_kl(curve, step=2) is None
+    mixed = [*curve, {"step": 3, "kl": 0.25, "reward": 0.1}, {"step": 4, "kl": None, "reward": 0}]
+    assert stats.training_kl(mixed) == 0.25 and stats.training_kl(mixed, step=4) == 0.25
+    assert stats.training_kl(mixed, step=2) is None
+    ppo = [{"step": t, "kl": 0.1 * t, "reward": 0.0} for t in range(1, 6)]
+    by_arm = {"am_ppo": {0: ppo, 1: ppo}, "rejection_sampling": {0: curve, 1: curve}}
+    old = {"am_ppo": {0: ppo, 1: ppo}, "rejection_sampling": {0: [], 1: []}}
+    assert stats.kl_to_sft(by_arm) == stats.kl_to_sft(old)
+    assert set(stats.kl_to_sft(by_arm)) == {"am_ppo"}
+    assert stats.kl_to_sft(by_arm)["am_ppo"]["mean"] == pytest.approx(0.3)
+
+
 def test_misaligned_prompts_within_a_world_are_an_error():
     pairs, judgments, _, seed_world = _records({0: [0, 1]}, {0: 2})
     judgments["am_ppo"][1] = [{**j, "prompt_id": j["prompt_id"] + 1000}

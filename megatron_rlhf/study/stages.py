@@ -372,9 +372,12 @@ def train_policy(*, out: Path, sft: Path, reward: Path, reward_kind: str, prompt
 
 def training_curve(run_dir: Path) -> list[dict]:
     """``{"step", "kl", "reward"}`` per logged step of a train-ppo run (its ``metrics.jsonl``:
-    the mean KL to the reference, here the SFT policy, and the mean training reward)."""
-    return [{"step": r["step"], "kl": r["kl/mean"], "reward": r["reward/mean"]}
-            for _, r in read_jsonl(run_dir / "metrics.jsonl") if "kl/mean" in r]  # fmt: skip
+    the mean KL to the reference, here the SFT policy, and the mean training reward). ``kl``
+    is None where the step logs none (rejection sampling has no KL term); its steps still
+    give their rows. (Runs before this kept only the rows with a KL, so their rejection
+    sampling curves are empty: the statistics read both alike, no KL.)"""
+    return [{"step": r["step"], "kl": r.get("kl/mean"), "reward": r["reward/mean"]}
+            for _, r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]  # fmt: skip
 
 
 def evaluate_policy(*, policy: Path, sft: Path, judge: Path, judge_kind: str, main_test: Path,

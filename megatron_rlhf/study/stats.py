@@ -866,7 +866,8 @@ def hacking_slope(train: list[float], gold: list[float]) -> float:
 
 def training_kl(rows: list[dict] | None, step: int | None = None, last: int = 5) -> float | None:
     """The KL to SFT in PPO's metrics: at ``step`` (the last record at or before it) or, with
-    ``step`` None, the mean over the ``last`` records. None where there is none."""
+    ``step`` None, the mean over the ``last`` records. Records whose ``kl`` is None (a run
+    without a KL term: rejection sampling) are skipped; None where none is left."""
     rows = sorted((r for r in rows or () if r.get("kl") is not None), key=lambda r: r["step"])
     if step is not None:
         rows = [r for r in rows if r["step"] <= step][-1:]
@@ -919,7 +920,8 @@ def hacking_slopes(points: dict) -> dict[str, dict[int, float]]:
 
 def kl_to_sft(training: dict) -> dict:
     """``{arm: summary}`` of the mean KL to SFT over the last 5 training steps, per arm with
-    training records (how well ``am_ppo_kl`` matched ``am_ppo_sr_g0.1``)."""
+    training records that log a KL (how well ``am_ppo_kl`` matched ``am_ppo_sr_g0.1``); an
+    arm with none (rejection sampling: every ``kl`` None, or no rows) has no entry."""
     out = {}
     for arm, by_seed in sorted((training or {}).items()):
         values = [training_kl(rows) for _, rows in sorted((by_seed or {}).items())]
@@ -969,8 +971,8 @@ def results_from_records(pairs: dict[str, dict[int, list[dict]]],
                          worlds: dict[int, int] | None = None) -> dict:  # fmt: skip
     """``results.json`` from ``pairs[model][seed]``, ``judgments[arm][seed]``,
     ``rehearsal[set][seed]`` records (each D_R's; ``rehearsal`` in results.json),
-    ``training[arm][seed]`` (PPO's per-step metrics ``{step, kl, reward}``; None or empty for
-    archives without them) and ``worlds`` ({seed: world}; None: one world).
+    ``training[arm][seed]`` (PPO's per-step metrics ``{step, kl, reward}``, ``kl`` None where
+    the run has no KL term; None or empty for archives without them) and ``worlds`` ({seed: world}; None: one world).
 
     table1 holds the two scorers of the paper's Table 1 (``rm``, ``am``); every other scorer
     (over-trained, margin sweep) is in ``reward_models`` with the same layout, and Fig. 4's
