@@ -73,11 +73,17 @@ def _sampler_probs(logits: torch.Tensor, sampling: SamplingConfig):
     """(probs, order): softmax(logits / T) (B, V), at top_p < 1 sorted in descending order
     (``order``: their token ids) with the tokens outside the nucleus at 0, not renormalised
     (their sum is the nucleus's mass Z); ``order`` None at top_p = 1."""
-    probs = (logits / sampling.temperature).softmax(dim=-1)
+    probs = _at_temperature(logits, sampling.temperature).softmax(dim=-1)
     if sampling.top_p >= 1.0:
         return probs, None
     probs, order = probs.sort(dim=-1, descending=True)
     return _nucleus(probs, sampling.top_p), order
+
+
+def _at_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``; at temperature 1 the logits themselves (the same numbers,
+    without a pass over the vocabulary: 4 ms a decode step at 8 x 250,880 on a 2-core CPU)."""
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def _draw(probs: torch.Tensor, order, uniforms) -> torch.Tensor:
@@ -123,7 +129,7 @@ def sampled_logprobs(
     logits = logits.float()
     if sampling.greedy:
         return logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    scaled = (logits / sampling.temperature).log_softmax(dim=-1)
+    scaled = _at_temperature(logits, sampling.temperature).log_softmax(dim=-1)
     logprobs = scaled.gather(-1, tokens[:, None]).squeeze(-1)
     if log_mass is None:
         log_mass = nucleus_log_mass(logits, sampling.temperature, sampling.top_p)

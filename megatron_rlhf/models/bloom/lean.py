@@ -7,32 +7,60 @@ every call, ~0.1 ms each, more than the matmuls of a 4x128 model (issue 11, item
 autograd off and the module in eval mode (generation), none of that applies, so these
 subclasses run the same submodules in the same order, and nothing else:
 
-- linears: one ``F.linear`` on this rank's shard (+ ``dist.all_reduce`` over the layer's own
+- linears: one ``F.linear`` (through oneDNN on a CPU in fp32: ``models/cpu_linear.py``) on this
+  rank's shard (+ ``dist.all_reduce`` over the layer's own
   TP group for row-parallel, bias after the sum, as Megatron-Core orders it);
 - attention: fused QKV -> BLOOM's [heads, 3, head_dim] split -> Megatron-Core's own static KV
   cache (``_adjust_key_value_for_inference``) -> the ALiBi core attention -> projection;
 - layer: ``h += attn(ln(h))`` and ``h += mlp(ln(h))`` with the (skipped) biases added back;
   dropout is the identity in eval mode.
 
-Anything else (autograd on, training mode, sequence parallelism, flash decoding, dynamic
-batching) defers to Megatron-Core unchanged; parameters, sharding and checkpoints are the
-parents'. The generation tests compare the tokens and log-probs against transformers.
+One training path of their own: on a CPU in fp32 at TP = 1 without sequence parallelism (the
+linears communicate nothing), a training forward is ``vocab.linear``: the product through oneDNN
+(``models/cpu_linear.py``, 1.3-1.6x MKL's at BLOOM-560m's 192-row shapes) and the weight
+gradient added straight into Megatron's gradient buffer, as the LM head's (``vocab.py``), the
+bias through autograd as before. Anything else (autograd on elsewhere, sequence parallelism,
+flash decoding, dynamic batching, a GPU) defers to Megatron-Core unchanged; parameters,
+sharding and checkpoints are the parents'. The generation tests compare the tokens and log-probs against transformers.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_rlhf.models.bloom import vocab
+from megatron_rlhf.models.cpu_linear import linear
 from megatron_rlhf.models.precision import cpu_autocast
 
 
 def _inference(module: torch.nn.Module) -> bool:
     return not (torch.is_grad_enabled() or module.training)
+
+
+def _trains_on_cpu(layer, input_: torch.Tensor) -> bool:
+    """Whether a training forward of this linear takes the CPU fp32 path: at TP = 1 without
+    sequence parallelism (the layer communicates nothing), fp32 outside autocast, weights that
+    opted in to accumulating into ``main_grad`` (``vocab.opt_in``)."""
+    return (
+        input_.device.type == "cpu"
+        and not cpu_autocast(input_)
+        and layer.tp_group.size() == 1
+        and not layer.sequence_parallel
+        and not layer.explicit_expert_comm
+        and vocab.accumulates(layer.weight)
+    )
+
+
+def _add_bias(layer, output: torch.Tensor):
+    """A linear's (output, bias) as Megatron-Core returns them: the bias added, or handed on
+    (``skip_bias_add``) for the fused bias-dropout-add or bias-GeLU."""
+    if layer.skip_bias_add or layer.bias is None:
+        return output, (layer.bias if layer.skip_bias_add else None)
+    return output + layer.bias, None
 
 
 class BloomColumnParallelLinear(ColumnParallelLinear):
@@ -46,14 +74,16 @@ class BloomColumnParallelLinear(ColumnParallelLinear):
             or runtime_gather_output
         )
         if not lean:
+            if weight is None and _trains_on_cpu(self, input_):
+                return _add_bias(self, vocab.linear(input_, self.weight))
             return super().forward(input_, weight, runtime_gather_output)
         bias = None if self.skip_bias_add else self.bias
         if bias is not None and cpu_autocast(input_):
             # Megatron-Core's training path adds the fp32 bias to the bf16 product (an fp32
             # sum); F.linear would round product + bias to bf16 (models/precision.py)
-            output = F.linear(input_, self.weight) + bias
+            output = linear(input_, self.weight) + bias
         else:
-            output = F.linear(input_, self.weight, bias)
+            output = linear(input_, self.weight, bias)
         return output, (self.bias if self.skip_bias_add else None)
 
 
@@ -66,8 +96,10 @@ class BloomRowParallelLinear(RowParallelLinear):
             self.sequence_parallel or not self.input_is_parallel or self.explicit_expert_comm
         )
         if not lean:
+            if self.input_is_parallel and _trains_on_cpu(self, input_):
+                return _add_bias(self, vocab.linear(input_, self.weight))
             return super().forward(input_)
-        output = F.linear(input_, self.weight)
+        output = linear(input_, self.weight)
         if self.tp_group.size() > 1:
             dist.all_reduce(output, group=self.tp_group)
         if self.skip_bias_add or self.bias is None:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 
+from megatron_rlhf.models import cpu_linear
 from megatron_rlhf.models.precision import bf16_copy
 
 OPT_IN = "accumulate_into_main_grad"
@@ -89,7 +90,7 @@ class _LinearIntoMainGrad(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         operand = bf16_copy(weight)  # the weight, or its kept bf16 copy (models/precision.py)
         ctx.save_for_backward(hidden, weight, operand)
-        return F.linear(hidden, operand)
+        return cpu_linear.linear(hidden, operand)  # oneDNN in fp32 on a CPU
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -98,7 +99,8 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         # times a weight that does not require grad is otherwise a batched product over a copy
         # of the weight per token (oneDNN asked for 66 GB at BLOOM-560m's shapes)
         flat_grad = grad.reshape(-1, grad.shape[-1])
-        grad_input = (flat_grad @ operand).view(*grad.shape[:-1], operand.shape[1])
+        grad_input = cpu_linear.linear(flat_grad, operand.t())  # flat_grad @ operand
+        grad_input = grad_input.view(*grad.shape[:-1], operand.shape[1])
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         main_grad = weight.main_grad
         if flat_grad.dtype == main_grad.dtype:
@@ -158,8 +160,11 @@ LARGE_VOCAB = 16_384
 
 
 def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(hidden, weight)`` (..., H) x (V, H) -> (..., V); on a CPU, for a few rows
-    (a decode step: 3 to 64) and a large vocabulary, as ``weight @ hidden^T``.
+    """``F.linear(hidden, weight)`` (..., H) x (V, H) -> (..., V). On a CPU in fp32: oneDNN's
+    product at any row count (``models/cpu_linear.py``: 56 ms for a decode step's 8 rows at
+    BLOOM-560m's shapes on the 2-core AMD benchmark VM, against 112 ms below). Under a CPU bf16
+    region, for a few rows (a decode step: 3 to 64) and a large vocabulary, as
+    ``weight @ hidden^T``:
 
     A decode step's LM head is a (rows x H) x (H x V) product that must read the whole
     vocabulary matrix (1 GB in fp32 at BLOOM-560m's width) for a few rows: memory-bound.
@@ -170,6 +175,8 @@ def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     output is the same dot product summed in another order: equal to rounding. One or two
     rows already take MKL's matrix-vector path; GPUs, many rows and small vocabularies use one
     ``F.linear``."""
+    if cpu_linear.onednn_applies(hidden, weight):  # fp32 on a CPU: oneDNN at any row count
+        return cpu_linear.linear(hidden, weight)
     weight = bf16_copy(weight)  # under a CPU bf16 region: its kept bf16 copy
     rows = hidden.numel() // hidden.shape[-1]
     if hidden.device.type != "cpu" or not 2 < rows <= 64 or weight.shape[0] < LARGE_VOCAB:

@@ -1,0 +1,68 @@
+"""fp32 linears on a CPU through oneDNN's matmul rather than MKL's sgemm.
+
+``F.linear`` on a CPU hands fp32 products to MKL. At BLOOM's shapes on the 2-core AMD EPYC
+benchmark VM (AVX-512, torch 2.13's MKL 2024.2 and oneDNN 3.12) oneDNN's inner-product kernel
+is faster at every shape a PPO step runs (``benchmarks/roofline.py`` times both):
+
+- a decode step's LM head, 8 rows x 1,024 x 250,880 (reads the 1 GB vocabulary matrix):
+  56 ms against MKL's 112 ms as ``weight @ hidden^T`` and 166 ms as ``F.linear``;
+- a scoring or update micro-batch's LM head, 128 rows: 367 ms against 609 ms;
+- the trunk's linears at 8 rows (a decode step) 1.4-2.2x, at 128-192 rows 1.3-1.6x;
+- the LM head's input gradient, (128 x 250,880) @ (250,880 x 1,024): 384 ms against 476 ms.
+
+The weight gradient ``grad^T @ input`` stays with MKL (oneDNN was slower: 691 ms against 350).
+
+:func:`linear` is ``F.linear`` with oneDNN underneath where it applies: CPU fp32 tensors outside
+autocast (a ``train.bf16`` run's products go through autocast's bf16 path unchanged), and no
+autograd (``torch.ops.mkldnn._linear_pointwise`` has no derivative: an inference forward, or the
+forward or backward of an autograd ``Function``). Anywhere else (a GPU, bf16, fp64, a tensor
+that needs a gradient) it is ``F.linear`` itself. The op is torch's own (the one its CPU compiler
+emits for linears); it reads the dense fp32 weight as it is, with no packed copy, so a weight
+that changes every step costs nothing extra. Its sums run in another order than MKL's: equal to
+fp32 rounding (``tests/test_cpu_linear.py`` against float64). ``MEGATRON_RLHF_CPU_LINEAR=mkl``
+turns it off (``F.linear`` everywhere), for a side-by-side measurement.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+ENV = "MEGATRON_RLHF_CPU_LINEAR"
+
+
+def _onednn_op():
+    """torch's oneDNN linear, or None where this torch has none (no oneDNN, another version)."""
+    if os.environ.get(ENV, "onednn").lower() == "mkl" or not torch.backends.mkldnn.is_available():
+        return None
+    return getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+
+
+_OP = _onednn_op()
+
+
+def onednn_applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` runs this product through oneDNN."""
+    return (
+        _OP is not None
+        and input.device.type == "cpu"
+        and input.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and input.shape[-1] == weight.shape[1]
+        and input.numel() > 0
+        and not torch.is_autocast_enabled("cpu")
+        and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
+    )
+
+
+def linear(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(input, weight, bias)``: (..., K) x (N, K) -> (..., N), through oneDNN on a
+    CPU in fp32 without autograd (module docstring), else ``F.linear``."""
+    if not onednn_applies(input, weight) or (bias is not None and bias.dtype != torch.float32):
+        return F.linear(input, weight, bias)
+    return _OP(input.contiguous(), weight, bias, "none", [], "")

@@ -1,0 +1,77 @@
+"""models/cpu_linear.py: fp32 CPU linears through oneDNN equal float64 to fp32 rounding, at
+awkward shapes and layouts, and step aside wherever oneDNN's op must not run (autograd,
+autocast, other dtypes, switched off)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_rlhf.models import cpu_linear
+
+pytestmark = pytest.mark.skipif(cpu_linear._OP is None, reason="this torch has no oneDNN linear")
+
+
+def _reference(x, w, b=None):
+    out = x.double() @ w.double().t()
+    return out if b is None else out + b.double()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ((1, 64), (250, 64)),  # one row (a decode step of one prompt)
+        ((3, 7, 53), (61, 53)),  # 3-D, odd widths
+        ((8, 1, 96), (1000, 96)),  # a decode step's (S, B, H) layout
+        ((129, 33), (17, 33)),  # more rows than outputs
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_equals_float64_to_fp32_rounding(shape, bias):
+    generator = torch.Generator().manual_seed(sum(shape[0]) + bias)
+    x = torch.randn(*shape[0], generator=generator)
+    w = torch.randn(*shape[1], generator=generator)
+    b = torch.randn(shape[1][0], generator=generator) if bias else None
+    assert cpu_linear.onednn_applies(x, w)
+    out = cpu_linear.linear(x, w, b)
+    assert out.shape == (*shape[0][:-1], shape[1][0]) and out.dtype == torch.float32
+    expected = _reference(x, w, b)
+    # a dot product of k fp32 terms: rounding grows with k and the terms' magnitudes
+    bound = 4 * shape[0][-1] * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().t()).max()
+    assert (out.double() - expected).abs().max().item() <= bound.item()
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_strided_operands():
+    """A transposed input (made contiguous) and a transposed weight view (the LM head's input
+    gradient, ``grad @ W`` as ``linear(grad, W.t())``)."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 12, generator=generator).t()  # (12, 40), not contiguous
+    w = torch.randn(40, 30, generator=generator).t()  # (30, 40) view of a (40, 30) matrix
+    out = cpu_linear.linear(x, w)
+    torch.testing.assert_close(out.double(), _reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_steps_aside_where_onednn_must_not_run():
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    assert cpu_linear.onednn_applies(x, w)
+    assert not cpu_linear.onednn_applies(x.double(), w.double())  # fp64: F.linear
+    assert not cpu_linear.onednn_applies(x.bfloat16(), w.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16 run's products: autocast's
+        assert not cpu_linear.onednn_applies(x, w)
+        assert cpu_linear.linear(x, w).dtype == torch.bfloat16
+    trained = w.clone().requires_grad_()
+    assert not cpu_linear.onednn_applies(x, trained)  # oneDNN's op has no derivative
+    out = cpu_linear.linear(x, trained)
+    out.sum().backward()  # F.linear took it: the gradient arrives
+    torch.testing.assert_close(trained.grad, x.sum(0).expand(6, 8))
+    with torch.no_grad():
+        assert cpu_linear.onednn_applies(x, trained)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV, "mkl")
+    assert cpu_linear._onednn_op() is None
+    monkeypatch.setenv(cpu_linear.ENV, "onednn")
+    assert cpu_linear._onednn_op() is not None
