@@ -128,6 +128,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 PAD, EOS = 3, 2
+MKL_ENV = ("MEGATRON_RLHF_CPU_LINEAR", "mkl")  # models/cpu_linear.py's switch (stdlib-only here)
 PHASES = ("step", "rollout", "sync", "scoring", "update", "optimizer")
 
 
@@ -346,9 +347,12 @@ def trl_worker(root: Path, output_dir: Path, steps: int, seed: int) -> None:
     trainer.train()
 
 
-def run_side(command: list[str], steps_of, output_dir: Path, steps: int, threads: int) -> dict:
+def run_side(
+    command: list[str], steps_of, output_dir: Path, steps: int, threads: int, extra_env=None
+) -> dict:
     """Launch one process, wait for its steps, return its timings and peak RSS."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env.update(extra_env or {})
     log = open(output_dir.with_suffix(".log"), "w")
     launched = time.time()
     proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -409,6 +413,11 @@ def main() -> None:
     parser.add_argument(
         "--bf16", action="store_true", help="both sides in bf16 (ours: train.bf16=true)"
     )
+    parser.add_argument(
+        "--mkl-side", action="store_true",
+        help="also our train-ppo with its fp32 CPU products through MKL instead of oneDNN "
+        f"({MKL_ENV[0]}={MKL_ENV[1]}: models/cpu_linear.py), interleaved with the others",
+    )  # fmt: skip
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -428,6 +437,10 @@ def main() -> None:
     )  # fmt: skip
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_ppo_"))
     engines = {"ours" if e == "megatron" else f"ours ({e})": e for e in args.engines}
+    side_env = {}
+    if args.mkl_side:
+        engines["ours (MKL)"] = "megatron"
+        side_env["ours (MKL)"] = dict([MKL_ENV])
     sides = list(engines) + (["trl"] if args.trl_python else [])
     results = {side: {seed: [] for seed in args.seeds} for side in sides}
     for seed in args.seeds:
@@ -443,7 +456,9 @@ def main() -> None:
                 else:
                     command = trl_command(inputs, output_dir, args.trl_python)
                     steps_of = _trl_steps
-                result = run_side(command, steps_of, output_dir, args.steps, args.threads)
+                result = run_side(
+                    command, steps_of, output_dir, args.steps, args.threads, side_env.get(side)
+                )
                 results[side][seed].append(result)
                 print(f"seed {seed} rep {rep} {side}: " + json.dumps(
                     {k: round(v, 2) for k, v in result.items()}), flush=True)  # fmt: skip
@@ -468,6 +483,8 @@ def main() -> None:
         _print_ratio(
             results, args.seeds, "ours", "ours (vllm)", "our step with megatron / with vLLM"
         )
+    if "ours (MKL)" in sides:
+        _print_ratio(results, args.seeds, "ours (MKL)", "ours", "our step with MKL / with oneDNN")
     if "trl" in sides:
         per_seed = [
             statistics.median(r["step"] for r in results["trl"][seed])

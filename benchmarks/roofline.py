@@ -25,8 +25,8 @@ scalar heads nothing worth counting. A backward is twice its forward. With the s
   before the step's forward, outside this phase).
 
 **The rates.** Each product is timed here, at its own (rows x k) @ (k x n) shape and dtype, on
-``--threads`` threads (best of a few, after a warm-up, in the better of its two layouts:
-``x @ W^T`` and ``W @ x^T``); the peak is the best rate at any shape (a 4096^3 product or the
+``--threads`` threads (best of a few, after a warm-up, in the best of three ways: MKL's
+``x @ W^T`` and ``W @ x^T``, and in fp32 oneDNN's, ``models/cpu_linear.py``); the peak is the best rate at any shape (a 4096^3 product or the
 phase's own). Sweeps run at this machine's streaming bandwidth: the best of a 1 GiB ``copy_``, a
 1 GiB triad ``c = a + b`` and torch's fused Adam over 64M parameters, all bytes read and written
 over the time. A phase's floor is the sum of
@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 from bench_ppo_real_shapes import SIZES, StepShape  # the benchmark's shapes (stdlib-only import)
+
+from megatron_rlhf.models import cpu_linear
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OPTIMIZER_BYTES_PER_PARAM = 32
@@ -148,7 +150,11 @@ class Machine:
             w = torch.randn(n, k).to(dtype)  # F.linear's layout, as the models hold weights
             flop = 2 * rows_key * k * n
             reps = max(3, min(50, int(2e9 / flop)))
-            layouts = (lambda: torch.nn.functional.linear(a, w), lambda: w @ a.t())
+            layouts = (
+                lambda: torch.nn.functional.linear(a, w),  # MKL
+                lambda: w @ a.t(),  # MKL, the weight streamed row by row
+                lambda: cpu_linear.linear(a, w),  # oneDNN in fp32 (what our models run)
+            )
             for layout in layouts:
                 layout()
             self._rates[key] = flop / min(_best(layout, reps) for layout in layouts)
