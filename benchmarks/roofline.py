@@ -312,9 +312,11 @@ def main() -> None:
 
 def print_side(machine: Machine, size: str, shape: tuple, side: str, bf16: bool, measured: dict):
     """One side of bench_ppo_real_shapes.py beside its floors: ``shape`` (prompts, prompt
-    tokens, new tokens, micro-batch); our fp32 side reuses the rollout's log-probs as pi_old,
-    every other side recomputes them."""
-    phases = step_phases(SIZES[size], *shape, recompute_old=side != "ours" or bf16)
+    tokens, new tokens, micro-batch); our fp32 sides with our own rollout engine (oneDNN's
+    products or MKL's) reuse the rollout's log-probs as pi_old, every other side recomputes
+    them."""
+    reuses = side in ("ours", "ours (MKL)") and not bf16
+    phases = step_phases(SIZES[size], *shape, recompute_old=not reuses)
     name = "bf16" if bf16 else "fp32"
     print_floors(machine, phases, DTYPES[name], f"{side}, {size}, {name}", measured)
 
