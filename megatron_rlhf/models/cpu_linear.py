@@ -11,9 +11,14 @@ is faster at every shape a PPO step runs (``benchmarks/roofline.py`` times both)
 - the LM head's input gradient, (128 x 250,880) @ (250,880 x 1,024): 384 ms against 476 ms.
 
 The weight gradient ``grad^T @ input`` stays with MKL (oneDNN was slower: 691 ms against 350).
+So do small products: a oneDNN call costs ~10-20 us more than MKL's, which loses below a weight
+of ~256K values (8 rows x 128 x 512: 24 us against 16; 8 x 256 x 1,024 already gains, 54 against
+61). On the tiny BLOOM (hidden 128, vocabulary 512) oneDNN everywhere made the PPO step 9 %
+slower; no weight of it reaches :data:`MIN_WEIGHT`, so it runs as before.
 
 :func:`linear` is ``F.linear`` with oneDNN underneath where it applies: CPU fp32 tensors outside
-autocast (a ``train.bf16`` run's products go through autocast's bf16 path unchanged), and no
+autocast (a ``train.bf16`` run's products go through autocast's bf16 path unchanged), weights of
+at least :data:`MIN_WEIGHT` values, and no
 autograd (``torch.ops.mkldnn._linear_pointwise`` has no derivative: an inference forward, or the
 forward or backward of an autograd ``Function``). Anywhere else (a GPU, bf16, fp64, a tensor
 that needs a gradient) it is ``F.linear`` itself. The op is torch's own (the one its CPU compiler
@@ -41,6 +46,8 @@ def _onednn_op():
 
 
 _OP = _onednn_op()
+MIN_WEIGHT = 1 << 18
+"""Values of the smallest weight whose products go through oneDNN (1 MB in fp32)."""
 
 
 def onednn_applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -51,6 +58,7 @@ def onednn_applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
         and input.dtype == torch.float32
         and weight.dtype == torch.float32
         and weight.dim() == 2
+        and weight.numel() >= MIN_WEIGHT
         and input.shape[-1] == weight.shape[1]
         and input.numel() > 0
         and not torch.is_autocast_enabled("cpu")
