@@ -42,7 +42,10 @@ Measured (idle 2-core AMD EPYC VM, AVX-512, 24 GB; torch 2.13.0 CPU, MKL; 2026-1
     | TRL  | 0.76 / 0.81 / 0.90 | 0.10 / 0.12 / 0.14 | 0.03 / 0.04 / 0.05 | 0.63 / 0.66 / 0.73 | 0.00      | 0.65 / 0.66 / 0.66 | 5 / 6 / 6    |
     TRL step / our step, medians: 2.65x (per seed: 2.51x, 2.78x)
 
-(``--steps 4`` at 560m, ``--steps 6`` tiny.) BLOOM-1b7's width (hidden 2,048, the same
+(``--steps 4`` at 560m, ``--steps 6`` tiny.) The same VM on 2026-12-05, after the fp32 CPU
+products moved to oneDNN (``models/cpu_linear.py``; ``--mkl-side`` runs the MKL side beside it):
+560m ours 9.0 s, with MKL 12.7 s, TRL 23.6 s (2.61x); tiny ours 0.20 s, TRL 0.64 s (3.18x); the
+README has the tables. BLOOM-1b7's width (hidden 2,048, the same
 vocabulary, 4 layers: ~0.71B parameters a role) needs ~29 GB for the four roles' fp32 weights
 and the two trained roles' gradients and Adam moments on either side, more than this machine.
 
