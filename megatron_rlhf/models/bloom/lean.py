@@ -7,9 +7,9 @@ every call, ~0.1 ms each, more than the matmuls of a 4x128 model (issue 11, item
 autograd off and the module in eval mode (generation), none of that applies, so these
 subclasses run the same submodules in the same order, and nothing else:
 
-- linears: one ``F.linear`` (through oneDNN on a CPU in fp32: ``models/cpu_linear.py``) on this
-  rank's shard (+ ``dist.all_reduce`` over the layer's own
-  TP group for row-parallel, bias after the sum, as Megatron-Core orders it);
+- linears: one ``F.linear`` on this rank's shard (through oneDNN on a CPU in fp32:
+  ``models/cpu_linear.py``), + ``dist.all_reduce`` over the layer's own TP group for
+  row-parallel, bias after the sum, as Megatron-Core orders it;
 - attention: fused QKV -> BLOOM's [heads, 3, head_dim] split -> Megatron-Core's own static KV
   cache (``_adjust_key_value_for_inference``) -> the ALiBi core attention -> projection;
 - layer: ``h += attn(ln(h))`` and ``h += mlp(ln(h))`` with the (skipped) biases added back;
@@ -21,7 +21,8 @@ linears communicate nothing), a training forward is ``vocab.linear``: the produc
 gradient added straight into Megatron's gradient buffer, as the LM head's (``vocab.py``), the
 bias through autograd as before. Anything else (autograd on elsewhere, sequence parallelism,
 flash decoding, dynamic batching, a GPU) defers to Megatron-Core unchanged; parameters,
-sharding and checkpoints are the parents'. The generation tests compare the tokens and log-probs against transformers.
+sharding and checkpoints are the parents'. The generation tests compare the tokens and
+log-probs against transformers.
 """
 
 from __future__ import annotations
