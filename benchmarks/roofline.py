@@ -26,8 +26,8 @@ scalar heads nothing worth counting. A backward is twice its forward. With the s
 
 **The rates.** Each product is timed here, at its own (rows x k) @ (k x n) shape and dtype, on
 ``--threads`` threads (best of a few, after a warm-up, in the best of three ways: MKL's
-``x @ W^T`` and ``W @ x^T``, and in fp32 oneDNN's, ``models/cpu_linear.py``); the peak is the best rate at any shape (a 4096^3 product or the
-phase's own). Sweeps run at this machine's streaming bandwidth: the best of a 1 GiB ``copy_``, a
+``x @ W^T`` and ``W @ x^T``, and in fp32 oneDNN's, ``models/cpu_linear.py``); the peak is the
+best rate at any shape (a 4096^3 product or the phase's own). Sweeps run at this machine's streaming bandwidth: the best of a 1 GiB ``copy_``, a
 1 GiB triad ``c = a + b`` and torch's fused Adam over 64M parameters, all bytes read and written
 over the time. A phase's floor is the sum of
 its products' FLOP over their measured rates plus its sweeps' bytes over the bandwidth: what
