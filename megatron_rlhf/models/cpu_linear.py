@@ -25,7 +25,8 @@ that needs a gradient) it is ``F.linear`` itself. The op is torch's own (the one
 emits for linears); it reads the dense fp32 weight as it is, with no packed copy, so a weight
 that changes every step costs nothing extra. Its sums run in another order than MKL's: equal to
 fp32 rounding (``tests/test_cpu_linear.py`` against float64). ``MEGATRON_RLHF_CPU_LINEAR=mkl``
-turns it off (``F.linear`` everywhere), for a side-by-side measurement.
+turns it off (``F.linear`` everywhere, and a bf16 decode's vocabulary product back to MKL's
+``weight @ hidden^T``: ``vocab.vocab_projection``), for a side-by-side measurement.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def _onednn_op():
 _OP = _onednn_op()
 MIN_WEIGHT = 1 << 18
 """Values of the smallest weight whose products go through oneDNN (1 MB in fp32)."""
+
+
+def onednn_enabled() -> bool:
+    """Whether this torch has oneDNN's linear and it is not switched off (:data:`ENV`)."""
+    return _OP is not None
 
 
 def onednn_applies(input: torch.Tensor, weight: torch.Tensor) -> bool:

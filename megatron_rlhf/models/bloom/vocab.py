@@ -162,9 +162,10 @@ LARGE_VOCAB = 16_384
 def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(hidden, weight)`` (..., H) x (V, H) -> (..., V). On a CPU in fp32: oneDNN's
     product at any row count (``models/cpu_linear.py``: 56 ms for a decode step's 8 rows at
-    BLOOM-560m's shapes on the 2-core AMD benchmark VM, against 112 ms below). Under a CPU bf16
-    region, for a few rows (a decode step: 3 to 64) and a large vocabulary, as
-    ``weight @ hidden^T``:
+    BLOOM-560m's shapes on the 2-core AMD benchmark VM, against 112 ms below); under a CPU
+    bf16 region ``F.linear`` of the kept bf16 copy, oneDNN's bf16 product. With oneDNN switched
+    off (``MEGATRON_RLHF_CPU_LINEAR=mkl``), for a few rows (a decode step: 3 to 64) and a large
+    vocabulary, as ``weight @ hidden^T``:
 
     A decode step's LM head is a (rows x H) x (H x V) product that must read the whole
     vocabulary matrix (1 GB in fp32 at BLOOM-560m's width) for a few rows: memory-bound.
@@ -179,7 +180,11 @@ def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
         return cpu_linear.linear(hidden, weight)
     weight = bf16_copy(weight)  # under a CPU bf16 region: its kept bf16 copy
     rows = hidden.numel() // hidden.shape[-1]
-    if hidden.device.type != "cpu" or not 2 < rows <= 64 or weight.shape[0] < LARGE_VOCAB:
+    # bf16 under autocast: F.linear is oneDNN's bf16 product, 37 ms for 8 rows on the AMD VM
+    # against 55 ms as weight @ hidden^T (kept only where oneDNN is switched off)
+    onednn_bf16 = weight.dtype == torch.bfloat16 and cpu_linear.onednn_enabled()
+    small = not 2 < rows <= 64 or weight.shape[0] < LARGE_VOCAB
+    if hidden.device.type != "cpu" or small or onednn_bf16:
         return F.linear(hidden, weight)
     flat = hidden.reshape(rows, hidden.shape[-1])
     logits = torch.matmul(weight, flat.t()).t().contiguous()
