@@ -884,9 +884,8 @@ def sweep_arms(preset: Preset) -> dict:
     arms = {}
     for count in preset.sweep_clusters:
         if count != c:
-            arms[sweep_arm(count, k)] = ("am", {"rehearsal": (count, k)})
-            arms[sweep_arm(count, max(1, c * k // count))] = (
-                "am", {"rehearsal": (count, max(1, c * k // count))})  # fmt: skip
+            for top_k in (k, max(1, c * k // count)):
+                arms[sweep_arm(count, top_k)] = ("am", {"rehearsal": (count, top_k)})
     return arms
 
 

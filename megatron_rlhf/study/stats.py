@@ -972,7 +972,8 @@ def results_from_records(pairs: dict[str, dict[int, list[dict]]],
     """``results.json`` from ``pairs[model][seed]``, ``judgments[arm][seed]``,
     ``rehearsal[set][seed]`` records (each D_R's; ``rehearsal`` in results.json),
     ``training[arm][seed]`` (PPO's per-step metrics ``{step, kl, reward}``, ``kl`` None where
-    the run has no KL term; None or empty for archives without them) and ``worlds`` ({seed: world}; None: one world).
+    the run has no KL term; None or empty for archives without them) and ``worlds``
+    ({seed: world}; None: one world).
 
     table1 holds the two scorers of the paper's Table 1 (``rm``, ``am``); every other scorer
     (over-trained, margin sweep) is in ``reward_models`` with the same layout, and Fig. 4's
