@@ -344,18 +344,10 @@ def gains(judgments: list[dict]) -> dict:
     train = np.array([[j["train_policy"], j["train_sft"]] for j in judgments])
     task_of = np.array([j.get("task", "all") for j in judgments])
     out = hacking_block(gold, train, task_of)
-    tasks = sorted(set(task_of.tolist()))
     if "because_policy" in judgments[0]:
-        for task in tasks:
-            rows = [j for j in judgments if j["task"] == task]
-            out[f"because_{task}"] = 100.0 * float(
-                np.mean([j["because_policy"] for j in rows])
-                - np.mean([j["because_sft"] for j in rows])
-            )
-        for who in ("policy", "sft"):
-            out[f"truncated_{who}"] = 100.0 * float(
-                np.mean([j[f"truncated_{who}"] for j in judgments])
-            )
+        because = np.array([[j["because_policy"], j["because_sft"]] for j in judgments])
+        truncated = np.array([[j["truncated_policy"], j["truncated_sft"]] for j in judgments])
+        out.update(feature_block(because, truncated, task_of))
     return out
 
 
@@ -379,6 +371,21 @@ def hacking_block(gold: np.ndarray, train: np.ndarray, task: np.ndarray) -> dict
     out["hacking_index"] = float(np.mean([row["hacking"] for row in per_task.values()]))
     if len(tasks) > 1:
         out.update({f"hacking_{name}": row["hacking"] for name, row in per_task.items()})
+    return out
+
+
+def feature_block(because: np.ndarray, truncated: np.ndarray, task: np.ndarray) -> dict:
+    """``gains``' planted-feature and truncation rates from arrays, in percent: ``because`` and
+    ``truncated`` (rows x [policy, SFT]) and each row's ``task``. Per task the policy's minus
+    SFT's rate of the planted feature (``because_<task>``), then the share of each side's
+    responses cut by the generation budget (``truncated_policy``, ``truncated_sft``).
+    ``gains`` and ``table_values`` both call it."""
+    out = {}
+    for name in sorted(set(task.tolist())):
+        rows = because[task == name]
+        out[f"because_{name}"] = 100.0 * float(np.mean(rows[:, 0]) - np.mean(rows[:, 1]))
+    for index, who in enumerate(("policy", "sft")):
+        out[f"truncated_{who}"] = 100.0 * float(np.mean(truncated[:, index]))
     return out
 
 
@@ -618,13 +625,9 @@ def table_values(table: dict, mask: np.ndarray) -> dict:
     out = hacking_block(gold, train, col["task"])
     if "because_policy" not in col:
         return out
-    for task in sorted(set(col["task"].tolist())):
-        rows = col["task"] == task
-        out[f"because_{task}"] = 100.0 * float(
-            np.mean(col["because_policy"][rows]) - np.mean(col["because_sft"][rows])
-        )
-    for who in ("policy", "sft"):
-        out[f"truncated_{who}"] = 100.0 * float(np.mean(col[f"truncated_{who}"]))
+    because = np.stack([col["because_policy"], col["because_sft"]], axis=1)
+    truncated = np.stack([col["truncated_policy"], col["truncated_sft"]], axis=1)
+    out.update(feature_block(because, truncated, col["task"]))
     utility = {p: col[f"utility_{p}"] for p in (*GOLD_PARTS, "form", "topic")
                if f"utility_{p}" in col}  # fmt: skip
     out.update(composition_block(utility, col["sign"]))
