@@ -26,6 +26,8 @@ setup(
     packages=find_packages(include=["megatron_rlhf", "megatron_rlhf.*"])
     + ["megatron_rlhf.kernels"],
     package_dir={"megatron_rlhf.kernels": "kernels/fused"},
+    # the CPU GEMV kernel's C source, compiled on first use (kernels/fused/cpu_gemv.py)
+    package_data={"megatron_rlhf.kernels": ["*.c"]},
     install_requires=[
         "torch>=2.11,<2.14",
         # Pinned exactly: the CPU compatibility layer patches call sites of this version.

@@ -421,6 +421,12 @@ def main() -> None:
         help="also our train-ppo with its fp32 CPU products through MKL instead of oneDNN "
         f"({MKL_ENV[0]}={MKL_ENV[1]}: models/cpu_linear.py), interleaved with the others",
     )  # fmt: skip
+    parser.add_argument(
+        "--env-side", nargs=2, action="append", default=[], metavar=("NAME", "VAR=VALUE"),
+        help="also our train-ppo as side 'ours (NAME)' with the environment variable VAR set to "
+        "VALUE (e.g. onednn MEGATRON_RLHF_CPU_LINEAR=onednn: our few-row kernel off), "
+        "interleaved with the others; repeatable",
+    )  # fmt: skip
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -444,6 +450,11 @@ def main() -> None:
     if args.mkl_side:
         engines["ours (MKL)"] = "megatron"
         side_env["ours (MKL)"] = dict([MKL_ENV])
+    for name, setting in args.env_side:
+        if "=" not in setting:
+            parser.error(f"--env-side {name} {setting}: the setting must read VAR=VALUE")
+        engines[f"ours ({name})"] = "megatron"
+        side_env[f"ours ({name})"] = dict([setting.split("=", 1)])
     sides = list(engines) + (["trl"] if args.trl_python else [])
     results = {side: {seed: [] for seed in args.seeds} for side in sides}
     for seed in args.seeds:
@@ -487,7 +498,10 @@ def main() -> None:
             results, args.seeds, "ours", "ours (vllm)", "our step with megatron / with vLLM"
         )
     if "ours (MKL)" in sides:
-        _print_ratio(results, args.seeds, "ours (MKL)", "ours", "our step with MKL / with oneDNN")
+        _print_ratio(results, args.seeds, "ours (MKL)", "ours", "our step with MKL / as built")
+    for name, setting in args.env_side:
+        label = f"our step with {setting} / as built"
+        _print_ratio(results, args.seeds, f"ours ({name})", "ours", label)
     if "trl" in sides:
         per_seed = [
             statistics.median(r["step"] for r in results["trl"][seed])
@@ -499,12 +513,15 @@ def main() -> None:
         print(f"\nTRL step / our step, medians: {trl / ours:.2f}x (per seed: "
               + ", ".join(f"{v:.2f}x" for v in per_seed) + ")")  # fmt: skip
     if args.roofline:
-        _print_roofline(args, shape, sides, results)
+        _print_roofline(args, shape, sides, results, reusing=["ours", *side_env])
     print(f"inputs and logs: {work}")
 
 
-def _print_roofline(args, shape: StepShape, sides: list[str], results: dict) -> None:
-    """Each side's median phase times beside the floors of the work it must do."""
+def _print_roofline(
+    args, shape: StepShape, sides: list[str], results: dict, reusing: list[str]
+) -> None:
+    """Each side's median phase times beside the floors of the work it must do (``reusing``:
+    our sides with our own rollout engine, which reuse the rollout's log-probs in fp32)."""
     import roofline
 
     machine = roofline.Machine(args.threads)
@@ -514,7 +531,8 @@ def _print_roofline(args, shape: StepShape, sides: list[str], results: dict) -> 
         measured = {k: statistics.median(r[k] for r in every) for k in PHASES}
         measured["update"] -= measured["optimizer"]  # the optimizer is its own phase there
         dims = (shape.prompts_per_step, shape.prompt_tokens, shape.new_tokens, shape.micro_batch)
-        roofline.print_side(machine, args.size, dims, side, shape.bf16, measured)
+        reuses = side in reusing and not shape.bf16
+        roofline.print_side(machine, args.size, dims, side, reuses, shape.bf16, measured)
 
 
 def _print_ratio(results: dict, seeds, slow: str, fast: str, label: str) -> None:

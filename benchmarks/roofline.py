@@ -153,7 +153,8 @@ class Machine:
             layouts = (
                 lambda: torch.nn.functional.linear(a, w),  # MKL
                 lambda: w @ a.t(),  # MKL, the weight streamed row by row
-                lambda: cpu_linear.linear(a, w),  # oneDNN in fp32 (what our models run)
+                # fp32: oneDNN, or our kernel for a few rows (what our models run)
+                lambda: cpu_linear.linear(a, w),
             )
             for layout in layouts:
                 layout()
@@ -296,7 +297,9 @@ def main() -> None:
     bf16_logs = {log: ", bf16, " in Path(log).read_text() for log in args.from_log}
     for log, bf16 in bf16_logs.items():
         for side, measured in medians_of(log).items():
-            print_side(machine, args.size, shape, side, bf16, measured)
+            # every "ours" side but vLLM's runs our rollout engine (bench_ppo_real_shapes.py)
+            reuses = not bf16 and side.startswith("ours") and side != "ours (vllm)"
+            print_side(machine, args.size, shape, side, reuses, bf16, measured)
             if args.planner and bf16 and side == "ours":
                 print_planner(machine, args.size, shape, measured)
     if args.planner and not any(bf16_logs.values()):
@@ -310,12 +313,13 @@ def main() -> None:
         print_floors(machine, phases, dtype, f"{args.size}, {name}")
 
 
-def print_side(machine: Machine, size: str, shape: tuple, side: str, bf16: bool, measured: dict):
+def print_side(
+    machine: Machine, size: str, shape: tuple, side: str, reuses: bool, bf16: bool, measured: dict
+):
     """One side of bench_ppo_real_shapes.py beside its floors: ``shape`` (prompts, prompt
-    tokens, new tokens, micro-batch); our fp32 sides with our own rollout engine (oneDNN's
-    products or MKL's) reuse the rollout's log-probs as pi_old, every other side recomputes
+    tokens, new tokens, micro-batch); ``reuses``: the side reuses the rollout's log-probs as
+    pi_old (our fp32 sides with our own rollout engine), where every other side recomputes
     them."""
-    reuses = side in ("ours", "ours (MKL)") and not bf16
     phases = step_phases(SIZES[size], *shape, recompute_old=not reuses)
     name = "bf16" if bf16 else "fp32"
     print_floors(machine, phases, DTYPES[name], f"{side}, {size}, {name}", measured)

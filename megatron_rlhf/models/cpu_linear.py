@@ -24,9 +24,17 @@ forward or backward of an autograd ``Function``). Anywhere else (a GPU, bf16, fp
 that needs a gradient) it is ``F.linear`` itself. The op is torch's own (the one its CPU compiler
 emits for linears); it reads the dense fp32 weight as it is, with no packed copy, so a weight
 that changes every step costs nothing extra. Its sums run in another order than MKL's: equal to
-fp32 rounding (``tests/test_cpu_linear.py`` against float64). ``MEGATRON_RLHF_CPU_LINEAR=mkl``
-turns it off (``F.linear`` everywhere, and a bf16 decode's vocabulary product back to MKL's
-``weight @ hidden^T``: ``vocab.vocab_projection``), for a side-by-side measurement.
+fp32 rounding (``tests/test_cpu_linear.py`` against float64).
+
+A few rows (at most ``cpu_gemv.MAX_ROWS``: a decode step) times a contiguous weight go to our own
+AVX-512 kernel instead (``kernels/fused/cpu_gemv.c``): the decode step's vocabulary product in
+38-42 ms against oneDNN's 56-66 (the 1 GB matrix at a ~33 GB/s read bandwidth: a 31 ms bound),
+the trunk's 8-row products ~1.5x oneDNN's. Where it cannot run (no AVX-512, no C compiler) the
+product stays with oneDNN.
+
+``MEGATRON_RLHF_CPU_LINEAR`` chooses, for side-by-side measurements: ``onednn`` turns our kernel
+off (oneDNN for every product above); ``mkl`` turns both off (``F.linear`` everywhere, and a bf16
+decode's vocabulary product back to MKL's ``weight @ hidden^T``: ``vocab.vocab_projection``).
 """
 
 from __future__ import annotations
@@ -36,17 +44,25 @@ import os
 import torch
 import torch.nn.functional as F
 
+from megatron_rlhf.kernels import cpu_gemv
+
 ENV = "MEGATRON_RLHF_CPU_LINEAR"
 
 
 def _onednn_op():
     """torch's oneDNN linear, or None where this torch has none (no oneDNN, another version)."""
-    if os.environ.get(ENV, "onednn").lower() == "mkl" or not torch.backends.mkldnn.is_available():
+    if os.environ.get(ENV, "gemv").lower() == "mkl" or not torch.backends.mkldnn.is_available():
         return None
     return getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
 
+def _gemv_enabled() -> bool:
+    """Whether our few-row kernel may run (:data:`ENV` neither ``onednn`` nor ``mkl``)."""
+    return os.environ.get(ENV, "gemv").lower() not in ("onednn", "mkl")
+
+
 _OP = _onednn_op()
+_GEMV = _gemv_enabled()
 MIN_WEIGHT = 1 << 18
 """Values of the smallest weight whose products go through oneDNN (1 MB in fp32)."""
 
@@ -75,8 +91,11 @@ def onednn_applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(
     input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear(input, weight, bias)``: (..., K) x (N, K) -> (..., N), through oneDNN on a
-    CPU in fp32 without autograd (module docstring), else ``F.linear``."""
+    """``F.linear(input, weight, bias)``: (..., K) x (N, K) -> (..., N), through our kernel
+    (a few rows) or oneDNN on a CPU in fp32 without autograd (module docstring), else
+    ``F.linear``."""
     if not onednn_applies(input, weight) or (bias is not None and bias.dtype != torch.float32):
         return F.linear(input, weight, bias)
+    if _GEMV and cpu_gemv.applies(input, weight, bias):  # a few rows: our AVX-512 kernel
+        return cpu_gemv.gemv(input, weight, bias)
     return _OP(input.contiguous(), weight, bias, "none", [], "")

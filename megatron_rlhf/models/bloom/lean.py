@@ -7,8 +7,8 @@ every call, ~0.1 ms each, more than the matmuls of a 4x128 model (issue 11, item
 autograd off and the module in eval mode (generation), none of that applies, so these
 subclasses run the same submodules in the same order, and nothing else:
 
-- linears: one ``F.linear`` on this rank's shard (through oneDNN on a CPU in fp32:
-  ``models/cpu_linear.py``), + ``dist.all_reduce`` over the layer's own TP group for
+- linears: one ``F.linear`` on this rank's shard (on a CPU in fp32 our few-row kernel or
+  oneDNN: ``models/cpu_linear.py``), + ``dist.all_reduce`` over the layer's own TP group for
   row-parallel, bias after the sum, as Megatron-Core orders it;
 - attention: fused QKV -> BLOOM's [heads, 3, head_dim] split -> Megatron-Core's own static KV
   cache (``_adjust_key_value_for_inference``) -> the ALiBi core attention -> projection;

@@ -160,11 +160,11 @@ LARGE_VOCAB = 16_384
 
 
 def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(hidden, weight)`` (..., H) x (V, H) -> (..., V). On a CPU in fp32: oneDNN's
-    product at any row count (``models/cpu_linear.py``: 56 ms for a decode step's 8 rows at
-    BLOOM-560m's shapes on the 2-core AMD benchmark VM, against 112 ms below); under a CPU
-    bf16 region ``F.linear`` of the kept bf16 copy, oneDNN's bf16 product. With oneDNN switched
-    off (``MEGATRON_RLHF_CPU_LINEAR=mkl``), for a few rows (a decode step: 3 to 64) and a large
+    """``F.linear(hidden, weight)`` (..., H) x (V, H) -> (..., V). On a CPU in fp32:
+    ``cpu_linear.linear``, our AVX-512 kernel for a few rows (a decode step's 8 rows at
+    BLOOM-560m's shapes: 38-42 ms on the 2-core AMD benchmark VM, oneDNN's 56-66 ms, 112 ms
+    below) and oneDNN's product for more; under a CPU bf16 region ``F.linear`` of the kept
+    bf16 copy, oneDNN's bf16 product. With oneDNN switched off (``MEGATRON_RLHF_CPU_LINEAR=mkl``), for a few rows (a decode step: 3 to 64) and a large
     vocabulary, as ``weight @ hidden^T``:
 
     A decode step's LM head is a (rows x H) x (H x V) product that must read the whole
@@ -176,7 +176,7 @@ def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     output is the same dot product summed in another order: equal to rounding. One or two
     rows already take MKL's matrix-vector path; GPUs, many rows and small vocabularies use one
     ``F.linear``."""
-    if cpu_linear.onednn_applies(hidden, weight):  # fp32 on a CPU: oneDNN at any row count
+    if cpu_linear.onednn_applies(hidden, weight):  # fp32 on a CPU: our kernel or oneDNN
         return cpu_linear.linear(hidden, weight)
     weight = bf16_copy(weight)  # under a CPU bf16 region: its kept bf16 copy
     rows = hidden.numel() // hidden.shape[-1]
