@@ -41,6 +41,24 @@ def test_equals_float64_to_fp32_rounding(rows, n, k, bias):
     _assert_fp32_rounding(out, x, w, b)
 
 
+@pytest.mark.skipif(not cpu_gemv.available(torch.bfloat16), reason="no AVX-512-bf16 here")
+@pytest.mark.parametrize("rows, n, k", [(8, 2731, 1024), (3, 7, 53), (9, 1000, 33), (1, 5, 31)])
+def test_bf16_equals_float64_to_bf16_output_rounding(rows, n, k):
+    """bf16 operands (widths off the 32-value line: the masked tail): the products of bf16
+    values are exact in fp32, so the fp32 sums are float64's to a k-term fp32 dot product's
+    error, then rounded once to bf16 (half a unit of its 8-bit mantissa)."""
+    generator = torch.Generator().manual_seed(rows * 31 + n + k)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    w = torch.randn(n, k, generator=generator).bfloat16()
+    out = cpu_gemv.gemv(x, w)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    expected = x.double() @ w.double().t()
+    sums = 4 * k * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().t())
+    bound = sums + expected.abs() * 2.0**-8
+    assert ((out.double() - expected).abs() <= bound).all()
+    assert ((out.double() - expected).abs() > 0).any()  # the output is bf16, not the fp32 sums
+
+
 def test_strided_rows_and_leading_dims():
     """A decode step's (S=1, B, H) input cut from a wider buffer (rows of stride > K), and a
     column-strided input (copied first): each equals float64 with the leading dims kept."""
@@ -74,7 +92,9 @@ def test_applies_only_to_what_it_computes():
     assert not cpu_gemv.applies(torch.randn(cpu_gemv.MAX_ROWS + 1, 32), w)  # oneDNN's GEMM
     assert not cpu_gemv.applies(x, torch.randn(32, 100).t())  # a transposed weight view
     assert not cpu_gemv.applies(x.double(), w.double())
-    assert not cpu_gemv.applies(x.bfloat16(), w.bfloat16())
+    assert cpu_gemv.applies(x.bfloat16(), w.bfloat16()) == cpu_gemv.available(torch.bfloat16)
+    assert not cpu_gemv.applies(x.bfloat16(), w.bfloat16(), torch.randn(100))  # no bf16 bias
+    assert not cpu_gemv.applies(x.bfloat16(), w)  # mixed dtypes
     assert not cpu_gemv.applies(torch.randn(0, 32), w)
     assert not cpu_gemv.applies(x, w, torch.randn(100).double())
 
@@ -90,6 +110,11 @@ def test_cpu_linear_runs_it_for_a_few_rows_and_the_switch_turns_it_off(monkeypat
     assert torch.equal(cpu_linear.linear(x, w), cpu_gemv.gemv(x, w))
     many = torch.randn(cpu_gemv.MAX_ROWS + 3, 64, generator=generator)
     _assert_fp32_rounding(cpu_linear.linear(many, w), many, w)
+    w16, x16 = w.bfloat16(), x.float()  # a bf16 decode: the kept bf16 copy, the fp32 stream
+    if cpu_gemv.available(torch.bfloat16):
+        assert torch.equal(cpu_linear.few_rows_bf16(x16, w16), cpu_gemv.gemv(x16.bfloat16(), w16))
+    assert cpu_linear.few_rows_bf16(x16, w16[:100]) is None  # a small weight: F.linear
+    assert cpu_linear.few_rows_bf16(many, w16) is None  # many rows: oneDNN's bf16 GEMM
     monkeypatch.setenv(cpu_linear.ENV, "onednn")
     assert not cpu_linear._gemv_enabled() and cpu_linear._onednn_op() is not None
     monkeypatch.setenv(cpu_linear.ENV, "mkl")

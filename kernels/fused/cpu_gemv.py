@@ -5,7 +5,9 @@ A decode step's LM head is such a product: 8 rows x 1,024 x 250,880 at BLOOM-560
 torch 2.13, read bandwidth ~33 GB/s, so a 31 ms bound): this kernel 38-42 ms, oneDNN's inner
 product 56-66 ms, MKL's 112-166 ms. It also wins on the trunk's 8-row products (1,024 x 3,072:
 0.31 ms against oneDNN's 0.47-0.52) and up to ~24 rows; at 32 rows and more oneDNN's blocked
-GEMM is as fast or faster, so :data:`MAX_ROWS` bounds where it runs.
+GEMM is as fast or faster, so :data:`MAX_ROWS` bounds where it runs. In bf16 (a ``train.bf16``
+run's decode, on a CPU with AVX-512-bf16) the same product, 0.5 GB read, takes 14-20 ms against
+oneDNN's bf16 product's 33-43 ms (a 16 ms bound).
 
 The C source is compiled once per source and machine, on first use, with the host's C compiler
 (``$CC``, else ``cc``) into ``$MEGATRON_RLHF_KERNEL_CACHE`` (default
@@ -71,41 +73,46 @@ def build(directory: Path | None = None) -> Path:
 
 
 @functools.cache
-def _function():
-    """The kernel's C function, or None where it cannot run here (module docstring)."""
+def _library():
+    """The built library, or None where the kernel cannot run here (module docstring)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
     try:
-        function = ctypes.CDLL(str(build())).megatron_rlhf_gemv
+        library = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError) as error:
         message = f"the CPU GEMV kernel is unavailable, using oneDNN's product: {error}"
         warnings.warn(message, stacklevel=2)
         return None
-    i64, pointer = ctypes.c_int64, ctypes.c_void_p
-    function.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, pointer, i64, ctypes.c_int]
-    function.restype = None
-    return function
+    i64, pointer, threads = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fp32, bf16 = library.megatron_rlhf_gemv, library.megatron_rlhf_gemv_bf16
+    fp32.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, pointer, i64, threads]
+    bf16.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, threads]
+    fp32.restype = bf16.restype = None
+    return library
 
 
-def available() -> bool:
-    """Whether the kernel runs on this machine (builds it on the first call)."""
-    return _function() is not None
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernel runs on this machine in ``dtype`` (fp32, or bf16 where the CPU has
+    AVX-512-bf16); builds it on the first call."""
+    if dtype == torch.bfloat16 and not torch.cpu._is_avx512_bf16_supported():
+        return False
+    return dtype in (torch.float32, torch.bfloat16) and _library() is not None
 
 
 def applies(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether :func:`gemv` takes ``F.linear(input, weight, bias)``: CPU fp32, at most
-    :data:`MAX_ROWS` rows, a contiguous weight, rows of input with unit stride. (Autograd and
-    autocast are the caller's to rule out: ``models/cpu_linear.py``.)"""
+    """Whether :func:`gemv` takes ``F.linear(input, weight, bias)``: on a CPU, fp32 or bf16
+    (no bias), at most :data:`MAX_ROWS` rows, a contiguous weight, rows of input with unit
+    stride. (Autograd and autocast are the caller's to rule out: ``models/cpu_linear.py``.)"""
     rows = input.numel() // max(input.shape[-1], 1)
     return (
         0 < rows <= MAX_ROWS
         and input.device.type == weight.device.type == "cpu"
-        and input.dtype == weight.dtype == torch.float32
+        and input.dtype == weight.dtype
         and weight.dim() == 2
         and weight.is_contiguous()
         and input.shape[-1] == weight.shape[1] > 0
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-        and available()
+        and (bias is None or (bias.dtype == torch.float32 == input.dtype and bias.is_contiguous()))
+        and available(input.dtype)
     )
 
 
@@ -113,14 +120,19 @@ def gemv(
     input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` for a few rows: (..., K) x (N, K) -> (..., N), where
-    :func:`applies`."""
+    :func:`applies`. bf16 sums in fp32 and returns them rounded to bf16, as oneDNN's bf16
+    product does."""
     rows, (n, k) = input.numel() // input.shape[-1], weight.shape
     flat = input.reshape(rows, k)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     out = torch.empty(rows, n, dtype=torch.float32)
-    _function()(
-        flat.data_ptr(), flat.stride(0), rows, weight.data_ptr(), n, k,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads(),
-    )  # fmt: skip
+    operands = (flat.data_ptr(), flat.stride(0), rows, weight.data_ptr(), n, k)
+    if input.dtype == torch.bfloat16:
+        _library().megatron_rlhf_gemv_bf16(*operands, out.data_ptr(), n, torch.get_num_threads())
+        out = out.to(torch.bfloat16)
+    else:
+        bias_pointer = None if bias is None else bias.data_ptr()
+        threads = torch.get_num_threads()
+        _library().megatron_rlhf_gemv(*operands, bias_pointer, out.data_ptr(), n, threads)
     return out.reshape(*input.shape[:-1], n)

@@ -88,6 +88,22 @@ def onednn_applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def few_rows_bf16(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``F.linear(input, weight)`` for a bf16 CPU weight (a ``train.bf16`` run's kept copy,
+    ``models/precision.bf16_copy``) and a few rows, through our kernel's bf16 path: the input
+    cast to bf16 as autocast casts it, the sums in fp32, the output rounded to bf16, as oneDNN's
+    bf16 product under autocast gives it. None where it does not apply (more rows, a weight
+    below :data:`MIN_WEIGHT`, no AVX-512-bf16, autograd, :data:`ENV` ``onednn`` or ``mkl``)."""
+    if not (_GEMV and weight.dtype == torch.bfloat16 and input.device.type == "cpu"):
+        return None
+    if weight.numel() < MIN_WEIGHT:
+        return None
+    if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad):
+        return None
+    rows = input.to(torch.bfloat16)
+    return cpu_gemv.gemv(rows, weight) if cpu_gemv.applies(rows, weight) else None
+
+
 def linear(
     input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -163,9 +163,10 @@ def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     """``F.linear(hidden, weight)`` (..., H) x (V, H) -> (..., V). On a CPU in fp32:
     ``cpu_linear.linear``, our AVX-512 kernel for a few rows (a decode step's 8 rows at
     BLOOM-560m's shapes: 38-42 ms on the 2-core AMD benchmark VM, oneDNN's 56-66 ms, 112 ms
-    below) and oneDNN's product for more; under a CPU bf16 region ``F.linear`` of the kept
-    bf16 copy, oneDNN's bf16 product. With oneDNN switched off (``MEGATRON_RLHF_CPU_LINEAR=mkl``), for a few rows (a decode step: 3 to 64) and a large
-    vocabulary, as ``weight @ hidden^T``:
+    below) and oneDNN's product for more; under a CPU bf16 region the kept bf16 copy's product,
+    our kernel's bf16 path for a few rows (14-20 ms for 8 rows, oneDNN's 33-43), ``F.linear``
+    (oneDNN's bf16 product) for more. With oneDNN switched off (``MEGATRON_RLHF_CPU_LINEAR=mkl``),
+    for a few rows (a decode step: 3 to 64) and a large vocabulary, as ``weight @ hidden^T``:
 
     A decode step's LM head is a (rows x H) x (H x V) product that must read the whole
     vocabulary matrix (1 GB in fp32 at BLOOM-560m's width) for a few rows: memory-bound.
@@ -179,6 +180,9 @@ def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     if cpu_linear.onednn_applies(hidden, weight):  # fp32 on a CPU: our kernel or oneDNN
         return cpu_linear.linear(hidden, weight)
     weight = bf16_copy(weight)  # under a CPU bf16 region: its kept bf16 copy
+    few_rows = cpu_linear.few_rows_bf16(hidden, weight)  # a bf16 decode step: our kernel
+    if few_rows is not None:
+        return few_rows
     rows = hidden.numel() // hidden.shape[-1]
     # bf16 under autocast: F.linear is oneDNN's bf16 product, 37 ms for 8 rows on the AMD VM
     # against 55 ms as weight @ hidden^T (kept only where oneDNN is switched off)
