@@ -26,7 +26,8 @@ scalar heads nothing worth counting. A backward is twice its forward. With the s
 
 **The rates.** Each product is timed here, at its own (rows x k) @ (k x n) shape and dtype, on
 ``--threads`` threads (best of a few, after a warm-up, in the best of three ways: MKL's
-``x @ W^T`` and ``W @ x^T``, and in fp32 oneDNN's, ``models/cpu_linear.py``); the peak is the
+``x @ W^T`` and ``W @ x^T``, and in fp32 oneDNN's, ``models/cpu_linear.py``, and for a few rows
+our kernel's, ``kernels/fused/cpu_gemv.c``); the peak is the
 best rate at any shape (a 4096^3 product or the phase's own). Sweeps run at this machine's streaming bandwidth: the best of a 1 GiB ``copy_``, a
 1 GiB triad ``c = a + b`` and torch's fused Adam over 64M parameters, all bytes read and written
 over the time. A phase's floor is the sum of
@@ -52,6 +53,7 @@ from pathlib import Path
 
 import torch
 from bench_ppo_real_shapes import SIZES, StepShape  # the benchmark's shapes (stdlib-only import)
+from megatron_rlhf.kernels import cpu_gemv
 
 from megatron_rlhf.models import cpu_linear
 
@@ -156,6 +158,8 @@ class Machine:
                 # fp32: oneDNN, or our kernel for a few rows (what our models run)
                 lambda: cpu_linear.linear(a, w),
             )
+            if cpu_gemv.applies(a, w):  # a few rows, bf16 too: our kernel (a bf16 decode's)
+                layouts += (lambda: cpu_gemv.gemv(a, w),)
             for layout in layouts:
                 layout()
             self._rates[key] = flop / min(_best(layout, reps) for layout in layouts)
