@@ -96,8 +96,8 @@ def few_rows_bf16(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | N
     below :data:`MIN_WEIGHT`, no AVX-512-bf16, autograd, :data:`ENV` ``onednn`` or ``mkl``)."""
     if not (_GEMV and weight.dtype == torch.bfloat16 and input.device.type == "cpu"):
         return None
-    if weight.numel() < MIN_WEIGHT:
-        return None
+    if weight.numel() < MIN_WEIGHT or input.numel() > cpu_gemv.MAX_ROWS * input.shape[-1]:
+        return None  # a small weight (F.linear) or many rows (oneDNN's bf16 GEMM): no cast
     if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad):
         return None
     rows = input.to(torch.bfloat16)
