@@ -158,8 +158,8 @@ class Machine:
                 # fp32: oneDNN, or our kernel for a few rows (what our models run)
                 lambda: cpu_linear.linear(a, w),
             )
-            if cpu_gemv.applies(a, w):  # a few rows, bf16 too: our kernel (a bf16 decode's)
-                layouts += (lambda: cpu_gemv.gemv(a, w),)
+            if dtype != torch.float32 and cpu_gemv.applies(a, w):  # bf16, a few rows: our
+                layouts += (lambda: cpu_gemv.gemv(a, w),)  # kernel (fp32's: cpu_linear's)
             for layout in layouts:
                 layout()
             self._rates[key] = flop / min(_best(layout, reps) for layout in layouts)

@@ -13,6 +13,13 @@ from megatron_rlhf.models import cpu_linear
 pytestmark = pytest.mark.skipif(cpu_linear._OP is None, reason="this torch has no oneDNN linear")
 
 
+@pytest.fixture(autouse=True)
+def onednn_only(monkeypatch):
+    """Our few-row kernel off, so that the few-row cases here run oneDNN's op, as their names
+    say (the kernel's own checks: tests/test_cpu_gemv.py)."""
+    monkeypatch.setattr(cpu_linear, "_GEMV", False)
+
+
 def _assert_fp32_rounding(out, x, w, b=None):
     """``out`` is ``x @ w^T + b`` to fp32 rounding: within the bound of a k-term fp32 dot
     product's error (it grows with k and the terms' magnitudes) of the float64 product."""
