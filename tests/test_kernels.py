@@ -1,4 +1,5 @@
-"""The PyTorch (CPU) path of ``megatron_rlhf.kernels`` against float64 references.
+"""The PyTorch (CPU) path of ``megatron_rlhf.kernels`` against float64 references (our C
+log-prob kernel is switched off here; ``test_cpu_logprobs.py`` tests it).
 
 References are written independently of the kernels: a full float64 ``log_softmax`` for the
 log-probs and entropy, and per-token Python loops (as in TRL/OpenRLHF) for GAE and the shaped
@@ -13,6 +14,7 @@ import pytest
 import torch
 from megatron_rlhf.kernels import advantages as advantages_module
 from megatron_rlhf.kernels import (
+    cpu_logprobs,
     gae,
     kl_penalty,
     masked_whiten,
@@ -53,6 +55,12 @@ def ref_gae(rewards, values, mask, gamma, lam):
             running = delta + gamma * lam * (running if has_next else 0.0)
             advantages[b, t] = running
     return advantages, (advantages + values) * mask
+
+
+@pytest.fixture(autouse=True)
+def pytorch_path(monkeypatch):
+    """fp32 logits take the PyTorch path, as this file's tests say, not our C kernel."""
+    monkeypatch.setenv(cpu_logprobs.ENV, "torch")
 
 
 @pytest.fixture

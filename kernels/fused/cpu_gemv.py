@@ -9,79 +9,36 @@ GEMM is as fast or faster, so :data:`MAX_ROWS` bounds where it runs. In bf16 (a 
 run's decode, on a CPU with AVX-512-bf16) the same product, 0.5 GB read, takes 14-20 ms against
 oneDNN's bf16 product's 33-43 ms (a 16 ms bound).
 
-The C source is compiled once per source and machine, on first use, with the host's C compiler
-(``$CC``, else ``cc``) into ``$MEGATRON_RLHF_KERNEL_CACHE`` (default
-``~/.cache/megatron_rlhf/kernels``): a file named by the hash of the source and flags, written
-under a temporary name and renamed, so concurrent processes never load a half-written library.
-It is plain C with AVX-512 intrinsics and OpenMP (torch's own libgomp, already loaded, runs its
-threads: one thread pool), called through ``ctypes`` (which releases the GIL). Where the CPU
-lacks AVX-512, no compiler is found or the build fails, :func:`available` is False (a failed
-build warns once, naming the error) and callers keep oneDNN's product.
+It is built on first use and called through ``ctypes`` on torch's own OpenMP threads
+(``_cpu_build.py``); where it cannot run (no AVX-512, no compiler, a failed build),
+:func:`available` is False and callers keep oneDNN's product.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
-import warnings
 from pathlib import Path
 
 import torch
 
+from . import _cpu_build
+
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
-FLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC")
-CACHE_ENV = "MEGATRON_RLHF_KERNEL_CACHE"
 MAX_ROWS = 24
 """Most rows of x it takes (oneDNN's GEMM is as fast from ~32 rows on: module docstring)."""
 
 
-def cache_dir() -> Path:
-    default = Path.home() / ".cache" / "megatron_rlhf" / "kernels"
-    return Path(os.environ.get(CACHE_ENV) or default)
-
-
 def build(directory: Path | None = None) -> Path:
-    """Compile ``cpu_gemv.c`` (unless this source and these flags already are) and return the
-    library's path. Raises ``RuntimeError`` naming the compiler's output on failure."""
-    source = SOURCE.read_bytes()
-    compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    directory = directory or cache_dir()
-    library = directory / f"cpu_gemv-{key}.so"
-    if library.exists():
-        return library
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(prefix=library.name, suffix=".partial", dir=directory)
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True
-        )
-        if result.returncode != 0:
-            raise RuntimeError(
-                f"building {SOURCE.name} with `{compiler}` failed:\n{result.stderr.strip()}"
-            )
-        os.replace(partial, library)  # whole or absent, whoever else builds it at once
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
-    return library
+    """Compile ``cpu_gemv.c`` (once per source and flags) and return the library's path."""
+    return _cpu_build.build(SOURCE, directory)
 
 
 @functools.cache
 def _library():
-    """The built library, or None where the kernel cannot run here (module docstring)."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return None
-    try:
-        library = ctypes.CDLL(str(build()))
-    except (OSError, RuntimeError) as error:
-        message = f"the CPU GEMV kernel is unavailable, using oneDNN's product: {error}"
-        warnings.warn(message, stacklevel=2)
+    """The built library with its functions' signatures, or None where it cannot run here."""
+    library = _cpu_build.load(SOURCE, "oneDNN's product")
+    if library is None:
         return None
     i64, pointer, threads = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     fp32, bf16 = library.megatron_rlhf_gemv, library.megatron_rlhf_gemv_bf16

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import cpu_logprobs
 from ._dispatch import use_triton
 
 CHUNK_ELEMENTS = 1 << 22  # logits values one step of the PyTorch path holds in fp32 (16 MB)
@@ -189,16 +190,18 @@ def local_stats(
         from . import triton_logprobs
 
         return triton_logprobs.rows_stats(rows, local_targets, inv_temp, with_entropy)
+    if cpu_logprobs.applies(rows):
+        return cpu_logprobs.rows_stats(rows, local_targets, inv_temp, with_entropy)[None]
     return _rows_stats_torch(rows, local_targets, inv_temp, with_entropy, workspace)[None]
 
 
 def new_workspace(rows: torch.Tensor) -> torch.Tensor | None:
     """Scratch memory for repeated ``local_stats``/``rows_grad`` calls on rows shaped like these.
 
-    None when the Triton path will run (it needs none). Two fp32 buffers of about
+    None when the Triton path or the CPU kernel will run (they need none). Two fp32 buffers of about
     ``CHUNK_ELEMENTS`` values: reusing them spares a fresh, page-faulting allocation per chunk.
     """
-    if use_triton(rows) and rows.dtype != torch.float64:
+    if (use_triton(rows) and rows.dtype != torch.float64) or cpu_logprobs.applies(rows):
         return None
     chunk_rows = min(rows.shape[0], max(1, CHUNK_ELEMENTS // max(rows.shape[1], 1)))
     return torch.empty(2 * chunk_rows * rows.shape[1], dtype=stats_dtype(rows), device=rows.device)
@@ -220,6 +223,11 @@ def rows_grad(
         from . import triton_logprobs
 
         triton_logprobs.rows_grad(
+            rows, grad_rows, local_targets, lse, entropy, grad_lp, grad_ent, inv_temp
+        )
+        return
+    if cpu_logprobs.applies(rows, grad_rows):
+        cpu_logprobs.rows_grad(
             rows, grad_rows, local_targets, lse, entropy, grad_lp, grad_ent, inv_temp
         )
         return

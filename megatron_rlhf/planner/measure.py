@@ -32,6 +32,7 @@ import torch
 
 from megatron_rlhf.distributed.layouts import Layout
 from megatron_rlhf.distributed.parallel import is_last_stage, model_groups, vocab_group
+from megatron_rlhf.kernels import cpu_logprobs
 from megatron_rlhf.planning import hardware, memory
 from megatron_rlhf.planning.shapes import ModelShape, model_params
 
@@ -79,6 +80,7 @@ def planned_bytes(shape: ModelShape, tp: int, pp: int, dp: int, stage: str, work
         # O(s); PyTorch, and TE, which never fuses BLOOM's ALiBi, store (B, H, S, S)
         fused_attention=memory.fused_attention(_attention_backend()),
         packed_sequence_len=sequence,
+        logprob_scratch=not torch.cuda.is_available() and not cpu_logprobs.enabled(),
     )
     if stage == "actor_train":
         return memory.train_memory(shape, layout, "lm", load).total

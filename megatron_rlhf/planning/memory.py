@@ -75,6 +75,11 @@ class Workload:
     not ``seq_len``²; None: padded rows, or a pack under the block-diagonal mask (sequence
     parallelism, TE layers), whose scores are ``seq_len``²."""
 
+    logprob_scratch: bool = False
+    """The log-prob kernel's PyTorch path runs (a CPU without our AVX-512 kernel, fp64 or bf16
+    logits), with its two fp32 scratch chunks; False: the Triton kernel (GPUs) or the CPU
+    kernel (``kernels/fused/cpu_logprobs.c``), which need none."""
+
     @property
     def key_len(self) -> int:
         """Keys each query's attention scores span (at most)."""
@@ -195,16 +200,22 @@ def logits_bytes(shape: ModelShape, layout: Layout, work: Workload, training: bo
     rows = work.micro_batch * work.seq_len
     full = rows * vocab * work.element_bytes
     response = work.micro_batch * work.response_len * vocab * work.element_bytes
-    scratch = 2 * min(work.micro_batch * work.response_len, max(1, CHUNK_ELEMENTS // vocab))
-    scratch *= vocab * 4
+    scratch = 0
+    if work.logprob_scratch:
+        scratch = 2 * min(work.micro_batch * work.response_len, max(1, CHUNK_ELEMENTS // vocab))
+        scratch *= vocab * 4
+    one_row = work.micro_batch == 1  # (S, 1, V) and (1, S, V) are views of each other: no copy
     if training:
         # the slice the kernel saves, and in the backward the full-size gradient and its copy
         # for the output layer's products: Megatron-Core's layer takes a transposed copy for the
         # weight gradient besides; ours (TP = 1 without SP, models/bloom/vocab.py) reshapes the
         # gradient once for both products (tools/scaling_study.py: TP=1 actor rows 1.13-1.17
-        # counted with three)
+        # counted with three), which one row does in place
         copies = 2 if layout.tp == 1 and not work.sequence_parallel else 3
-        return copies * full + response
+        return (copies - one_row) * full + response + scratch
+    if one_row:  # a packed row: its response positions gathered from the full-grid logits
+        gathered = response if work.packed_sequence_len is not None else 0
+        return full + gathered + scratch
     return max(2 * full, full + scratch)  # the (S, B) output and its (B, S) copy; or the kernel
 
 

@@ -1,0 +1,98 @@
+"""The log-prob kernel's statistics and gradient over fp32 logits on an AVX-512 CPU
+(``cpu_logprobs.c``): what ``logprobs.local_stats`` and ``logprobs.rows_grad`` compute, one
+pass over each row from memory instead of the PyTorch path's 4-6.
+
+At BLOOM's vocabulary a scoring or update micro-batch's logits are 128 x 250,880 fp32 values
+(128 MB). On the 2-core AMD EPYC benchmark VM the PyTorch path takes 26-36 ms forward and
+52-69 ms backward there (``benchmarks/bench_cpu_logprobs.py`` times both). Built on first use
+and called through ``ctypes`` on torch's OpenMP threads (``_cpu_build.py``); where it cannot run
+(no AVX-512, no compiler, a failed build), or with ``MEGATRON_RLHF_CPU_LOGPROBS=torch``, the
+PyTorch path runs. GPUs take the Triton kernels, fp64 and bf16 logits the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from . import _cpu_build
+
+SOURCE = Path(__file__).with_name("cpu_logprobs.c")
+ENV = "MEGATRON_RLHF_CPU_LOGPROBS"
+
+
+@functools.cache
+def _library():
+    library = _cpu_build.load(SOURCE, "the log-prob kernel's PyTorch path")
+    if library is None:
+        return None
+    i64, pointer, fp32, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    stats, grad = library.megatron_rlhf_logprob_stats, library.megatron_rlhf_logprob_grad
+    stats.argtypes = [pointer, i64, i64, i64, pointer, fp32, flag, pointer, flag]
+    grad.argtypes = [pointer, i64, i64, i64, pointer] + [pointer] * 4 + [fp32, pointer, i64, flag]
+    stats.restype = grad.restype = None
+    return library
+
+
+def enabled() -> bool:
+    """Whether the kernel may run (:data:`ENV` is not ``torch``) and runs on this machine."""
+    return os.environ.get(ENV, "kernel").lower() != "torch" and _library() is not None
+
+
+def applies(rows: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the kernel takes these (n, V) rows (and same-shaped ``others``): CPU fp32
+    tensors whose rows have unit stride, on a machine where it runs."""
+    return (
+        all(
+            t.device.type == "cpu"
+            and t.dtype == torch.float32
+            and t.dim() == 2
+            and t.stride(1) == 1
+            for t in (rows, *others)
+        )
+        and enabled()
+    )
+
+
+def _pointer(tensor: torch.Tensor | None):
+    return None if tensor is None else tensor.data_ptr()
+
+
+def rows_stats(
+    rows: torch.Tensor, local_targets: torch.Tensor, inv_temp: float, with_entropy: bool
+) -> torch.Tensor:
+    """``logprobs.STATS`` (4, n) of the (n, V) rows, as ``logprobs._rows_stats_torch``."""
+    n_rows, vocab = rows.shape
+    stats = torch.empty((4, n_rows), dtype=torch.float32)
+    targets = local_targets.to(torch.int64).contiguous()
+    _library().megatron_rlhf_logprob_stats(
+        rows.data_ptr(), rows.stride(0), n_rows, vocab, targets.data_ptr(), inv_temp,
+        int(with_entropy), stats.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return stats
+
+
+def rows_grad(
+    rows: torch.Tensor,
+    grad_rows: torch.Tensor,
+    local_targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_lp: torch.Tensor,
+    grad_ent: torch.Tensor | None,
+    inv_temp: float,
+) -> None:
+    """Write ``logprobs.rows_grad``'s gradient of the (n, V) rows into ``grad_rows``."""
+    n_rows, vocab = rows.shape
+    targets = local_targets.to(torch.int64).contiguous()
+    row_values = [v.to(torch.float32).contiguous() for v in (lse, entropy, grad_lp)]
+    grad_ent = None if grad_ent is None else grad_ent.to(torch.float32).contiguous()
+    _library().megatron_rlhf_logprob_grad(
+        rows.data_ptr(), rows.stride(0), n_rows, vocab, targets.data_ptr(),
+        *(v.data_ptr() for v in row_values), _pointer(grad_ent), inv_temp,
+        grad_rows.data_ptr(), grad_rows.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
