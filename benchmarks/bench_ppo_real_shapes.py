@@ -424,8 +424,8 @@ def main() -> None:
     parser.add_argument(
         "--env-side", nargs=2, action="append", default=[], metavar=("NAME", "VAR=VALUE"),
         help="also our train-ppo as side 'ours (NAME)' with the environment variable VAR set to "
-        "VALUE (e.g. onednn MEGATRON_RLHF_CPU_LINEAR=onednn: our few-row kernel off), "
-        "interleaved with the others; repeatable",
+        "VALUE (e.g. onednn MEGATRON_RLHF_CPU_LINEAR=onednn: our few-row kernel off; several as "
+        "VAR=VALUE,VAR2=VALUE2), interleaved with the others; repeatable",
     )  # fmt: skip
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
@@ -451,10 +451,11 @@ def main() -> None:
         engines["ours (MKL)"] = "megatron"
         side_env["ours (MKL)"] = dict([MKL_ENV])
     for name, setting in args.env_side:
-        if "=" not in setting:
-            parser.error(f"--env-side {name} {setting}: the setting must read VAR=VALUE")
+        parts = setting.split(",")
+        if not all("=" in part for part in parts):
+            parser.error(f"--env-side {name} {setting}: the setting must read VAR=VALUE[,...]")
         engines[f"ours ({name})"] = "megatron"
-        side_env[f"ours ({name})"] = dict([setting.split("=", 1)])
+        side_env[f"ours ({name})"] = dict(part.split("=", 1) for part in parts)
     sides = list(engines) + (["trl"] if args.trl_python else [])
     results = {side: {seed: [] for seed in args.seeds} for side in sides}
     for seed in args.seeds:
