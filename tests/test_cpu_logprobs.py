@@ -6,14 +6,25 @@ an unaligned gradient; a row without mass gives the PyTorch path's statistics, a
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from megatron_rlhf.kernels import cpu_logprobs, token_logprobs
 from megatron_rlhf.kernels import logprobs as logprobs_module
 
-pytestmark = pytest.mark.skipif(
+needs_kernel = pytest.mark.skipif(
     not cpu_logprobs.enabled(), reason="no AVX-512 or no C compiler: the kernel cannot run here"
 )
+
+
+def test_the_kernel_builds_wherever_it_can_run():
+    """A machine with AVX-512 and a C compiler runs the kernel: a failed build (which would
+    skip every test below) fails here instead."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if torch.backends.cpu.get_cpu_capability() == "AVX512" and compiler:
+        assert cpu_logprobs.enabled()
 
 
 def ref_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
@@ -32,6 +43,7 @@ def gen():
 
 @pytest.mark.parametrize("vocab", [7, 16, 389, 4099])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
+@needs_kernel
 def test_logprobs_and_entropy_equal_float64(vocab, temperature, gen):
     logits = torch.randn(3, 5, vocab, generator=gen) * 4
     logits[0, 1, : vocab // 2] = -float("inf")  # masked (padded) vocabulary entries
@@ -45,6 +57,7 @@ def test_logprobs_and_entropy_equal_float64(vocab, temperature, gen):
     torch.testing.assert_close(only_lp, logprobs, atol=0, rtol=0)
 
 
+@needs_kernel
 def test_bloom_vocabulary(gen):
     logits = torch.randn(2, 3, 250_880, generator=gen) * 3
     targets = torch.randint(0, 250_880, (2, 3), generator=gen)
@@ -55,6 +68,7 @@ def test_bloom_vocabulary(gen):
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])
+@needs_kernel
 def test_gradient_equals_float64_autograd(with_entropy, gen):
     """logits[:, 1:] (strided rows: the per-sequence path) at a temperature, with entries whose
     probability is 0 in fp32 and float64 (-inf has no finite float64 entropy gradient)."""
@@ -74,6 +88,7 @@ def test_gradient_equals_float64_autograd(with_entropy, gen):
     torch.testing.assert_close(logits.grad.double(), reference.grad, atol=2e-6, rtol=1e-5)
 
 
+@needs_kernel
 def test_another_ranks_targets_and_a_row_without_mass(gen):
     """Targets -1 (on another TP rank) and an all -inf row: the PyTorch path's statistics."""
     rows = torch.randn(6, 1000, generator=gen) * 5
@@ -86,6 +101,7 @@ def test_another_ranks_targets_and_a_row_without_mass(gen):
     assert ours[0, 2] == logprobs_module.EMPTY_MAX and ours[1, 2] == 0 == ours[2, 2]
 
 
+@needs_kernel
 def test_unaligned_gradient_and_nan(gen):
     """A gradient row that starts off a 64-byte line takes plain stores; a nan logit gives nan
     log-probs and gradients (the non-finite guard sees it), not a finite number."""
@@ -107,6 +123,7 @@ def test_unaligned_gradient_and_nan(gen):
     assert logprobs[0, [0, 2]].isfinite().all() and entropy[0, [0, 2]].isfinite().all()
 
 
+@needs_kernel
 def test_runs_only_where_it_applies(monkeypatch):
     rows = torch.randn(4, 64)
     assert cpu_logprobs.applies(rows)
@@ -117,3 +134,48 @@ def test_runs_only_where_it_applies(monkeypatch):
     monkeypatch.setenv(cpu_logprobs.ENV, "torch")
     assert not cpu_logprobs.applies(rows)
     assert logprobs_module.new_workspace(rows) is not None  # the PyTorch path's scratch
+
+
+@pytest.mark.parametrize("vocab, temperature", [(5, 1.0), (1000, 0.7), (250_880, 1.0)])
+@needs_kernel
+def test_sample_draws_the_inverse_cdf_token_and_its_logprob(vocab, temperature, gen):
+    """Uniforms aimed at the middle of chosen tokens' CDF intervals (float64) draw exactly
+    those tokens; the log-probs equal float64's log-softmax; -inf (padded) entries are never
+    drawn, even by a uniform just below 1."""
+    rows = 6
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[:, vocab - 2 :] = -float("inf")
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    cdf = probs.cumsum(-1)
+    wanted = torch.randint(0, vocab - 2, (rows,), generator=gen)
+    wanted[0] = 0
+    wanted[1] = vocab - 3  # the last token of nonzero probability
+    lower = torch.where(wanted > 0, cdf.gather(1, (wanted - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    uniforms = ((lower + cdf.gather(1, wanted[:, None])[:, 0]) / 2 / cdf[:, -1]).float()
+    uniforms[1] = 1.0 - 2**-24  # the largest float below 1: the last positive token
+    tokens, logprobs = cpu_logprobs.sample(logits, uniforms, temperature)
+    small = probs.gather(1, wanted[:, None])[:, 0] < 1e-6  # too narrow an interval for fp32
+    assert torch.equal(tokens[~small], wanted[~small]), (tokens, wanted)
+    ref = torch.log_softmax(logits.double() / temperature, -1).gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_choose_tokens_takes_the_kernel_at_top_p_1(gen, monkeypatch):
+    """The decode's sampler: the kernel's draw equals the PyTorch path's (softmax, cumulative
+    sum, search, log-softmax) on the same uniforms; top-p < 1 keeps the PyTorch path."""
+    from megatron_rlhf.generation import decode
+
+    logits = torch.randn(8, 2, 4099, generator=gen)[:, -1] * 2  # strided rows, as in decode
+    uniforms = torch.rand(8, generator=gen)
+    sampling = decode.SamplingConfig(temperature=0.8)
+    ours = decode.choose_tokens(logits, sampling, uniforms)
+    monkeypatch.setenv(cpu_logprobs.ENV, "torch")
+    theirs = decode.choose_tokens(logits, sampling, uniforms)
+    assert torch.equal(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1], atol=1e-5, rtol=1e-5)
+    monkeypatch.delenv(cpu_logprobs.ENV)
+    calls = []
+    monkeypatch.setattr(cpu_logprobs, "sample", lambda *a: calls.append(a))
+    decode.choose_tokens(logits, decode.SamplingConfig(temperature=0.8, top_p=0.9), uniforms)
+    assert not calls

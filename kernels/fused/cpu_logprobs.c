@@ -16,6 +16,7 @@
  * than PyTorch's, equal to fp32 rounding. Built and loaded as cpu_gemv.c is (_cpu_build.py).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #define EMPTY_MAX -1e30f /* max of a row without mass (logprobs.EMPTY_MAX) */
@@ -119,5 +120,72 @@ void megatron_rlhf_logprob_grad(const float *x, int64_t ldx, int64_t n, int64_t 
         _mm_sfence(); /* the streamed stores are visible before the target's add below */
         const int64_t t = targets[i];
         if (t >= 0) out[t] += scaled;
+    }
+}
+
+/* Draw one token per row from softmax(x/tau) by inverse CDF (generation/decode.py's _draw at
+ * top_p = 1: the first token whose cumulative probability passes the row's uniform times the
+ * total) and return its log-prob x/tau - m - log S. Three passes over a row: its max, its sum,
+ * then the walk to the token, block by block, both sums in fp64 (PyTorch's fp32 cumulative sum
+ * drifts at BLOOM's vocabulary). The walk's total is summed in another order than the total:
+ * where rounding leaves the uniform's target unreached, the row's last token of nonzero
+ * probability is drawn. */
+void megatron_rlhf_sample(const float *x, int64_t ldx, int64_t n, int64_t V, float inv_temp,
+                          const float *uniforms, int64_t *tokens, float *logprobs, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = x + i * ldx;
+        __m512 top = _mm512_set1_ps(-__builtin_inff());
+        for (int64_t j = 0; j < V; j += 16) {
+            const __mmask16 mask = V - j < 16 ? tail_mask(V - j) : 0xFFFF;
+            top = _mm512_mask_max_ps(top, mask, top, load_scaled(row + j, mask, inv_temp));
+        }
+        float m = _mm512_reduce_max_ps(top);
+        m = m > EMPTY_MAX ? m : EMPTY_MAX;
+        const __m512 mv = _mm512_set1_ps(m);
+        /* the total and the walk in fp64 (fp32 lanes over 1,024 values at a time): at BLOOM's
+         * vocabulary an fp32 running sum drifts by ~1e-4 of the mass, tens of tokens */
+        __m512d sum_lo = _mm512_setzero_pd(), sum_hi = _mm512_setzero_pd();
+        for (int64_t start = 0; start < V; start += 1024) {
+            __m512 sum = _mm512_setzero_ps();
+            const int64_t stop = start + 1024 < V ? start + 1024 : V;
+            for (int64_t j = start; j < stop; j += 16) {
+                const __mmask16 mask = stop - j < 16 ? tail_mask(stop - j) : 0xFFFF;
+                const __m512 shifted = _mm512_sub_ps(load_scaled(row + j, mask, inv_temp), mv);
+                sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, exp_ps(shifted)));
+            }
+            sum_lo = _mm512_add_pd(sum_lo, _mm512_cvtps_pd(_mm512_castps512_ps256(sum)));
+            sum_hi = _mm512_add_pd(sum_hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1))));
+        }
+        const double total = _mm512_reduce_add_pd(_mm512_add_pd(sum_lo, sum_hi));
+        const double target = uniforms[i] * total;
+        double running = 0.0;
+        int64_t token = -1, last_positive = V - 1;
+        for (int64_t j = 0; j < V && token < 0; j += 16) {
+            const __mmask16 mask = V - j < 16 ? tail_mask(V - j) : 0xFFFF;
+            float e[16];
+            const __m512 ev = _mm512_maskz_mov_ps(
+                mask, exp_ps(_mm512_sub_ps(load_scaled(row + j, mask, inv_temp), mv)));
+            const double block = _mm512_reduce_add_ps(ev);
+            if (running + block <= target) {
+                const unsigned positive = _mm512_cmp_ps_mask(ev, _mm512_setzero_ps(), _CMP_GT_OQ);
+                if (positive) last_positive = j + 31 - __builtin_clz(positive);
+                running += block;
+                continue;
+            }
+            _mm512_storeu_ps(e, ev);
+            for (int k = 0; k < 16 && j + k < V; k++) {
+                running += e[k];
+                if (e[k] > 0.0f) last_positive = j + k;
+                if (running > target) {
+                    token = j + k;
+                    break;
+                }
+            }
+        }
+        if (token < 0) token = last_positive;
+        tokens[i] = token;
+        logprobs[i] = row[token] * inv_temp - m - (float)log(total);
     }
 }

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megatron_rlhf.kernels import cpu_logprobs
+
 
 @dataclass(kw_only=True)
 class SamplingConfig:
@@ -328,6 +330,8 @@ def choose_tokens(last, sampling: SamplingConfig, uniforms) -> tuple[torch.Tenso
     if sampling.greedy:
         chosen = last.argmax(dim=-1)
         return chosen, sampled_logprobs(last, chosen, sampling)
+    if sampling.top_p >= 1.0 and cpu_logprobs.applies(last):  # our CPU kernel: one call
+        return cpu_logprobs.sample(last, uniforms, sampling.temperature)
     probs, order = _sampler_probs(last, sampling)
     chosen = _draw(probs, order, uniforms)
     log_mass = None if order is None else probs.sum(dim=-1).log()  # one sort for both
