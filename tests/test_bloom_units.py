@@ -755,3 +755,26 @@ def test_vocabulary_gradients_into_main_grad_equal_megatrons_path(
         torch.testing.assert_close(
             weights[name][signal], ref_weights[name][signal], rtol=1e-5, atol=1e-6, msg=name
         )
+
+
+@pytest.mark.parametrize("head", ["lm", "scalar"])
+def test_scoring_a_model_in_training_mode_takes_onednn(single_process, hf_dir, head, monkeypatch):
+    """A trained model scores in training mode without autograd (PPO's critic after an update):
+    every trunk linear then runs ``cpu_linear.linear`` (oneDNN on a CPU in fp32), not
+    Megatron-Core's autograd function's MKL matmul, and the output equals Megatron-Core's path
+    to fp32 rounding."""
+    from unittest import mock
+
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.models import cpu_linear
+    from megatron_rlhf.models.bloom import lean
+
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHT", 0)  # this tiny model's products: oneDNN too
+    model = load_bloom(hf_dir, head=head).train()
+    ids, mask = left_padded_batch(ARCH_A.vocab_size, [9, 5, 7], seed=11)
+    with torch.no_grad(), mock.patch.object(lean, "linear", wraps=lean.linear) as linear:
+        ours = model(ids, mask)
+    assert linear.call_count == 4 * model.config.num_layers
+    with torch.no_grad(), mock.patch.object(lean, "_cpu_forward", return_value=None):
+        megatrons = model(ids, mask)
+    torch.testing.assert_close(ours, megatrons, rtol=1e-5, atol=1e-5)

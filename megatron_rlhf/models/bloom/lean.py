@@ -19,7 +19,8 @@ One training path of their own: on a CPU in fp32 at TP = 1 without sequence para
 linears communicate nothing), a training forward is ``vocab.linear``: the product through oneDNN
 (``models/cpu_linear.py``, 1.3-1.6x MKL's at BLOOM-560m's 192-row shapes) and the weight
 gradient added straight into Megatron's gradient buffer, as the LM head's (``vocab.py``), the
-bias through autograd as before. Anything else (autograd on elsewhere, sequence parallelism,
+bias through autograd as before; a module in training mode without autograd (a trained model's
+scoring pass) takes ``cpu_linear.linear`` itself. Anything else (autograd on elsewhere, sequence parallelism,
 flash decoding, dynamic batching, a GPU) defers to Megatron-Core unchanged; parameters,
 sharding and checkpoints are the parents'. The generation tests compare the tokens and
 log-probs against transformers.
@@ -42,18 +43,33 @@ def _inference(module: torch.nn.Module) -> bool:
     return not (torch.is_grad_enabled() or module.training)
 
 
-def _trains_on_cpu(layer, input_: torch.Tensor) -> bool:
-    """Whether a training forward of this linear takes the CPU fp32 path: at TP = 1 without
-    sequence parallelism (the layer communicates nothing), fp32 outside autocast, weights that
-    opted in to accumulating into ``main_grad`` (``vocab.opt_in``)."""
+def _cpu_fp32_alone(layer, input_: torch.Tensor) -> bool:
+    """Whether this linear runs on a CPU in fp32 outside autocast at TP = 1 without sequence
+    parallelism (it communicates nothing): where :func:`_cpu_forward` may take it."""
     return (
         input_.device.type == "cpu"
         and not cpu_autocast(input_)
         and layer.tp_group.size() == 1
         and not layer.sequence_parallel
         and not layer.explicit_expert_comm
-        and vocab.accumulates(layer.weight)
     )
+
+
+def _cpu_forward(layer, input_: torch.Tensor):
+    """A non-inference forward (a module in training mode) through our CPU fp32 path, or None:
+    with autograd, for weights that opted in to accumulating into ``main_grad``
+    (``vocab.opt_in``), ``vocab.linear``; without (a trained model's scoring pass, which stays
+    in training mode), ``cpu_linear.linear``, oneDNN's product rather than Megatron-Core's
+    autograd function's MKL ``matmul`` (the critic's scoring products 1.3-1.5x faster at
+    BLOOM-560m's width, 192 rows)."""
+    if not _cpu_fp32_alone(layer, input_):
+        return None
+    if not torch.is_grad_enabled():
+        bias = None if layer.skip_bias_add else layer.bias
+        return linear(input_, layer.weight, bias), (layer.bias if layer.skip_bias_add else None)
+    if vocab.accumulates(layer.weight):
+        return _add_bias(layer, vocab.linear(input_, layer.weight))
+    return None
 
 
 def _add_bias(layer, output: torch.Tensor):
@@ -75,8 +91,9 @@ class BloomColumnParallelLinear(ColumnParallelLinear):
             or runtime_gather_output
         )
         if not lean:
-            if weight is None and _trains_on_cpu(self, input_):
-                return _add_bias(self, vocab.linear(input_, self.weight))
+            output = None if weight is not None else _cpu_forward(self, input_)
+            if output is not None:
+                return output
             return super().forward(input_, weight, runtime_gather_output)
         bias = None if self.skip_bias_add else self.bias
         if bias is not None and cpu_autocast(input_):
@@ -97,8 +114,9 @@ class BloomRowParallelLinear(RowParallelLinear):
             self.sequence_parallel or not self.input_is_parallel or self.explicit_expert_comm
         )
         if not lean:
-            if self.input_is_parallel and _trains_on_cpu(self, input_):
-                return _add_bias(self, vocab.linear(input_, self.weight))
+            output = _cpu_forward(self, input_) if self.input_is_parallel else None
+            if output is not None:
+                return output
             return super().forward(input_)
         output = linear(input_, self.weight)
         if self.tp_group.size() > 1:
