@@ -204,7 +204,9 @@ def logits_bytes(shape: ModelShape, layout: Layout, work: Workload, training: bo
     if work.logprob_scratch:
         scratch = 2 * min(work.micro_batch * work.response_len, max(1, CHUNK_ELEMENTS // vocab))
         scratch *= vocab * 4
-    one_row = work.micro_batch == 1  # (S, 1, V) and (1, S, V) are views of each other: no copy
+    # one row (a packed micro-batch) through our TP = 1 output layer: (S, 1, V) and (1, S, V)
+    # are views of each other, no copy (measured at TP = 1 only: tests/test_planning.py)
+    one_row = work.micro_batch == 1 and layout.tp == 1 and not work.sequence_parallel
     if training:
         # the slice the kernel saves, and in the backward the full-size gradient and its copy
         # for the output layer's products: Megatron-Core's layer takes a transposed copy for the
