@@ -778,3 +778,48 @@ def test_scoring_a_model_in_training_mode_takes_onednn(single_process, hf_dir, h
     with torch.no_grad(), mock.patch.object(lean, "_cpu_forward", return_value=None):
         megatrons = model(ids, mask)
     torch.testing.assert_close(ours, megatrons, rtol=1e-5, atol=1e-5)
+
+
+def test_clipping_folded_into_fused_adam_equals_the_clipping_sweep(
+    single_process, hf_dir, monkeypatch
+):
+    """On a CPU the clip coefficient reaches torch's fused Adam as its ``grad_scale``
+    (training/engine.py) instead of a sweep over the gradients: Adam's moments and the weights
+    equal the sweep's to rounding, the moments are the clipped gradients' (not the raw ones'),
+    and no ``grad_scale`` outlives the step."""
+    from megatron_rlhf.checkpoint import load_bloom
+    from megatron_rlhf.training import OptimConfig, TrainEngine
+    from megatron_rlhf.training import engine as engine_module
+
+    microbatches, loss_fn = regression_step("lm")
+    runs = {}
+    for way in ("folded", "sweep", "unclipped"):
+        if way == "sweep":
+            monkeypatch.setattr(engine_module, "fold_clip_into_cpu_adam", lambda *args: False)
+        model = load_bloom(hf_dir, head="lm")
+        clip = 0.0 if way == "unclipped" else 1e-2
+        optim = OptimConfig(lr=1e-3, warmup_fraction=0.0, clip_grad=clip)
+        engine = TrainEngine(model, optim, total_steps=2)
+        metrics = engine.step(microbatches, loss_fn)
+        chained = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+        assert not any(hasattr(o.optimizer, "grad_scale") for o in chained)
+        state = {}
+        for o in chained:
+            state |= {id(p): s["exp_avg"].clone() for p, s in o.optimizer.state.items()}
+        runs[way] = (
+            metrics["grad_norm"],
+            {n: p.detach().clone() for n, p in model.named_parameters()},
+            {n: state[id(p)] for n, p in model.named_parameters()},
+        )
+    norm, weights, moments = runs["folded"]
+    assert norm > 1e-2  # the coefficient (1e-2 / norm) is below 1: clipping happened
+    _, sweep_weights, sweep_moments = runs["sweep"]
+    _, _, raw_moments = runs["unclipped"]
+    for name in weights:
+        scale = raw_moments[name].abs().max().item()
+        torch.testing.assert_close(moments[name], sweep_moments[name], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(weights[name], sweep_weights[name], rtol=1e-5, atol=1e-7)
+        if scale > 0:  # the moments hold the clipped gradients: 1e-2 / norm of the raw ones
+            torch.testing.assert_close(
+                moments[name], raw_moments[name] * (1e-2 / norm), rtol=1e-3, atol=1e-6 * scale
+            )

@@ -198,8 +198,9 @@ def local_stats(
 def new_workspace(rows: torch.Tensor) -> torch.Tensor | None:
     """Scratch memory for repeated ``local_stats``/``rows_grad`` calls on rows shaped like these.
 
-    None when the Triton path or the CPU kernel will run (they need none). Two fp32 buffers of about
-    ``CHUNK_ELEMENTS`` values: reusing them spares a fresh, page-faulting allocation per chunk.
+    None when the Triton path or the CPU kernel will run (they need none). Two fp32 buffers of
+    about ``CHUNK_ELEMENTS`` values: reusing them spares a fresh, page-faulting allocation per
+    chunk.
     """
     if (use_triton(rows) and rows.dtype != torch.float64) or cpu_logprobs.applies(rows):
         return None

@@ -9,8 +9,10 @@ fresh one costs a page fault and a kernel zeroing every 4 KB on first touch: ~19
 mmap off and the heap never trimmed (``mallopt``'s documented ``M_MMAP_MAX = 0`` and
 ``M_TRIM_THRESHOLD = -1``), glibc serves them from the heap's free lists instead: ~10 faults a
 step. The cost is the one every caching allocator has: the process holds its high-water mark
-until it ends (the peak resident memory is the same; `benchmarks/bench_ppo_real_shapes.py`
-reports it). Switched on by every training engine on a CPU (``training/engine.py``).
+until it ends, and a freed block in the middle of the heap serves only requests it fits (the
+benchmark's peak resident memory: median 12.26 GB against 12.29, but 12.70 in two of six runs;
+``benchmarks/bench_ppo_real_shapes.py`` reports it). Switched on by every training engine on a
+CPU (``training/engine.py``).
 
 ``MEGATRON_RLHF_CPU_MALLOC=system`` keeps glibc's defaults (for side-by-side measurements).
 Elsewhere than glibc (musl, macOS) nothing changes.
