@@ -48,6 +48,18 @@ static inline __m512 load_scaled(const float *x, __mmask16 mask, float inv_temp)
     return inv_temp == 1.0f ? v : _mm512_mul_ps(v, _mm512_set1_ps(inv_temp));
 }
 
+/* The max of a row's x/tau, EMPTY_MAX for a row without mass (all -inf). */
+static inline float row_max(const float *row, int64_t V, float inv_temp)
+{
+    __m512 top = _mm512_set1_ps(-__builtin_inff());
+    for (int64_t j = 0; j < V; j += 16) {
+        const __mmask16 mask = V - j < 16 ? tail_mask(V - j) : 0xFFFF;
+        top = _mm512_mask_max_ps(top, mask, top, load_scaled(row + j, mask, inv_temp));
+    }
+    const float m = _mm512_reduce_max_ps(top);
+    return m > EMPTY_MAX ? m : EMPTY_MAX;
+}
+
 /* stats: 4 rows of n values (max, sum_exp, centred mean, target logit), as logprobs.STATS. */
 void megatron_rlhf_logprob_stats(const float *x, int64_t ldx, int64_t n, int64_t V,
                                  const int64_t *targets, float inv_temp, int with_entropy,
@@ -56,13 +68,7 @@ void megatron_rlhf_logprob_stats(const float *x, int64_t ldx, int64_t n, int64_t
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *row = x + i * ldx;
-        __m512 top = _mm512_set1_ps(-__builtin_inff());
-        for (int64_t j = 0; j < V; j += 16) {
-            const __mmask16 mask = V - j < 16 ? tail_mask(V - j) : 0xFFFF;
-            top = _mm512_mask_max_ps(top, mask, top, load_scaled(row + j, mask, inv_temp));
-        }
-        float m = _mm512_reduce_max_ps(top);
-        m = m > EMPTY_MAX ? m : EMPTY_MAX;
+        const float m = row_max(row, V, inv_temp);
         const __m512 mv = _mm512_set1_ps(m);
         __m512 sum = _mm512_setzero_ps(), centred = _mm512_setzero_ps();
         for (int64_t j = 0; j < V; j += 16) {
@@ -136,13 +142,7 @@ void megatron_rlhf_sample(const float *x, int64_t ldx, int64_t n, int64_t V, flo
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const float *row = x + i * ldx;
-        __m512 top = _mm512_set1_ps(-__builtin_inff());
-        for (int64_t j = 0; j < V; j += 16) {
-            const __mmask16 mask = V - j < 16 ? tail_mask(V - j) : 0xFFFF;
-            top = _mm512_mask_max_ps(top, mask, top, load_scaled(row + j, mask, inv_temp));
-        }
-        float m = _mm512_reduce_max_ps(top);
-        m = m > EMPTY_MAX ? m : EMPTY_MAX;
+        const float m = row_max(row, V, inv_temp);
         const __m512 mv = _mm512_set1_ps(m);
         /* the total and the walk in fp64 (fp32 lanes over 1,024 values at a time): at BLOOM's
          * vocabulary an fp32 running sum drifts by ~1e-4 of the mass, tens of tokens */
