@@ -7,7 +7,7 @@ instead of the softmax, cumulative sum, search and log-softmax (about 3 ms a dec
 
 At BLOOM's vocabulary a scoring or update micro-batch's logits are 128 x 250,880 fp32 values
 (128 MB). On the 2-core AMD EPYC benchmark VM the PyTorch path takes 26-36 ms forward and
-52-69 ms backward there (``benchmarks/bench_cpu_logprobs.py`` times both). Built on first use
+52-69 ms backward there in a PPO step (this kernel: 8 ms and 7-9 ms; README). Built on first use
 and called through ``ctypes`` on torch's OpenMP threads (``_cpu_build.py``); where it cannot run
 (no AVX-512, no compiler, a failed build), or with ``MEGATRON_RLHF_CPU_LOGPROBS=torch``, the
 PyTorch path runs. GPUs take the Triton kernels, fp64 and bf16 logits the PyTorch path.

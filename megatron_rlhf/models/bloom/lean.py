@@ -20,8 +20,8 @@ linears communicate nothing), a training forward is ``vocab.linear``: the produc
 (``models/cpu_linear.py``, 1.3-1.6x MKL's at BLOOM-560m's 192-row shapes) and the weight
 gradient added straight into Megatron's gradient buffer, as the LM head's (``vocab.py``), the
 bias through autograd as before; a module in training mode without autograd (a trained model's
-scoring pass) takes ``cpu_linear.linear`` itself. Anything else (autograd on elsewhere, sequence parallelism,
-flash decoding, dynamic batching, a GPU) defers to Megatron-Core unchanged; parameters,
+scoring pass) takes ``cpu_linear.linear`` itself. Anything else (autograd on elsewhere, sequence
+parallelism, flash decoding, dynamic batching, a GPU) defers to Megatron-Core unchanged; parameters,
 sharding and checkpoints are the parents'. The generation tests compare the tokens and
 log-probs against transformers.
 """
