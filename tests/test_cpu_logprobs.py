@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from megatron_rlhf.kernels import cpu_gemv, cpu_logprobs, token_logprobs
+from megatron_rlhf.kernels import cpu_gemv, cpu_logprobs, cpu_norm, token_logprobs
 from megatron_rlhf.kernels import logprobs as logprobs_module
 
 needs_kernel = pytest.mark.skipif(
@@ -20,12 +20,14 @@ needs_kernel = pytest.mark.skipif(
 
 
 def test_our_cpu_kernels_build_wherever_they_can_run():
-    """A machine with AVX-512 and a C compiler runs our kernels (this one and cpu_gemv.c): a
-    failed build, which would skip every kernel test in both files, fails here instead."""
+    """A machine with AVX-512 and a C compiler runs our kernels (this one, cpu_gemv.c and
+    cpu_norm.c): a failed build, which would skip every kernel test of them or leave their tests
+    on the PyTorch path, fails here instead."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if torch.backends.cpu.get_cpu_capability() == "AVX512" and compiler:
         assert cpu_logprobs._library() is not None  # whatever the switch says
         assert cpu_gemv.available()
+        assert cpu_norm._library() is not None
 
 
 def ref_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):

@@ -1,4 +1,4 @@
-"""Build and load our C kernels for the CPU (``cpu_gemv.c``, ``cpu_logprobs.c``).
+"""Build and load our C kernels for the CPU (``cpu_gemv.c``, ``cpu_logprobs.c``, ``cpu_norm.c``).
 
 Each C source is compiled once per source and machine, on first use, with the host's C compiler
 (``$CC``, else ``cc``) into ``$MEGATRON_RLHF_KERNEL_CACHE`` (default
