@@ -7,7 +7,8 @@
  * summed in 64 fp32 lanes (4 vectors: at most BLOCK / 64 terms each) and the block's sum added
  * in fp64: the error stays at fp32 rounding whatever n is. One read of the values (a
  * memory-bound sweep, at the read bandwidth). Non-finite values propagate (a nan or inf
- * gradient gives a non-finite sum, which the caller's check turns into a skipped step). Built and loaded by cpu_norm.py.
+ * gradient gives a non-finite sum, which the caller's check turns into a skipped step). Built
+ * and loaded by cpu_norm.py.
  */
 #include <immintrin.h>
 #include <omp.h>
