@@ -37,25 +37,43 @@ def test_the_rule_is_every_interval_and_the_last_step():
     run = object.__new__(Run)
     run.total_steps = 7
     run.config = SimpleNamespace(
-        train=SimpleNamespace(save_interval=0, log_interval=3, sample_interval=1)
+        train=SimpleNamespace(save_interval=0, log_interval=3, sample_interval=1, save_at=[])
     )
     assert [s for s in range(1, 8) if run.due("save", s)] == [7]
     assert [s for s in range(1, 8) if run.due("log", s)] == [3, 6, 7]
     assert [s for s in range(1, 8) if run.due("sample", s)] == list(range(1, 8))
     assert [s for s in range(1, 8) if run.due("eval", s)] == [7]  # no such key: the end only
+    run.config.train.save_at = [2, 5, 9]  # the study's curve steps: saved there, not between
+    assert [s for s in range(1, 8) if run.due("save", s)] == [2, 5, 7]
+    run.config.train.save_interval = 3
+    assert [s for s in range(1, 8) if run.due("save", s)] == [2, 3, 5, 6, 7]
 
 
-def test_train_ppo_saves_only_at_the_end_and_logs_every_other_step(tmp_path):
+def test_save_at_steps_below_1_are_refused_by_every_trainers_check(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_rlhf.ppo.config import TrainSection
+    from megatron_rlhf.training.config import TrainConfig, config_problems
+
+    data = SimpleNamespace(eval_fraction=0.0, eval=None)
+    message = "train.save_at=[4, 0]: steps must be >= 1, got [0]"
+    assert message in config_problems(TrainConfig(output_dir=str(tmp_path), save_at=[4, 0]), data)
+    assert message in TrainSection(save_at=[4, 0]).problems()
+    assert TrainSection(save_at=[4]).problems() == []
+
+
+def test_train_ppo_saves_at_the_listed_step_and_the_end_and_logs_every_other_step(tmp_path):
     """Failed before: ZeroDivisionError after step 1 (``ppo/train.py``'s ``done %
-    save_interval``), and every step logged."""
+    save_interval``), and every step logged. ``train.save_at=[1]`` adds the step-1 checkpoint."""
     from megatron_rlhf.ppo.train_cli import main
 
     setup, run = make_ppo_setup(tmp_path), tmp_path / "run"
     argv = ["--config", str(setup["config"]), f"train.output_dir={run}", *CADENCE]
     short = ["rollout.prompts_per_step=8", "ppo.epochs=1", "ppo.num_minibatches=1"]
     with launcher_env_kept():
-        assert main([*argv, *short, "train.micro_batch_size=8", "train.sample_interval=0"]) == 0
-    assert checkpoints(run) == ["step_0000003"]
+        settings = ["train.micro_batch_size=8", "train.sample_interval=0", "train.save_at=[1]"]
+        assert main([*argv, *short, *settings]) == 0
+    assert checkpoints(run) == ["step_0000001", "step_0000003"]
     assert logged_steps(run, "reward/mean") == [2, 3]
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert {row["step"] for row in samples} == {3}

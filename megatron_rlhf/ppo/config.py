@@ -294,7 +294,7 @@ class TrainSection(RunConfig):
                 ("steps", 1), ("save_interval", 0), ("log_interval", 1), ("sample_interval", 0),
             )
             if getattr(self, key) < least
-        ]  # fmt: skip
+        ] + self.save_at_problems()  # fmt: skip
 
 
 @dataclass(kw_only=True)

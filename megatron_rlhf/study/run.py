@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
 import os
 import resource
@@ -944,12 +943,11 @@ def run_curve(out, preset, home, reward, reward_name, run, seed) -> None:
     after N steps (its training curve, whole, is that of the last step's arm)."""
     run_dir = out / "ppo" / run / f"seed{seed}"
     steps = preset.curve_steps
-    interval = math.gcd(*steps)
     stages.train_policy(
         out=run_dir, sft=home["sft"], reward=reward, reward_kind=reward_name,
         prompts=home["indexed"] / "ppo_prompts",
         settings={**preset.ppo, "max_new_tokens": home["max_new_tokens"], "steps": steps[-1]},
-        seed=seed, save_interval=interval,
+        seed=seed, save_at=steps,
     )  # fmt: skip
     curve = stages.training_curve(run_dir)
     for step in steps:

@@ -337,12 +337,13 @@ def describe_rehearsal(prefixes: dict[str, Path], out: Path) -> Path:
 def train_policy(*, out: Path, sft: Path, reward: Path, reward_kind: str, prompts: Path,
                  settings: dict, seed: int, rehearsal: Path | None = None,
                  clusters: Path | None = None, algorithm: str = "ppo",
-                 normalization: str = "none", save_interval: int = 0) -> Path:  # fmt: skip
+                 normalization: str = "none", save_at: tuple[int, ...] = ()) -> Path:  # fmt: skip
     """One train-ppo run (an arm); ``settings`` holds what every arm shares. Every arm's
     critic starts alike, from the SFT policy's trunk with a fresh value head seeded by the
     arm's seed (from the reward model, RM-PPO's critic would start with the RM's trained head
     and AM-PPO's with a fresh one: a difference between the arms that is not the reward).
-    ``save_interval``: keep a checkpoint every that many steps (0: none). Returns the run dir."""
+    ``save_at``: keep a checkpoint after each of these steps (none else but the last). Returns
+    the run dir."""
     from megatron_rlhf.ppo.train_cli import main as train_ppo
 
     argv = [f"models.actor={sft}", f"models.critic={sft}", f"models.reward={reward}",
@@ -355,7 +356,8 @@ def train_policy(*, out: Path, sft: Path, reward: Path, reward_kind: str, prompt
             f"ppo.kl.coef={settings['kl_coef']}", f"actor_optim.lr={settings['actor_lr']}",
             f"critic_optim.lr={settings['critic_lr']}", "actor_optim.warmup_fraction=0.0",
             "critic_optim.warmup_fraction=0.0", f"train.steps={settings['steps']}",
-            f"train.save_interval={save_interval}", "train.sample_interval=1000000",
+            "train.save_interval=0", f"train.save_at=[{','.join(map(str, save_at))}]",
+            "train.sample_interval=1000000",
             f"train.seed={seed}", f"train.output_dir={out}"]  # fmt: skip
     if algorithm == "rejection_sampling":
         argv += [f"ppo.rejection_samples_per_prompt={settings['rejection_samples']}",

@@ -158,6 +158,9 @@ class RunConfig:
     rehearsal rows ride on the update's packs beyond it."""
     save_interval: int = 500
     """Checkpoint every this many steps and at the end (0: only at the end)."""
+    save_at: list[int] = field(default_factory=list)
+    """Also checkpoint after each of these steps (e.g. ``[5, 10, 20, 40]``: the study's training
+    curves judge the policy there, and an interval would save at every common divisor)."""
     log_interval: int = 10
     """Print, write TensorBoard scalars and metrics.jsonl every this many steps and at the
     end."""
@@ -170,6 +173,11 @@ class RunConfig:
     exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that make the run finish its step, save a checkpoint and exit with code 75
     (training/signals.py); ask Slurm for one ahead of the time limit (``--signal``)."""
+
+    def save_at_problems(self) -> list[str]:
+        """What is wrong with ``save_at`` (every command checks it with its other keys)."""
+        bad = [step for step in self.save_at if step < 1]
+        return [f"train.save_at={self.save_at}: steps must be >= 1, got {bad}"] if bad else []
 
     def token_budget(self, width: int) -> int | None:
         """Tokens per packed micro-batch whose rows are at most ``width`` tokens long (None:
@@ -198,7 +206,7 @@ class TrainConfig(RunConfig):
 RESUMABLE_CHANGES = tuple(
     f"train.{key}"
     for key in (
-        "steps", "epochs", "eval_interval", "save_interval", "log_interval", "resume",
+        "steps", "epochs", "eval_interval", "save_interval", "save_at", "log_interval", "resume",
         "max_nonfinite_skips", "output_dir", "exit_signals",
     )
 )  # fmt: skip
@@ -219,7 +227,7 @@ def config_problems(train: TrainConfig, data) -> list[str]:
             ("max_tokens_per_micro_batch", 1),
         )
         if getattr(train, key) is not None and getattr(train, key) < least
-    ]
+    ] + train.save_at_problems()
     if not 0.0 <= data.eval_fraction < 1.0:
         problems.append(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
     if data.eval is not None and data.eval_fraction > 0:

@@ -132,10 +132,12 @@ class Run:
 
     def due(self, what: str, step: int) -> bool:
         """Whether ``train.<what>_interval`` (``what``: save, log, eval or sample) acts after step
-        ``step``: every that many steps and at the run's last step; 0 means only at the last.
-        The one rule of every trainer (a trainer without that key never acts early)."""
+        ``step``: every that many steps and at the run's last step; 0 means only at the last;
+        and after each step listed in ``train.<what>_at`` (``save_at``). The one rule of every
+        trainer (a trainer without that key never acts early)."""
         interval = getattr(self.config.train, f"{what}_interval", 0)
-        return step == self.total_steps or (interval > 0 and step % interval == 0)
+        listed = step in getattr(self.config.train, f"{what}_at", ())
+        return step == self.total_steps or (interval > 0 and step % interval == 0) or listed
 
     def write(self, step: int, metrics: dict, prefix: str | None = None) -> None:
         """Step ``step``'s metrics to the run log (rank 0) when a log line is due
