@@ -66,8 +66,10 @@ def test_bloom_vocabulary(gen):
     targets = torch.randint(0, 250_880, (2, 3), generator=gen)
     logprobs, entropy = token_logprobs(logits, targets, return_entropy=True)
     ref_lp, ref_h = ref_logprobs(logits, targets)
-    torch.testing.assert_close(logprobs.double(), ref_lp, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(entropy.double(), ref_h, atol=1e-4, rtol=1e-5)
+    # a few fp32 ulps of values ~13: the row sums are fp64 across blocks (16 fp32 lanes over
+    # the whole row were 2e-5 and 7e-5 off here, 20x the PyTorch path's error)
+    torch.testing.assert_close(logprobs.double(), ref_lp, atol=5e-6, rtol=0)
+    torch.testing.assert_close(entropy.double(), ref_h, atol=5e-6, rtol=0)
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])
@@ -126,14 +128,72 @@ def test_unaligned_gradient_and_nan(gen):
     assert logprobs[0, [0, 2]].isfinite().all() and entropy[0, [0, 2]].isfinite().all()
 
 
+@pytest.mark.parametrize("vocab", [7, 389, 4099, 250_880])
+@needs_kernel
+def test_bf16_logits_equal_float64_and_the_pytorch_paths_gradient(vocab, gen, monkeypatch):
+    """bf16 logits (a train.bf16 run's LM head), computed in fp32 as the PyTorch path does on
+    its fp32 copies: statistics equal float64 of the bf16 values; the gradient is float64's
+    rounded once to bf16, and the PyTorch path's bit for bit but where the two fp32 values
+    straddle a bf16 rounding boundary (one bf16 ulp)."""
+    logits = (torch.randn(2, 5, vocab, generator=gen) * 3).bfloat16()
+    logits[1, 2, : vocab // 2] = -1e4  # probability 0 (-inf: no finite float64 entropy gradient)
+    targets = torch.randint(vocab // 2, vocab, (2, 5), generator=gen)
+    w_lp, w_h = torch.randn(2, 5, generator=gen), torch.randn(2, 5, generator=gen)
+    assert cpu_logprobs.applies(logits.view(-1, vocab), dtypes=cpu_logprobs.LOGITS)
+
+    def run(z, log_probs):
+        z = z.requires_grad_()
+        lp, h = log_probs(z)
+        ((lp * w_lp).sum() + (h * w_h).sum()).backward()
+        return lp.detach(), h.detach(), z.grad
+
+    ours = run(logits.clone(), lambda z: token_logprobs(z, targets, 0.8, return_entropy=True))
+    reference = run(logits.double(), lambda z: ref_logprobs(z, targets, 0.8))
+    torch.testing.assert_close(ours[0].double(), reference[0], atol=2e-5, rtol=1e-6)
+    torch.testing.assert_close(ours[1].double(), reference[1], atol=2e-5, rtol=1e-6)
+    assert ours[2].dtype == torch.bfloat16
+    torch.testing.assert_close(ours[2].double(), reference[2], atol=1e-7, rtol=2**-8)
+    monkeypatch.setenv(cpu_logprobs.ENV, "torch")
+    torch_path = run(logits.clone(), lambda z: token_logprobs(z, targets, 0.8, return_entropy=True))
+    differ = ours[2] != torch_path[2]
+    assert differ.float().mean() < 1e-3
+    ulp = torch_path[2].float().abs() * 2**-7  # bf16 keeps 8 significant bits
+    assert ((ours[2].float() - torch_path[2].float()).abs()[differ] <= ulp[differ]).all()
+
+
+@needs_kernel
+def test_bf16_gradient_rows_unaligned_with_a_tail_and_nan(gen):
+    """A bf16 gradient row off a 32-byte line takes plain stores and its last V % 16 values
+    are written alone (nothing past the row: the buffer's last element stays 0); a nan logit
+    gives nan gradients."""
+    rows = (torch.randn(3, 777, generator=gen) * 2).bfloat16()
+    targets, lse = torch.tensor([0, -1, 776]), torch.logsumexp(rows.float(), 1)
+    zeros, grad_lp = torch.zeros(3), torch.randn(3, generator=gen)
+    buffer = torch.zeros(3 * 777 + 2, dtype=torch.bfloat16)
+    unaligned = buffer[1:-1].view(3, 777)
+    cpu_logprobs.rows_grad(rows, unaligned, targets, lse, zeros, grad_lp, None, 1.0)
+    expected = -torch.softmax(rows.double(), 1) * grad_lp[:, None].double()
+    expected[0, 0] += grad_lp[0]
+    expected[2, 776] += grad_lp[2]
+    torch.testing.assert_close(unaligned.double(), expected, atol=1e-7, rtol=2**-8)
+    assert buffer[0] == 0 and buffer[-1] == 0
+    rows[1, 5] = float("nan")
+    cpu_logprobs.rows_grad(rows, unaligned, targets, lse, zeros, grad_lp, None, 1.0)
+    assert unaligned[1].isnan().any() and unaligned[[0, 2]].isfinite().all()
+
+
 @needs_kernel
 def test_runs_only_where_it_applies(monkeypatch):
     rows = torch.randn(4, 64)
     assert cpu_logprobs.applies(rows)
     assert not cpu_logprobs.applies(rows.double())
-    assert not cpu_logprobs.applies(rows.bfloat16())
+    assert not cpu_logprobs.applies(rows.bfloat16())  # the sampler's: fp32 only
+    assert cpu_logprobs.applies(rows.bfloat16(), dtypes=cpu_logprobs.LOGITS)
+    assert not cpu_logprobs.applies(rows.double(), dtypes=cpu_logprobs.LOGITS)
     assert not cpu_logprobs.applies(rows.t())  # columns of unit stride, not rows
-    assert not cpu_logprobs.applies(rows, torch.empty(4, 64, dtype=torch.bfloat16))
+    assert not cpu_logprobs.applies(
+        rows, torch.empty(4, 64, dtype=torch.bfloat16), dtypes=cpu_logprobs.LOGITS
+    )  # one dtype for the rows and their gradient
     monkeypatch.setenv(cpu_logprobs.ENV, "torch")
     assert not cpu_logprobs.applies(rows)
     assert logprobs_module.new_workspace(rows) is not None  # the PyTorch path's scratch

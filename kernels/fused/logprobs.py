@@ -190,7 +190,7 @@ def local_stats(
         from . import triton_logprobs
 
         return triton_logprobs.rows_stats(rows, local_targets, inv_temp, with_entropy)
-    if cpu_logprobs.applies(rows):
+    if cpu_logprobs.applies(rows, dtypes=cpu_logprobs.LOGITS):
         return cpu_logprobs.rows_stats(rows, local_targets, inv_temp, with_entropy)[None]
     return _rows_stats_torch(rows, local_targets, inv_temp, with_entropy, workspace)[None]
 
@@ -202,7 +202,9 @@ def new_workspace(rows: torch.Tensor) -> torch.Tensor | None:
     about ``CHUNK_ELEMENTS`` values: reusing them spares a fresh, page-faulting allocation per
     chunk.
     """
-    if (use_triton(rows) and rows.dtype != torch.float64) or cpu_logprobs.applies(rows):
+    if (use_triton(rows) and rows.dtype != torch.float64) or cpu_logprobs.applies(
+        rows, dtypes=cpu_logprobs.LOGITS
+    ):
         return None
     chunk_rows = min(rows.shape[0], max(1, CHUNK_ELEMENTS // max(rows.shape[1], 1)))
     return torch.empty(2 * chunk_rows * rows.shape[1], dtype=stats_dtype(rows), device=rows.device)
@@ -227,7 +229,7 @@ def rows_grad(
             rows, grad_rows, local_targets, lse, entropy, grad_lp, grad_ent, inv_temp
         )
         return
-    if cpu_logprobs.applies(rows, grad_rows):
+    if cpu_logprobs.applies(rows, grad_rows, dtypes=cpu_logprobs.LOGITS):
         cpu_logprobs.rows_grad(
             rows, grad_rows, local_targets, lse, entropy, grad_lp, grad_ent, inv_temp
         )
