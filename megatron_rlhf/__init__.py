@@ -59,4 +59,58 @@ def _kernels_from_the_source_tree() -> None:
         finders.insert(after, SourceTreeKernels())
 
 
+MEGATRON_JIT_ENV = "MEGATRON_RLHF_MEGATRON_JIT"
+
+
+def _megatron_helpers_uncompiled() -> bool:
+    """Megatron-Core wraps 38 small helpers (bias-GeLU, SwiGLU, fused cross entropy, MoE
+    routing, ...; megatron-core 0.16.1) in ``torch.compile`` while it is imported
+    (``megatron.core.jit.jit_fuser``). The wrapping alone imports TorchDynamo and Inductor:
+    1.3-2.8 s of wall time and ~2 s of CPU in every process that imports Megatron-Core (each
+    rank of each launch), measured on the benchmarks' 2-core VM. Our BLOOM calls none of those
+    helpers (``tests/test_packaging.py`` records every call with Megatron's default kept):
+    ``models/bloom/config.py`` turns Megatron's bias fusions off on every device, and the GeLU,
+    layer norm and log-probs are our own or torch's.
+
+    So, if Megatron-Core is not imported yet, this finder runs Megatron-Core's own switch,
+    ``megatron.core.jit.disable_jit_fuser()``, as that module loads: the helpers stay plain
+    Python functions, exactly as written. ``MEGATRON_RLHF_MEGATRON_JIT=compile`` keeps
+    Megatron-Core's default (for a process that also runs Megatron-Core models of its own).
+    Returns whether the finder was installed."""
+    import importlib.abc
+    import importlib.machinery
+    import os
+    import sys
+
+    if os.environ.get(MEGATRON_JIT_ENV) == "compile" or "megatron.core.jit" in sys.modules:
+        return False
+
+    class MegatronJitOff(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name != "megatron.core.jit":
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is None or spec.loader is None:
+                return spec
+            loader = spec.loader
+
+            class Loader(importlib.abc.Loader):
+                def create_module(self, spec):
+                    return loader.create_module(spec)
+
+                def exec_module(self, module):
+                    loader.exec_module(module)
+                    disable = getattr(module, "disable_jit_fuser", None)
+                    if disable is not None:
+                        disable()
+
+            spec.loader = Loader()
+            return spec
+
+    if not any(type(f).__name__ == "MegatronJitOff" for f in sys.meta_path):
+        sys.meta_path.insert(0, MegatronJitOff())
+    return True
+
+
 _kernels_from_the_source_tree()
+_megatron_helpers_uncompiled()

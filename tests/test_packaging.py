@@ -102,6 +102,99 @@ def test_a_process_started_in_the_repo_root_imports_hugging_faces_kernels_and_ou
         assert Path(ours) == REPO / "kernels" / "fused" / "__init__.py" or "site-packages" in ours
 
 
+# Megatron-Core's `jit_fuser` helpers (megatron_rlhf/__init__.py): what a process that imports
+# our package first gets, and whether our BLOOM reaches any helper with Megatron's default kept.
+_JIT_OFF_PROBE = """
+import json, sys
+import megatron_rlhf.models.bloom.model, megatron_rlhf.ppo.train_cli
+import megatron.core.jit, megatron.core.transformer.utils as utils
+print(json.dumps({
+    "jit_fuser": megatron.core.jit.jit_fuser.__name__,
+    "gelu_impl_plain": not hasattr(utils.gelu_impl, "_torchdynamo_orig_callable"),
+    "dynamo": "torch._dynamo" in sys.modules,
+    "inductor": sorted(m for m in sys.modules if m.startswith("torch._inductor"))[:3],
+}))
+"""
+
+# Megatron's default kept: `torch.compile` is replaced, before Megatron-Core is imported, by a
+# decorator that records each helper it wraps and each call of one; then a tiny BLOOM's lm and
+# scalar models run a training forward and backward on a ragged batch and a sampled generation.
+_JIT_CALLS_PROBE = """
+import functools, json, os, torch
+wrapped, called = [], []
+def record(fn=None, **kwargs):
+    if fn is None:
+        return record
+    wrapped.append(fn.__qualname__)
+    @functools.wraps(fn)
+    def helper(*args, **kw):
+        called.append(fn.__qualname__)
+        return fn(*args, **kw)
+    return helper
+torch.compile = record
+from megatron_rlhf.distributed import destroy, initialize
+from megatron_rlhf.generation import SamplingConfig, generate
+from megatron_rlhf.models.bloom import BloomModel
+from megatron_rlhf.models.bloom.tiny import tiny_architecture
+initialize()
+arch = tiny_architecture(vocab_size=97)
+torch.manual_seed(0)
+ids = torch.randint(0, 97, (3, 7))
+mask = torch.ones(3, 7, dtype=torch.long)
+mask[0, :4] = 0
+mask[2, :1] = 0
+for head in ("lm", "scalar"):
+    model = BloomModel(arch, head=head, num_scalar_outputs=1).train()
+    model(ids, mask).float().square().mean().backward()
+model = BloomModel(arch, head="lm")
+generate(model, ids, mask, SamplingConfig(max_new_tokens=4, seed=1))
+destroy()
+print(json.dumps({"wrapped": wrapped, "called": sorted(set(called))}))
+"""
+
+
+def _probe(code: str, **env: str) -> dict:
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **env),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.launch  # fresh interpreters: the switch acts as Megatron-Core is first imported
+def test_megatron_helpers_stay_uncompiled_and_bloom_calls_none_of_them():
+    """Megatron-Core wraps its small helpers in torch.compile at import, which imports TorchDynamo
+    and Inductor (~2 s of every process's start-up here); our package turns Megatron's own
+    `jit_fuser` off first. That is only free if our BLOOM never calls one of those helpers:
+    checked with Megatron's default kept and every wrapped helper recorded."""
+    seen = _probe(_JIT_OFF_PROBE)
+    assert seen["jit_fuser"] == "noop_decorator", seen
+    assert seen["gelu_impl_plain"], seen
+    assert not seen["dynamo"] and not seen["inductor"], seen
+
+    calls = _probe(_JIT_CALLS_PROBE, MEGATRON_RLHF_MEGATRON_JIT="compile")
+    assert "gelu_impl" in calls["wrapped"] and len(calls["wrapped"]) >= 8, calls["wrapped"]
+    assert calls["called"] == [], f"our BLOOM calls Megatron-Core's compiled helpers: {calls}"
+
+
+def test_the_megatron_jit_switch_is_kept_off_where_asked_or_too_late(monkeypatch):
+    """`MEGATRON_RLHF_MEGATRON_JIT=compile` keeps Megatron-Core's default, and a process that
+    imported Megatron-Core before our package (this one) is left as it is."""
+    import megatron.core  # noqa: F401
+
+    import megatron_rlhf
+
+    before = list(sys.meta_path)
+    monkeypatch.setenv(megatron_rlhf.MEGATRON_JIT_ENV, "compile")
+    assert megatron_rlhf._megatron_helpers_uncompiled() is False
+    monkeypatch.delenv(megatron_rlhf.MEGATRON_JIT_ENV)
+    assert megatron_rlhf._megatron_helpers_uncompiled() is False  # megatron.core.jit is loaded
+    assert sys.meta_path == before
+
+
 def test_this_pytest_process_sees_hugging_faces_kernels():
     """The README's test command runs pytest from the repo root (root on sys.path)."""
     import importlib.util
