@@ -120,7 +120,7 @@ print(json.dumps({
 # decorator that records each helper it wraps and each call of one; then a tiny BLOOM's lm and
 # scalar models run a training forward and backward on a ragged batch and a sampled generation.
 _JIT_CALLS_PROBE = """
-import functools, json, os, torch
+import functools, json, torch
 wrapped, called = [], []
 def record(fn=None, **kwargs):
     if fn is None:
@@ -154,11 +154,16 @@ print(json.dumps({"wrapped": wrapped, "called": sorted(set(called))}))
 
 
 def _probe(code: str, **env: str) -> dict:
+    """Run ``code`` in a fresh interpreter (the switch as this caller sets it, not as the
+    environment running the tests does); return the JSON it prints last."""
     import json
 
+    from megatron_rlhf import MEGATRON_JIT_ENV
+
+    inherited = {k: v for k, v in os.environ.items() if k != MEGATRON_JIT_ENV}
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **env),
+        env=dict(inherited, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **env),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
